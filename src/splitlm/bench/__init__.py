@@ -1,0 +1,1 @@
+"""Benchmark helpers: a user-space WAN emulator and related tools."""

@@ -1,0 +1,178 @@
+"""The `splitlm` command: one subcommand per job, each a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from splitlm import SplitLMError, __version__
+
+DEFAULT_PORT = 8765
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def cmd_split(args) -> int:
+    from splitlm.model.shards import split_model
+
+    out = split_model(args.model, args.head, args.tail, args.out, args.dtype)
+    print(f"wrote {out / 'edge'} and {out / 'cloud'}")
+    return 0
+
+
+def cmd_serve_cloud(args) -> int:
+    import asyncio
+
+    from splitlm.cloud.server import CloudServer
+    from splitlm.cloud.sessions import ServerLimits
+
+    set_threads(args.threads)
+    limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
+                          max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
+                          max_frame_bytes=args.max_frame_mb * 2**20)
+    server = CloudServer(args.shard, limits)
+    try:
+        asyncio.run(server.serve(args.host, args.port))
+    except OSError as e:
+        raise SplitLMError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from splitlm.edge import Edge
+
+    set_threads(args.threads)
+    with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype) as edge:
+        stop_at_eos = not args.ignore_eos
+        if args.json:
+            result = edge.generate(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos)
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+            return 0
+        stream = edge.stream(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos)
+        for piece in stream:
+            print(piece, end="", flush=True)
+        print()
+        print_stats(stream.result.stats)
+    return 0
+
+
+def print_stats(s) -> None:
+    print(f"[{s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
+          f"TTFT {s.prefill_s * 1000:.0f} ms, {s.tokens_per_s:.1f} tok/s, "
+          f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]", file=sys.stderr)
+
+
+def cmd_demo(args) -> int:
+    from splitlm.demo import run_demo
+
+    return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype)
+
+
+def add_edge_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"],
+                   help="activation codec on the wire (default fp16)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitlm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"splitlm {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("split", help="split a model into an edge shard and a cloud shard")
+    p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
+    p.add_argument("--head", type=positive_int, default=2, help="layers [0, K) stay on the edge (default 2)")
+    p.add_argument("--tail", type=non_negative_int, default=2, help="layers [L-M, L) stay on the edge (default 2)")
+    p.add_argument("--out", required=True, help="output directory (gets edge/ and cloud/)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype (default fp32)")
+    p.set_defaults(func=cmd_split)
+
+    p = sub.add_parser("serve-cloud", help="serve a cloud shard over WebSocket")
+    p.add_argument("--shard", required=True, help="the cloud shard directory (DIR/cloud)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT)
+    p.add_argument("--max-sessions", type=positive_int, default=64)
+    p.add_argument("--max-sessions-per-client", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, default=8192, help="KV entries per session")
+    p.add_argument("--max-frame-mb", type=positive_int, default=64)
+    p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_serve_cloud)
+
+    p = sub.add_parser("generate", help="generate text through a cloud server")
+    p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    add_edge_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
+    p.add_argument("--model", default="default")
+    p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96)
+    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
+    p.set_defaults(func=cmd_demo)
+
+    try:
+        from splitlm.bench.wan import add_wan_arguments, wan_main
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("wan", help="emulate a wide-area link: a delaying TCP proxy")
+        add_wan_arguments(p)
+        p.set_defaults(func=wan_main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve-cloud" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    try:
+        return args.func(args) or 0
+    except SplitLMError as e:
+        print(f"splitlm: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # bad values found after argument parsing (addresses, ranges)
+        print(f"splitlm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

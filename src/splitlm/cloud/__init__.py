@@ -1,0 +1,1 @@
+"""The untrusted cloud: serves the middle layers to many edge sessions."""

@@ -1,0 +1,76 @@
+"""`splitlm demo`: split the bundled model (cached), start a cloud server, stream an answer."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from splitlm import SplitLMError
+from splitlm.model.loading import cache_root, log
+
+DEMO_PROMPT = "In three short sentences, explain why sending text to a cloud model can leak private data."
+
+
+def cached_split(model: str, head: int = 2, tail: int = 2):
+    from splitlm.model.shards import split_model
+
+    name = model.replace("/", "_").strip("_.") or "model"
+    out = cache_root() / "splits" / f"{name}-k{head}-m{tail}-fp32"
+    if not (out / "edge" / "manifest.json").is_file() or not (out / "cloud" / "manifest.json").is_file():
+        split_model(model, head, tail, out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SplitLMError("the cloud server exited during start-up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise SplitLMError("the cloud server did not become healthy in time")
+
+
+def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
+             wire_dtype: str = "fp16") -> int:
+    from splitlm.cli import print_stats
+    from splitlm.edge import Edge
+
+    split_dir = cached_split(model)
+    port = free_port()
+    log(f"splitlm demo: starting a cloud server on 127.0.0.1:{port} (layers it runs: the middle ones)")
+    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(split_dir / "cloud"),
+                             "--port", str(port), "--threads", "1"], stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, proc)
+        import torch
+
+        torch.set_num_threads(1)
+        with Edge(split_dir / "edge", f"ws://127.0.0.1:{port}", wire_dtype=wire_dtype) as edge:
+            prompt = prompt or DEMO_PROMPT
+            print(f"> {prompt}\n", flush=True)
+            stream = edge.stream(prompt, max_new_tokens, chat=True)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print("\n")
+            print_stats(stream.result.stats)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return 0

@@ -1,0 +1,230 @@
+"""Edge runtime: open a cloud session, run head and tail layers locally, decode.
+
+    with Edge("split/edge", "ws://127.0.0.1:8765") as edge:
+        result = edge.generate("Write a haiku about the sea.", max_new_tokens=64, chat=True)
+        for piece in edge.stream("Hello"):
+            print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from splitlm import SplitLMError
+from splitlm.model.shards import load_edge
+from splitlm.transport.client import CloudClient
+from splitlm.transport.codecs import check_wire_dtype
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    round_trips: int = 0  # all cloud round trips, prefill included
+    prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
+    decode_s: float = 0.0  # after the first token
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_s: float = 0.0  # round-trip time minus the cloud's compute
+    cloud_compute_s: float = 0.0
+    edge_compute_s: float = 0.0
+
+    @property
+    def decode_round_trips(self) -> int:
+        return max(0, self.round_trips - 1)
+
+    @property
+    def tokens_per_round_trip(self) -> float:
+        """Tokens produced by decoding steps per decoding round trip (prefill excluded)."""
+        return (self.new_tokens - 1) / self.decode_round_trips if self.decode_round_trips else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3)}
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids only
+    stats: GenerationStats
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class EdgeSession:
+    """One cloud session together with the edge's own KV caches for its head and tail layers."""
+
+    def __init__(self, edge: Edge):
+        self.edge = edge
+        self.id = edge.client.open_session(edge.wire_dtype)
+        self.head_cache = edge.model.head.new_cache()
+        self.tail_cache = edge.model.tail.new_cache()
+        self.stats = GenerationStats()
+
+    @property
+    def length(self) -> int:
+        return self.head_cache.length
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [T, V]."""
+        model, client = self.edge.model, self.edge.client
+        if positions is None:
+            positions = list(range(self.length, self.length + len(ids)))
+        pos = torch.tensor(positions)
+        t0 = time.perf_counter()
+        h = model.embed_and_head(torch.tensor([ids]), pos, mask, self.head_cache)[0]  # [T, D]
+        t1 = time.perf_counter()
+        up, down = client.bytes_up, client.bytes_down
+        h, meta = client.forward(self.id, h, positions, self.edge.wire_dtype, mask=mask)
+        t2 = time.perf_counter()
+        logits = model.tail_and_logits(h[None].to(self.edge.dtype), pos, mask, self.tail_cache)[0]  # [T, V]
+        t3 = time.perf_counter()
+        s = self.stats
+        s.round_trips += 1
+        s.bytes_up += client.bytes_up - up
+        s.bytes_down += client.bytes_down - down
+        s.cloud_compute_s += meta["compute_s"]
+        s.network_s += max(0.0, meta["round_trip_s"] - meta["compute_s"])
+        s.edge_compute_s += (t1 - t0) + (t3 - t2)
+        return logits
+
+    def close(self) -> None:
+        self.edge.client.close_session(self.id)
+
+
+class Stream:
+    """Iterate for text pieces as they are generated; `.result` holds the full result afterwards."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+
+class Edge:
+    """The edge side of a split model, connected to one cloud server."""
+
+    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "fp16", timeout_s: float = 60.0):
+        try:
+            self.wire_dtype = check_wire_dtype(wire_dtype)
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
+        self.edge_dir = Path(edge_dir)
+        self.model = load_edge(self.edge_dir)
+        self.dtype = next(self.model.parameters()).dtype
+        self.cfg = self.model.cfg
+        self.tokenizer = self._load_tokenizer()
+        self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s)
+
+    def _load_tokenizer(self):
+        if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.edge_dir)
+
+    def __enter__(self) -> Edge:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def open_session(self) -> EdgeSession:
+        return EdgeSession(self)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise SplitLMError(f"{self.edge_dir} has no tokenizer; pass token ids instead of text")
+        if chat:
+            if not self.tokenizer.chat_template:
+                raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(prompt).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        ids = list(prompt) if isinstance(prompt, list | tuple) else self.encode(prompt, chat)
+        if not ids:
+            raise SplitLMError("the prompt is empty")
+        return ids
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
+                     stop_at_eos: bool = True) -> Iterator[tuple[int, GenerationStats]]:
+        """Greedy sequential decoding, one round trip per token. Yields (token id, live stats)."""
+        if max_new_tokens < 1:
+            raise SplitLMError("max_new_tokens must be at least 1")
+        eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
+        session = self.open_session()
+        try:
+            s = session.stats
+            s.prompt_tokens = len(prompt_ids)
+            start = time.perf_counter()
+            logits = session.forward(prompt_ids)
+            token = int(logits[-1].argmax())
+            s.prefill_s = time.perf_counter() - start
+            while True:
+                s.new_tokens += 1
+                s.decode_s = time.perf_counter() - start - s.prefill_s
+                yield token, s
+                if token in eos or s.new_tokens >= max_new_tokens:
+                    break
+                token = int(session.forward([token])[-1].argmax())
+        finally:
+            session.close()
+
+    def _run(self, prompt, max_new_tokens, chat, stop_at_eos) -> Iterator[tuple[str, GenerationResult]]:
+        prompt_ids = self._prompt_ids(prompt, chat)
+        ids: list[int] = []
+        text = ""
+        stats = GenerationStats()
+        for token, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos):
+            ids.append(token)
+            stats = live_stats
+            new_text = self.decode(ids)
+            if not new_text.endswith("\ufffd"):  # hold back incomplete UTF-8 sequences
+                delta, text = new_text[len(text):], new_text
+                yield delta, None
+        eos = set(self.cfg.eos_token_ids)
+        finish = "stop" if stop_at_eos and ids and ids[-1] in eos else "length"
+        final = self.decode(ids)
+        yield final[len(text):], GenerationResult(final, ids, stats, finish, prompt_ids)
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
+                 stop_at_eos: bool = True) -> GenerationResult:
+        *_, (_, result) = self._run(prompt, max_new_tokens, chat, stop_at_eos)
+        return result
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
+               stop_at_eos: bool = True) -> Stream:
+        stream = Stream(iter(()))
+
+        def pieces() -> Iterator[str]:
+            for delta, result in self._run(prompt, max_new_tokens, chat, stop_at_eos):
+                if result is not None:
+                    stream.result = result
+                if delta:
+                    yield delta
+
+        stream._pieces = pieces()
+        return stream

