@@ -47,7 +47,7 @@ def test_bad_splits_and_paths(tiny_llama, tmp_path):
         split_model(str(tmp_path / "nope"), 2, 2, tmp_path / "x")
     with pytest.raises(SplitLMError, match="not a splitlm shard"):
         load_edge(tmp_path)
-    with pytest.raises(SplitLMError, match="is a cloud shard"):
+    with pytest.raises(SplitLMError, match="is the cloud shard"):
         split_model(str(tiny_llama), 2, 2, tmp_path / "y")
         load_edge(tmp_path / "y" / "cloud")
 

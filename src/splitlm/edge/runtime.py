@@ -33,6 +33,7 @@ class GenerationStats:
     network_s: float = 0.0  # round-trip time minus the cloud's compute
     cloud_compute_s: float = 0.0
     edge_compute_s: float = 0.0
+    serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
 
     @property
     def decode_round_trips(self) -> int:
@@ -86,7 +87,7 @@ class EdgeSession:
         t0 = time.perf_counter()
         h = model.embed_and_head(torch.tensor([ids]), pos, mask, self.head_cache)[0]  # [T, D]
         t1 = time.perf_counter()
-        up, down = client.bytes_up, client.bytes_down
+        up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
         h, meta = client.forward(self.id, h, positions, self.edge.wire_dtype, mask=mask)
         t2 = time.perf_counter()
         logits = model.tail_and_logits(h[None].to(self.edge.dtype), pos, mask, self.tail_cache)[0]  # [T, V]
@@ -96,7 +97,8 @@ class EdgeSession:
         s.bytes_up += client.bytes_up - up
         s.bytes_down += client.bytes_down - down
         s.cloud_compute_s += meta["compute_s"]
-        s.network_s += max(0.0, meta["round_trip_s"] - meta["compute_s"])
+        s.serialize_s += client.serialize_s - ser
+        s.network_s += max(0.0, meta["round_trip_s"] - meta["compute_s"] - (client.serialize_s - ser))
         s.edge_compute_s += (t1 - t0) + (t3 - t2)
         return logits
 

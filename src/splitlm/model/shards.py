@@ -67,7 +67,7 @@ class Manifest:
             raise SplitLMError(f"{shard_dir}: unknown shard format {data.get('format')!r}")
         m = cls(**data)
         if m.role != role:
-            raise SplitLMError(f"{shard_dir} is a {m.role} shard, expected a {role} shard")
+            raise SplitLMError(f"{shard_dir} is the {m.role} shard, expected the {role} shard")
         return m
 
 

@@ -38,11 +38,12 @@ class CloudClient:
     def __init__(self, url: str, fingerprint: str, timeout_s: float = 60.0, max_frame_bytes: int = 64 * 2**20):
         self.url, self.timeout_s = url, timeout_s
         self.bytes_up = self.bytes_down = 0
+        self.serialize_s = 0.0  # time spent encoding and decoding frames and tensors
         self.seq = itertools.count(1)
         self.last_seq_in = 0
         try:
             self.ws: ClientConnection = connect(url, open_timeout=timeout_s, max_size=max_frame_bytes,
-                                                compression=None, proxy=None, ping_interval=None)
+                                                compression=None, proxy=None, ping_interval=None).__enter__()
         except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
             raise CloudError(f"cannot reach the cloud at {url}: {e}") from None
         hello = self.request(Frame(MsgType.HELLO, meta={"version": VERSION, "fingerprint": fingerprint}))
@@ -50,7 +51,9 @@ class CloudClient:
 
     def request(self, frame: Frame) -> Frame:
         frame.seq = next(self.seq)
+        t0 = time.perf_counter()
         data = encode_frame(frame)
+        self.serialize_s += time.perf_counter() - t0
         try:
             self.ws.send(data)
             self.bytes_up += len(data)
@@ -60,10 +63,13 @@ class CloudClient:
         except TimeoutError:
             raise CloudError(f"no answer from the cloud within {self.timeout_s:.0f} s") from None
         self.bytes_down += len(reply_data)
+        t0 = time.perf_counter()
         try:
             reply = decode_frame(reply_data)
         except ProtocolError as e:
             raise CloudError(f"malformed frame from the cloud: {e.message}") from None
+        finally:
+            self.serialize_s += time.perf_counter() - t0
         if reply.seq <= self.last_seq_in:
             raise CloudError("the cloud repeated or reordered a frame")
         self.last_seq_in = reply.seq
@@ -80,7 +86,9 @@ class CloudClient:
                 mask: torch.Tensor | None = None, keep: list[int] | None = None,
                 crop: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Send hidden [T, D] through the cloud's layers; returns hidden [T, D] and the reply metadata."""
+        t0 = time.perf_counter()
         specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
+        self.serialize_s += time.perf_counter() - t0
         meta: dict[str, Any] = {"tensors": specs, "positions": positions}
         if mask is not None:
             meta["mask"] = pack_mask(mask)
@@ -91,7 +99,9 @@ class CloudClient:
         start = time.perf_counter()
         reply = self.request(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
         reply.meta["round_trip_s"] = time.perf_counter() - start
+        t0 = time.perf_counter()
         out = unpack_tensors(reply, hidden.numel())["hidden"]
+        self.serialize_s += time.perf_counter() - t0
         return out, reply.meta
 
     def close_session(self, session: int) -> None:

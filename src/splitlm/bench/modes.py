@@ -1,0 +1,205 @@
+"""Decoding modes the benchmark compares, and the lazily loaded resources they share.
+
+A mode is one function `run(ctx, prompt_ids, max_new_tokens) -> ModeRun`, registered with
+`@mode(...)`. Later modes (ngram, lookahead, auto, hf-pld, draft, ...) add one function here:
+
+    @mode("ngram", network=True, help="n-gram speculative decoding through the split model")
+    def run_ngram(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+        ...  # use ctx.edge (connected through the emulated WAN) and fill a ModeRun
+
+Modes only generate and time; correctness (exact match, agreement) is scored by the suite.
+Everything heavy is loaded on first use, so a process that runs one mode holds only what that
+mode needs (the memory probe relies on this). All modes decode greedily and stop at the
+model's end-of-sequence ids or after `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from splitlm import SplitLMError
+
+
+@dataclass
+class ModeRun:
+    """One prompt through one mode. Timings and bytes of the decoding phase exclude the prefill."""
+
+    token_ids: list[int]  # generated ids
+    ttft_s: float  # prompt in -> first token out (the prefill step)
+    decode_s: float  # first token out -> last token out
+    steps: int  # decoding steps after the first token (round trips for network modes)
+    round_trips: int = 0  # cloud round trips while decoding (0 for local modes)
+    network_s: float = 0.0  # round-trip time minus cloud compute and (de)serialisation
+    cloud_s: float = 0.0  # the cloud's compute, as it reports it
+    edge_s: float = 0.0  # compute on this machine (for local modes: all of it)
+    serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
+    bytes_up: int = 0
+    bytes_down: int = 0
+    prefill_bytes_up: int = 0
+    prefill_bytes_down: int = 0
+
+
+@dataclass
+class Mode:
+    name: str
+    network: bool  # True: runs through the cloud (and the emulated WAN); False: on this machine only
+    run: Callable[[BenchContext, list[int], int], ModeRun]
+    help: str = ""
+
+
+MODES: dict[str, Mode] = {}
+ALIASES = {"local": "local-hf", "sequential": "split-seq", "seq": "split-seq"}
+
+
+def mode(name: str, network: bool, help: str = "") -> Callable:
+    """Register a decoding mode under `name`."""
+
+    def register(fn: Callable[[BenchContext, list[int], int], ModeRun]):
+        MODES[name] = Mode(name, network, fn, help)
+        return fn
+
+    return register
+
+
+def parse_modes(text: str) -> list[str]:
+    """'local-hf,split-seq' -> ['local-hf', 'split-seq'] (aliases resolved, duplicates dropped)."""
+    names: list[str] = []
+    for raw in text.split(","):
+        raw = raw.strip()
+        if not raw:
+            continue
+        name = ALIASES.get(raw, raw)
+        if name not in MODES:
+            known = ", ".join([*MODES, *(f"{a} (= {n})" for a, n in ALIASES.items())])
+            raise SplitLMError(f"unknown benchmark mode {raw!r}; known modes: {known}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise SplitLMError("no benchmark modes given (e.g. --modes local-hf,split-seq)")
+    return names
+
+
+class BenchContext:
+    """The resources modes use, each loaded on first access.
+
+    `model_dir`: the full model (Hugging Face directory); `edge_dir`: the edge shard;
+    `cloud_url`: where the edge connects (the WAN emulator, or the cloud itself at RTT 0).
+    """
+
+    def __init__(self, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
+                 wire_dtype: str = "fp16"):
+        self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
+        self.cloud_url, self.wire_dtype = cloud_url, wire_dtype
+
+    @cached_property
+    def eos_ids(self) -> set[int]:
+        from splitlm.model.config import ModelConfig
+        from splitlm.model.loading import read_hf_config
+
+        return set(ModelConfig.from_hf(read_hf_config(self.model_dir)).eos_token_ids)
+
+    @cached_property
+    def hf(self):
+        """The full model in `transformers` (fp32, eval mode)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+
+    @cached_property
+    def edge(self):
+        """The edge runtime, connected to `cloud_url`."""
+        from splitlm.edge import Edge
+
+        if self.cloud_url is None:
+            raise SplitLMError("this benchmark mode needs a cloud server, but none was started")
+        return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype)
+
+    def set_cloud_url(self, url: str | None) -> None:
+        """Point the edge at another address (another emulated RTT); it reconnects on next use."""
+        if "edge" in self.__dict__:
+            self.__dict__.pop("edge").close()
+        self.cloud_url = url
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of parameters held by what has been loaded so far."""
+        loaded = {"hf": self.__dict__.get("hf"), "edge": getattr(self.__dict__.get("edge"), "model", None)}
+        return {name: sum(p.numel() * p.element_size() for p in m.parameters())
+                for name, m in loaded.items() if m is not None}
+
+    def close(self) -> None:
+        self.set_cloud_url(None)
+
+
+@mode("local-hf", network=False, help="the full model in transformers on this machine, no network")
+def run_local_hf(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    import torch
+    from transformers import DynamicCache
+
+    model, eos = ctx.hf, ctx.eos_ids
+    cache = DynamicCache()
+    ids: list[int] = []
+    with torch.inference_mode():
+        start = time.perf_counter()
+        x = torch.tensor([prompt_ids])  # [1, T]
+        while True:
+            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits  # [1, T, V]
+            ids.append(int(logits[0, -1].argmax()))
+            if len(ids) == 1:
+                ttft = time.perf_counter() - start
+            if ids[-1] in eos or len(ids) >= max_new_tokens:
+                break
+            x = torch.tensor([[ids[-1]]])
+        decode_s = time.perf_counter() - start - ttft
+    return ModeRun(ids, ttft, decode_s, steps=len(ids) - 1, edge_s=decode_s)
+
+
+@mode("split-seq", network=True, help="naive split decoding: one cloud round trip per token")
+def run_split_seq(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from dataclasses import replace
+
+    ids: list[int] = []
+    prefill = None
+    stats = None
+    for token, stats in ctx.edge.generate_ids(prompt_ids, max_new_tokens, stop_at_eos=True):
+        ids.append(token)
+        if prefill is None:
+            prefill = replace(stats)  # a snapshot: the stats after the prefill round trip only
+    return decode_phase(ids, prefill, stats)
+
+
+def decode_phase(ids: list[int], prefill, final) -> ModeRun:
+    """A ModeRun from the edge's GenerationStats after the prefill (`prefill`) and at the end (`final`)."""
+    return ModeRun(
+        token_ids=ids,
+        ttft_s=final.prefill_s,
+        decode_s=final.decode_s,
+        steps=final.round_trips - prefill.round_trips,
+        round_trips=final.round_trips - prefill.round_trips,
+        network_s=final.network_s - prefill.network_s,
+        cloud_s=final.cloud_compute_s - prefill.cloud_compute_s,
+        edge_s=final.edge_compute_s - prefill.edge_compute_s,
+        serialize_s=final.serialize_s - prefill.serialize_s,
+        bytes_up=final.bytes_up - prefill.bytes_up,
+        bytes_down=final.bytes_down - prefill.bytes_down,
+        prefill_bytes_up=prefill.bytes_up,
+        prefill_bytes_down=prefill.bytes_down,
+    )
+
+
+def teacher_forced_agreement(ctx: BenchContext, prompt_ids: list[int], reference: list[int]) -> tuple[int, int]:
+    """Feed prompt + reference[:-1] through the split model in one round trip; count the positions
+    whose argmax equals the reference's next token. Returns (matches, positions)."""
+    if not reference:
+        return 0, 0
+    session = ctx.edge.open_session()
+    try:
+        logits = session.forward(prompt_ids + reference[:-1])  # [T_prompt + n - 1, V]
+    finally:
+        session.close()
+    predicted = logits[len(prompt_ids) - 1:].argmax(-1).tolist()  # [n]
+    return sum(int(p == r) for p, r in zip(predicted, reference, strict=True)), len(reference)

@@ -1,0 +1,75 @@
+"""The split system over a real loopback WebSocket against transformers' full model."""
+
+import pytest
+import torch
+from conftest import BUNDLED_PROMPTS, hf_greedy
+
+from splitlm.edge import Edge
+
+pytestmark = pytest.mark.slow
+
+
+def test_fp32_split_is_token_identical_to_transformers(bundled_split, bundled_server, bundled_hf):
+    hf, tok = bundled_hf
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        for prompt in BUNDLED_PROMPTS:
+            ids = tok(prompt).input_ids
+            result = edge.generate(prompt, max_new_tokens=64)
+            expected = hf_greedy(hf, ids, 64)
+            assert result.prompt_ids == ids
+            assert result.token_ids == expected, prompt
+            s = result.stats
+            assert s.new_tokens == len(expected) and s.round_trips == len(expected)  # one per token
+            assert s.tokens_per_round_trip == 1.0
+            assert s.bytes_up > 0 and s.bytes_down > 0
+
+
+def test_chat_prompt_uses_the_template(bundled_split, bundled_server, bundled_hf):
+    hf, tok = bundled_hf
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        result = edge.generate("Name a fruit that is yellow.", max_new_tokens=24, chat=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Name a fruit that is yellow."}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert result.prompt_ids == ids
+    assert result.token_ids == hf_greedy(hf, ids, 24)
+
+
+def teacher_forced_agreement(edge, hf, ids, n):
+    continuation = hf_greedy(hf, ids, n)
+    session = edge.open_session()
+    try:
+        logits = session.forward(ids + continuation)  # one round trip
+    finally:
+        session.close()
+    predicted = logits[len(ids) - 1: len(ids) - 1 + len(continuation)].argmax(-1).tolist()
+    return sum(p == c for p, c in zip(predicted, continuation, strict=True)), len(continuation)
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_reduced_precision_wire_agreement(bundled_split, bundled_server, bundled_hf, wire):
+    hf, tok = bundled_hf
+    hits = total = 0
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype=wire) as edge:
+        for prompt in BUNDLED_PROMPTS:
+            h, n = teacher_forced_agreement(edge, hf, tok(prompt).input_ids, 64)
+            hits, total = hits + h, total + n
+    agreement = hits / total
+    print(f"\n{wire} wire: teacher-forced agreement with transformers = {agreement:.4f} ({hits}/{total})")
+    assert agreement >= 0.95
+
+
+def test_stream_equals_generate(bundled_split, bundled_server):
+    with Edge(bundled_split / "edge", bundled_server.url) as edge:
+        stream = edge.stream("List three colours:", max_new_tokens=20)
+        text = "".join(stream)
+        assert text == stream.result.text
+        assert stream.result.token_ids == edge.generate("List three colours:", max_new_tokens=20).token_ids
+
+
+def test_edge_and_cloud_use_fresh_caches_per_session(bundled_split, bundled_server):
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        a = edge.generate([504, 3458, 282], max_new_tokens=10, stop_at_eos=False)
+        b = edge.generate([504, 3458, 282], max_new_tokens=10, stop_at_eos=False)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 10
+    assert torch.tensor(a.token_ids).numel() == 10

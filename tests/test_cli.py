@@ -1,0 +1,69 @@
+"""The `splitlm` command: --json output, and one clear message (no traceback) for each mistake."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitlm.cli import main
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "splitlm", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_generate_json(bundled_split, bundled_server, capsys):
+    code = main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url,
+                 "--prompt", "The sky is", "--max-new-tokens", "12", "--json", "--wire-dtype", "fp32"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["text"], str) and out["text"]
+    assert len(out["token_ids"]) == out["stats"]["new_tokens"] <= 12
+    for key in ("round_trips", "new_tokens", "prefill_s", "decode_s", "bytes_up", "bytes_down"):
+        assert key in out["stats"]
+    assert out["stats"]["round_trips"] == out["stats"]["new_tokens"]
+
+
+def assert_clean_failure(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr, proc.stderr
+
+
+def test_split_unknown_model(tmp_path):
+    assert_clean_failure(run_cli("split", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")),
+                         "model not found")
+
+
+def test_split_too_many_edge_layers(tiny_llama, tmp_path):
+    assert_clean_failure(run_cli("split", "--model", str(tiny_llama), "--head", "4", "--tail", "2",
+                                 "--out", str(tmp_path / "o")), "no layer for the cloud")
+
+
+def test_bad_arguments(tmp_path):
+    assert_clean_failure(run_cli("split", "--model", "x", "--head", "zero", "--out", "o"), "expected an integer")
+    assert_clean_failure(run_cli("generate", "--edge", "e"), "--prompt")
+    assert_clean_failure(run_cli("frobnicate"), "invalid choice")
+
+
+def test_generate_without_a_server(tiny_split):
+    proc = run_cli("generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--prompt", "hi")
+    assert_clean_failure(proc, "cannot reach the cloud")
+
+
+def test_generate_with_a_mismatched_split(tiny_llama, tiny_server, tmp_path):
+    from splitlm.model.shards import split_model
+
+    other = split_model(str(tiny_llama), head=1, tail=1, out=tmp_path / "other")
+    proc = run_cli("generate", "--edge", str(other / "edge"), "--cloud", tiny_server.url, "--prompt", "hi")
+    assert_clean_failure(proc, "different splits")
+
+
+def test_serve_cloud_with_a_missing_shard(tmp_path):
+    assert_clean_failure(run_cli("serve-cloud", "--shard", str(tmp_path / "nope")), "shard directory not found")
+
+
+def test_edge_shard_given_as_cloud(tiny_split):
+    assert_clean_failure(run_cli("serve-cloud", "--shard", str(tiny_split / "edge")), "is the edge shard")
