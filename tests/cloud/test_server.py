@@ -82,6 +82,10 @@ def test_bad_input_gets_error_frames_and_the_server_keeps_serving(tiny_server, f
         (forward_frame(sid, t=3000), ErrorCode.TOO_LARGE),
         (Frame(MsgType.FORWARD, sid, meta={"positions": [0]}), ErrorCode.BAD_REQUEST),  # no tensor
         (Frame(MsgType.OPEN, meta={"wire_dtype": "int3"}), ErrorCode.BAD_REQUEST),
+        (Frame(MsgType.OPEN, meta={"wire_dtype": ["fp16"]}), ErrorCode.BAD_REQUEST),
+        (forward_frame(sid, positions=[0.5, 1.0]), ErrorCode.BAD_REQUEST),
+        (forward_frame(sid, keep="0"), ErrorCode.BAD_REQUEST),
+        (forward_frame(sid, crop="0"), ErrorCode.BAD_REQUEST),
         (Frame(MsgType.RESULT, sid), ErrorCode.BAD_REQUEST),
     ]
     for frame, code in frames:
@@ -130,3 +134,14 @@ def test_limits(tiny_split, fingerprint):
 def test_server_not_running():
     with pytest.raises(CloudError, match="cannot reach the cloud"):
         CloudClient("ws://127.0.0.1:9", "x", timeout_s=5)
+
+
+def test_handshake_timeout_closes_the_connection(tiny_split):
+    from websockets.exceptions import ConnectionClosed
+
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(hello_timeout_s=0.5)) as server:
+        raw = Raw(server.url)
+        assert raw.send(Frame(MsgType.OPEN)).meta["code"] == ErrorCode.NOT_READY
+        assert decode_frame(raw.ws.recv(timeout=5)).meta["code"] == ErrorCode.NOT_READY  # the timeout
+        with pytest.raises(ConnectionClosed):
+            raw.ws.recv(timeout=5)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import BUNDLED_PROMPTS, hf_greedy
 
+from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm.edge import Edge
 
 pytestmark = pytest.mark.slow

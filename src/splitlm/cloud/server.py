@@ -38,6 +38,12 @@ from splitlm.transport.frames import (
 log = logging.getLogger("splitlm.cloud")
 
 
+def int_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of integers")
+    return value
+
+
 class Connection:
     """Per-connection protocol state: handshake done, sequence numbers in both directions."""
 
@@ -73,12 +79,15 @@ class CloudServer:
         conn = Connection(next(self.conn_ids), ws)
         self.stats["connections"] += 1
         try:
-            first = await asyncio.wait_for(ws.recv(), self.limits.hello_timeout_s)
-            await self.dispatch(conn, first)
+            deadline = asyncio.get_running_loop().time() + self.limits.hello_timeout_s
+            while not conn.ready:  # the handshake must complete in time, whatever arrives first
+                remaining = deadline - asyncio.get_running_loop().time()
+                await self.dispatch(conn, await asyncio.wait_for(ws.recv(), max(remaining, 0.001)))
             async for data in ws:
                 await self.dispatch(conn, data)
         except (TimeoutError, asyncio.TimeoutError):
             await self.send_error(conn, ProtocolError(ErrorCode.NOT_READY, "no HELLO within the handshake timeout"))
+            await ws.close()
         except ConnectionClosed:
             pass
         finally:
@@ -121,7 +130,7 @@ class CloudServer:
             raise ProtocolError(ErrorCode.NOT_READY, "send HELLO first")
         if frame.type == MsgType.OPEN:
             wire = frame.meta.get("wire_dtype", "fp16")
-            if wire not in WIRE_DTYPES:
+            if not isinstance(wire, str) or wire not in WIRE_DTYPES:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
             s = self.sessions.open(conn.id, wire, len(self.model.middle.layers))
             return Frame(MsgType.OPENED, s.id, meta={"wire_dtype": wire})
@@ -155,13 +164,11 @@ class CloudServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "FORWARD carries no 'hidden' tensor")
         hidden = tensors["hidden"]
         t = hidden.shape[0] if hidden.dim() else 0
-        try:
-            positions = torch.tensor(meta.get("positions"), dtype=torch.long).view(-1)
-            keep, crop = meta.get("keep"), meta.get("crop")
-            keep = None if keep is None else [int(i) for i in keep]
-            crop = None if crop is None else int(crop)
-        except (TypeError, ValueError, RuntimeError):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "positions, keep and crop must be integers") from None
+        positions = torch.tensor(int_list(meta.get("positions"), "positions"), dtype=torch.long)
+        keep = None if meta.get("keep") is None else int_list(meta["keep"], "keep")
+        crop = meta.get("crop")
+        if crop is not None and type(crop) is not int:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "crop must be an integer")
         mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t)
         req = ForwardRequest(hidden, positions, mask, keep, crop)
         validate(req, session, self.model, self.limits)

@@ -23,6 +23,9 @@ from splitlm.transport.frames import (
     unpack_tensors,
 )
 
+REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
+              MsgType.CLOSE: MsgType.CLOSED}
+
 
 class CloudError(SplitLMError):
     """The cloud answered with an ERROR frame, or could not be reached."""
@@ -73,10 +76,14 @@ class CloudClient:
         if reply.seq <= self.last_seq_in:
             raise CloudError("the cloud repeated or reordered a frame")
         self.last_seq_in = reply.seq
+        if reply.meta.get("ref") not in (None, frame.seq):
+            raise CloudError("the cloud answered a different request")
         if reply.type == MsgType.ERROR:
             code = reply.meta.get("code")
             raise CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}",
                              ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
+        if reply.type != REPLY_TYPE[frame.type]:
+            raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply
 
     def open_session(self, wire_dtype: str) -> int:

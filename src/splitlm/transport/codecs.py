@@ -25,7 +25,7 @@ def encode_tensor(t: torch.Tensor, wire_dtype: str) -> bytes:
 
 def decode_tensor(data: bytes | memoryview, wire_dtype: str, shape: list[int], max_elements: int) -> torch.Tensor:
     """Inverse of `encode_tensor`; validates dtype, shape and length before touching the bytes."""
-    if wire_dtype not in WIRE_DTYPES:
+    if not isinstance(wire_dtype, str) or wire_dtype not in WIRE_DTYPES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown tensor dtype {wire_dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"bad tensor shape {shape!r}")

@@ -110,6 +110,8 @@ def unpack_tensors(frame: Frame, max_elements: int) -> dict[str, torch.Tensor]:
             name, dtype, shape, off, n = s["name"], s["dtype"], s["shape"], int(s["offset"]), int(s["nbytes"])
         except (KeyError, TypeError, ValueError):
             raise ProtocolError(ErrorCode.BAD_FRAME, "malformed tensor description") from None
+        if not isinstance(name, str):
+            raise ProtocolError(ErrorCode.BAD_FRAME, "tensor name must be a string")
         if off < 0 or n < 0 or off + n > len(frame.payload):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor {name!r} lies outside the payload")
         out[name] = decode_tensor(memoryview(frame.payload)[off:off + n], dtype, shape, max_elements)
