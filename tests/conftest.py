@@ -38,6 +38,15 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def splitlm_config(tmp_path_factory) -> Path:
+    """Identities and known_hosts of this test run (and of CLI subprocesses) live in a temporary dir, never in ~."""
+    path = tmp_path_factory.mktemp("splitlm-config")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITLM_CONFIG", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

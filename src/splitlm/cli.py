@@ -57,7 +57,8 @@ def cmd_serve_cloud(args) -> int:
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20)
-    server = CloudServer(args.shard, limits)
+    server = CloudServer(args.shard, limits, identity=args.identity, allowed_clients=args.clients,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -69,14 +70,15 @@ def cmd_generate(args) -> int:
     from splitlm.edge import Edge
 
     set_threads(args.threads)
-    with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype) as edge:
+    with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         stop_at_eos = not args.ignore_eos
         if args.json:
-            result = edge.generate(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos)
+            result = edge.generate(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos,
+                                   spec=args.spec)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
             return 0
-        stream = edge.stream(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos)
+        stream = edge.stream(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec)
         for piece in stream:
             print(piece, end="", flush=True)
         print()
@@ -85,7 +87,7 @@ def cmd_generate(args) -> int:
 
 
 def print_stats(s) -> None:
-    print(f"[{s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
+    print(f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
           f"TTFT {s.prefill_s * 1000:.0f} ms, {s.tokens_per_s:.1f} tok/s, "
           f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]", file=sys.stderr)
 
@@ -96,10 +98,40 @@ def cmd_demo(args) -> int:
     return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype)
 
 
+def cmd_keygen(args) -> int:
+    from splitlm.transport.keys import generate_identity, write_identity
+
+    identity = generate_identity()
+    key_path, pub_path = write_identity(args.out, identity, comment=args.comment, force=args.force)
+    print(f"wrote {key_path} (private, mode 0600) and {pub_path}", file=sys.stderr)
+    print(identity.fingerprint)
+    return 0
+
+
+def add_edge_security_options(p: argparse.ArgumentParser) -> None:
+    """The edge's key options; pass `edge_security_kwargs(args)` on to `Edge(...)`."""
+    p.add_argument("--identity", metavar="KEY", default=None,
+                   help="this client's private key (from `splitlm keygen`; default: one kept in the config dir, "
+                        "$SPLITLM_CONFIG or ~/.config/splitlm)")
+    p.add_argument("--cloud-key", metavar="PUB|FINGERPRINT", default=None,
+                   help="the cloud's public key file or SHA256: fingerprint to pin (default: trust on first use, "
+                        "recorded in the known_hosts file)")
+    p.add_argument("--known-hosts", metavar="FILE", default=None,
+                   help="trust-on-first-use record (default: known_hosts in the config dir)")
+    p.add_argument("--tls-ca", metavar="FILE", default=None,
+                   help="CA certificate(s) that sign a wss:// cloud's certificate (default: the system's)")
+
+
+def edge_security_kwargs(args) -> dict:
+    """Keyword arguments for `Edge(...)` from the options of `add_edge_security_options`."""
+    return {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca")}
+
+
 def add_edge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"],
                    help="activation codec on the wire (default fp16)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
+    add_edge_security_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frame-mb", type=positive_int, default=64)
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--identity", metavar="KEY", default=None,
+                   help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "
+                        "created on first use)")
+    p.add_argument("--clients", metavar="FILE", default=None,
+                   help="allowed client public keys, one per line (default: any client may connect, still encrypted)")
+    p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve wss:// with this certificate (chain)")
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="the TLS certificate's private key")
     p.set_defaults(func=cmd_serve_cloud)
+
+    p = sub.add_parser("keygen", help="create a key pair: PREFIX.key (private) and PREFIX.pub")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.key (mode 0600) and PREFIX.pub")
+    p.add_argument("--comment", default=None, help="comment at the end of the .pub line (default NAME@HOST)")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("generate", help="generate text through a cloud server")
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
@@ -136,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+                   help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
     add_edge_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -145,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
     p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmark split decoding behind an emulated WAN")
+    from splitlm.bench.suite import add_bench_arguments, bench_main
+
+    add_bench_arguments(p)
+    p.set_defaults(func=bench_main)
 
     try:
         from splitlm.bench.wan import add_wan_arguments, wan_main

@@ -45,13 +45,14 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) ->
 
 
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
-             wire_dtype: str = "fp16") -> int:
+             wire_dtype: str = "fp16", rtt_ms: float = 80.0, spec: str = "auto") -> int:
+    from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cli import print_stats
     from splitlm.edge import Edge
 
     split_dir = cached_split(model)
     port = free_port()
-    log(f"splitlm demo: starting a cloud server on 127.0.0.1:{port} (layers it runs: the middle ones)")
+    log(f"splitlm demo: starting a cloud server on 127.0.0.1:{port} (it holds only the middle layers)")
     proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(split_dir / "cloud"),
                              "--port", str(port), "--threads", "1"], stderr=subprocess.DEVNULL)
     try:
@@ -59,14 +60,23 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
         import torch
 
         torch.set_num_threads(1)
-        with Edge(split_dir / "edge", f"ws://127.0.0.1:{port}", wire_dtype=wire_dtype) as edge:
+        log(f"splitlm demo: the edge reaches it through an emulated WAN link with {rtt_ms:.0f} ms round trips")
+        with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan, \
+                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype) as edge:
             prompt = prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
-            stream = edge.stream(prompt, max_new_tokens, chat=True)
+            stream = edge.stream(prompt, max_new_tokens, chat=True, spec=spec)
             for piece in stream:
                 print(piece, end="", flush=True)
             print("\n")
-            print_stats(stream.result.stats)
+            fast = stream.result.stats
+            print_stats(fast)
+            log("splitlm demo: the same request with sequential decoding (one round trip per token) ...")
+            slow = edge.generate(prompt, max_new_tokens, chat=True, spec="none").stats
+            print_stats(slow)
+            if slow.tokens_per_s > 0:
+                log(f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per round "
+                    f"trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens")
     finally:
         proc.terminate()
         try:

@@ -1,37 +1,72 @@
 """The cloud server under hostile and mistaken input: every error is a frame, service goes on."""
 
+import time
 import urllib.request
 
 import pytest
 import torch
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.shards import Manifest
 from splitlm.transport.client import CloudClient, CloudError
-from splitlm.transport.errors import ErrorCode
-from splitlm.transport.frames import VERSION, Frame, MsgType, decode_frame, encode_frame, pack_tensors
+from splitlm.transport.crypto import DirectionKeys, SendCipher
+from splitlm.transport.errors import ErrorCode, ProtocolError
+from splitlm.transport.frames import (
+    FLAG_ENCRYPTED,
+    Frame,
+    MsgType,
+    decode_frame,
+    decode_header,
+    encode_frame,
+    pack_tensors,
+)
+from splitlm.transport.handshake import ClientHandshake
+from splitlm.transport.keys import generate_identity
 
 
 class Raw:
-    """A hand-driven protocol client that can send anything."""
+    """A hand-driven protocol client that can send anything: plaintext frames until `hello` did a real
+    handshake (with its own fresh client key unless given one), encrypted frames after it."""
 
-    def __init__(self, url):
-        self.ws = connect(url, compression=None, proxy=None).__enter__()
+    def __init__(self, url, identity=None, **connect_kwargs):
+        self.ws = connect(url, compression=None, proxy=None, **connect_kwargs).__enter__()
         self.seq = 0
+        self.identity = identity or generate_identity()
+        self.channel = None
 
-    def send(self, frame: Frame) -> Frame:
+    def encode(self, frame: Frame) -> bytes:
         self.seq += 1
         frame.seq = self.seq
-        return self.send_bytes(encode_frame(frame))
+        return self.channel.seal(frame) if self.channel is not None else encode_frame(frame)
+
+    def send(self, frame: Frame) -> Frame:
+        return self.send_bytes(self.encode(frame))
+
+    def recv(self, timeout=10) -> Frame:
+        data = self.ws.recv(timeout=timeout)
+        if self.channel is not None and decode_header(data).flags & FLAG_ENCRYPTED:
+            return self.channel.open(data)
+        return decode_frame(data)
 
     def send_bytes(self, data) -> Frame:
         self.ws.send(data)
-        return decode_frame(self.ws.recv(timeout=10))
+        return self.recv()
 
     def hello(self, fingerprint):
-        return self.send(Frame(MsgType.HELLO, meta={"version": VERSION, "fingerprint": fingerprint}))
+        self.seq += 1
+        hs = ClientHandshake(self.identity, fingerprint, seq=self.seq)
+        self.ws.send(hs.hello_bytes)
+        data = self.ws.recv(timeout=10)
+        reply = decode_frame(data)
+        if reply.type == MsgType.HELLO_OK:
+            self.channel, self.info = hs.finish(data)
+        return reply
+
+    def close(self):
+        self.ws.close()
 
 
 @pytest.fixture()
@@ -92,10 +127,10 @@ def test_bad_input_gets_error_frames_and_the_server_keeps_serving(tiny_server, f
         reply = raw.send(frame)
         assert reply.type == MsgType.ERROR and reply.meta["code"] == code, (frame.meta, reply.meta)
         assert reply.meta["message"]
-    # replayed sequence number
-    raw.seq -= 1
-    assert raw.send(forward_frame(sid)).meta["code"] == ErrorCode.BAD_FRAME
-    raw.seq += 1
+    # a replayed frame
+    data = raw.encode(Frame(MsgType.CLOSE, 999))
+    assert raw.send_bytes(data).meta["code"] == ErrorCode.UNKNOWN_SESSION
+    assert raw.send_bytes(data).meta["code"] == ErrorCode.REPLAY
     # the session is intact and still serves
     reply = raw.send(forward_frame(sid, t=4))
     assert reply.type == MsgType.RESULT and reply.meta["cache_len"] == 4
@@ -145,3 +180,96 @@ def test_handshake_timeout_closes_the_connection(tiny_split):
         assert decode_frame(raw.ws.recv(timeout=5)).meta["code"] == ErrorCode.NOT_READY  # the timeout
         with pytest.raises(ConnectionClosed):
             raw.ws.recv(timeout=5)
+
+
+# -- authentication and the encrypted channel under attack (issue 5) ---------------------------------------
+
+def test_a_client_without_the_private_key_is_refused(tiny_split, fingerprint):
+    """Mallory announces Alice's public key (it is public) but cannot derive the keys."""
+    alice, mallory = generate_identity(), generate_identity()
+
+    class Stolen:  # alice's public key, mallory's private key
+        public_bytes = alice.public_bytes
+        private_key = mallory.private_key
+
+    with BackgroundServer(tiny_split / "cloud", allowed_clients=[alice.public_bytes]) as server:
+        raw = Raw(server.url, identity=Stolen())
+        with pytest.raises(ProtocolError) as e:
+            raw.hello(fingerprint)  # mallory cannot even check the cloud's key confirmation
+        assert e.value.code == ErrorCode.AUTH_FAILED
+        guess = SendCipher(DirectionKeys(bytes(32), bytes(12)))
+        reply = raw.send_bytes(guess.seal(Frame(MsgType.OPEN, seq=2)))
+        assert reply.type == MsgType.ERROR and reply.meta["code"] == ErrorCode.AUTH_FAILED  # in the clear
+        assert "does not hold the private key" in reply.meta["message"]
+        with pytest.raises(ConnectionClosed):
+            raw.ws.recv(timeout=5)
+
+
+def test_a_missing_client_credential_is_refused(tiny_server, fingerprint):
+    raw = Raw(tiny_server.url)
+    reply = raw.send(Frame(MsgType.HELLO, meta={"version": 2, "fingerprint": fingerprint,
+                                                "e": generate_identity().public_bytes}))
+    assert reply.meta["code"] == ErrorCode.AUTH_FAILED and "'s'" in reply.meta["message"]
+    with pytest.raises(ConnectionClosed):
+        raw.ws.recv(timeout=5)
+
+
+def test_tampered_replayed_reordered_plaintext_and_foreign_frames(tiny_server, fingerprint):
+    a, b = Raw(tiny_server.url), Raw(tiny_server.url)
+    a.hello(fingerprint)
+    b.hello(fingerprint)
+    sid = a.send(Frame(MsgType.OPEN, meta={"wire_dtype": "fp32"})).session
+    # a tampered byte (in the ciphertext, the tag, the header's session or seq)
+    for i in (-1, 40, 12, 20):
+        data = bytearray(a.encode(forward_frame(sid, t=2)))
+        data[i] ^= 0x01
+        reply = a.send_bytes(bytes(data))
+        assert reply.meta["code"] == ErrorCode.DECRYPT_FAILED, i
+    # a replayed frame
+    data = a.encode(forward_frame(sid, t=2))
+    assert a.send_bytes(data).type == MsgType.RESULT
+    assert a.send_bytes(data).meta["code"] == ErrorCode.REPLAY
+    # reordered frames: the later one arrives first
+    first, second = a.encode(forward_frame(sid, t=1, positions=[2])), a.encode(forward_frame(sid, t=1, positions=[3]))
+    assert a.send_bytes(second).meta["cache_len"] == 3
+    assert a.send_bytes(first).meta["code"] == ErrorCode.OUT_OF_ORDER
+    # plaintext after the handshake
+    a.seq += 1
+    assert a.send_bytes(encode_frame(Frame(MsgType.CLOSE, sid, seq=a.seq))).meta["code"] == ErrorCode.NOT_ENCRYPTED
+    # another client, knowing the session id, can neither use nor close it
+    assert b.send(forward_frame(sid)).meta["code"] == ErrorCode.UNKNOWN_SESSION
+    assert b.send(Frame(MsgType.CLOSE, sid)).meta["code"] == ErrorCode.UNKNOWN_SESSION
+    # the session survived all of it
+    reply = a.send(forward_frame(sid, t=1, positions=[3]))
+    assert reply.type == MsgType.RESULT and reply.meta["cache_len"] == 4
+
+
+def test_sessions_are_counted_per_client_key_and_bound_to_the_connection(tiny_split, fingerprint):
+    alice = generate_identity()
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_sessions_per_client=2)) as server:
+        a1, a2, other = Raw(server.url, alice), Raw(server.url, alice), Raw(server.url)
+        for r in (a1, a2, other):
+            r.hello(fingerprint)
+        s1 = a1.send(Frame(MsgType.OPEN)).session
+        assert a2.send(Frame(MsgType.OPEN)).type == MsgType.OPENED
+        assert a2.send(Frame(MsgType.OPEN)).meta["code"] == ErrorCode.LIMIT_EXCEEDED  # 2 for alice, any connection
+        assert other.send(Frame(MsgType.OPEN)).type == MsgType.OPENED
+        assert a2.send(Frame(MsgType.CLOSE, s1)).meta["code"] == ErrorCode.UNKNOWN_SESSION  # alice, other connection
+        a1.close()  # alice's first connection ends: its session goes, so she may open another
+        for _ in range(100):
+            if len(server.server.sessions.sessions) == 2:
+                break
+            time.sleep(0.02)
+        assert a2.send(Frame(MsgType.OPEN)).type == MsgType.OPENED
+
+
+def test_too_many_bad_frames_close_the_connection(tiny_split, fingerprint):
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_bad_frames=3)) as server:
+        raw = Raw(server.url)
+        raw.hello(fingerprint)
+        raw.send(Frame(MsgType.OPEN))
+        for _ in range(3):
+            assert raw.send_bytes(b"garbage").meta["code"] == ErrorCode.BAD_FRAME
+        with pytest.raises(ConnectionClosed) as e:
+            raw.ws.recv(timeout=5)
+        assert e.value.rcvd.code == 1008 and "bad frames" in e.value.rcvd.reason

@@ -73,3 +73,16 @@ def test_edge_and_cloud_use_fresh_caches_per_session(bundled_split, bundled_serv
         b = edge.generate([504, 3458, 282], max_new_tokens=10, stop_at_eos=False)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 10
     assert torch.tensor(a.token_ids).numel() == 10
+
+
+@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto"])
+def test_speculative_split_is_token_identical(bundled_split, bundled_server, bundled_hf, mode):
+    hf, tok = bundled_hf
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    ids = tok(prompt).input_ids
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        result = edge.generate(prompt, max_new_tokens=64, spec=mode)
+    assert result.token_ids == hf_greedy(hf, ids, 64)
+    s = result.stats
+    assert s.round_trips < s.new_tokens  # several tokens per round trip on repetitive code
+    assert s.spec["steps"] == s.round_trips - 1

@@ -53,7 +53,8 @@ def test_mask_packs_to_bits():
     ("text frame", ErrorCode.BAD_FRAME),
     (encode_frame(Frame(MsgType.HELLO))[:-0 or None] + b"extra", ErrorCode.BAD_FRAME),
     (b"SPLM\x09" + bytes(27), ErrorCode.VERSION_MISMATCH),
-    (b"SPLM\x01\x63" + bytes(26), ErrorCode.BAD_FRAME),
+    (b"SPLM\x02\x63" + bytes(26), ErrorCode.BAD_FRAME),  # unknown type
+    (b"SPLM\x02\x01\x80\x00" + bytes(24), ErrorCode.BAD_FRAME),  # unknown flag bit
 ])
 def test_malformed_frames_raise(data, code):
     with pytest.raises(ProtocolError) as e:

@@ -85,8 +85,10 @@ def test_worked_example_decodes_to_the_documented_values():
     frame = decode_frame(data)
     fingerprint = re.search(r'"fingerprint": "([0-9a-f]{32})"', text).group(1)
     assert (frame.type, frame.session, frame.seq, frame.flags, frame.payload) == (MsgType.HELLO, 0, 1, 0, b"")
-    assert frame.meta == {"version": VERSION, "fingerprint": fingerprint}
-    assert encode_frame(Frame(MsgType.HELLO, seq=1, meta={"version": 1, "fingerprint": fingerprint})) == data
+    assert set(frame.meta) == {"version", "fingerprint", "e", "s"}
+    assert (frame.meta["version"], frame.meta["fingerprint"]) == (VERSION, fingerprint)
+    assert all(isinstance(frame.meta[k], bytes) and len(frame.meta[k]) == 32 for k in "es")
+    assert encode_frame(Frame(MsgType.HELLO, seq=1, meta=frame.meta)) == data
     assert f"({len(data)} bytes)" in text
     # the annotated rows spell out the whole frame, each at its offset
     offset = 0

@@ -15,6 +15,7 @@ model's end-of-sequence ids or after `max_new_tokens`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ class ModeRun:
 
     token_ids: list[int]  # generated ids
     ttft_s: float  # prompt in -> first token out (the prefill step)
-    decode_s: float  # first token out -> last token out
-    steps: int  # decoding steps after the first token (round trips for network modes)
+    decode_s: float  # end of the prefill step -> last token out
+    steps: int  # decoding steps after the prefill step (round trips for network modes)
+    first_tokens: int = 1  # tokens out of the prefill step (decoding tokens = the rest)
     round_trips: int = 0  # cloud round trips while decoding (0 for local modes)
     network_s: float = 0.0  # round-trip time minus cloud compute and (de)serialisation
     cloud_s: float = 0.0  # the cloud's compute, as it reports it
@@ -104,11 +106,15 @@ class BenchContext:
 
     @cached_property
     def hf(self):
-        """The full model in `transformers` (fp32, eval mode)."""
-        import torch
-        from transformers import AutoModelForCausalLM
+        """The full model in `transformers` (fp32, eval mode), shared by contexts in one process."""
+        return load_hf(str(self.model_dir))
 
-        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+    @cached_property
+    def hf_cache_kwarg(self) -> str:
+        """The KV cache argument of the model's forward: `cache` in transformers 5, else `past_key_values`."""
+        import inspect
+
+        return "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
 
     @cached_property
     def edge(self):
@@ -135,19 +141,29 @@ class BenchContext:
         self.set_cloud_url(None)
 
 
+@functools.lru_cache(maxsize=1)
+def load_hf(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 @mode("local-hf", network=False, help="the full model in transformers on this machine, no network")
 def run_local_hf(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     import torch
     from transformers import DynamicCache
 
     model, eos = ctx.hf, ctx.eos_ids
-    cache = DynamicCache()
+    cache = {ctx.hf_cache_kwarg: DynamicCache()}
     ids: list[int] = []
     with torch.inference_mode():
         start = time.perf_counter()
         x = torch.tensor([prompt_ids])  # [1, T]
-        while True:
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits  # [1, T, V]
+        while True:  # logits_to_keep=1: only the last position's logits, as `generate` does
+            logits = model(input_ids=x, use_cache=True, logits_to_keep=1, **cache).logits  # [1, 1, V]
             ids.append(int(logits[0, -1].argmax()))
             if len(ids) == 1:
                 ttft = time.perf_counter() - start
@@ -160,16 +176,24 @@ def run_local_hf(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) 
 
 @mode("split-seq", network=True, help="naive split decoding: one cloud round trip per token")
 def run_split_seq(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    return run_edge(ctx, prompt_ids, max_new_tokens)
+
+
+def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec=None) -> ModeRun:
+    """Decode through `ctx.edge` (with the speculative config `spec`, if given) and time it."""
     from dataclasses import replace
 
+    kwargs = {} if spec is None else {"spec": spec}
     ids: list[int] = []
-    prefill = None
-    stats = None
-    for token, stats in ctx.edge.generate_ids(prompt_ids, max_new_tokens, stop_at_eos=True):
-        ids.append(token)
+    prefill = stats = None
+    for new, stats in ctx.edge.generate_ids(prompt_ids, max_new_tokens, stop_at_eos=True, **kwargs):
+        ids.extend(new if isinstance(new, list) else [new])  # one step's tokens (older API: one id)
         if prefill is None:
             prefill = replace(stats)  # a snapshot: the stats after the prefill round trip only
-    return decode_phase(ids, prefill, stats)
+            first_tokens = len(ids)
+    run = decode_phase(ids, prefill, stats)
+    run.first_tokens = first_tokens
+    return run
 
 
 def decode_phase(ids: list[int], prefill, final) -> ModeRun:

@@ -96,6 +96,7 @@ class _Link:
         self.config = config
         self.rng = rng
         self.on_bytes = on_bytes
+        self.capture: list[bytes] | None = None  # if a list: every chunk delivered, in order (tests)
         self.free_at = 0.0  # when the link finishes serializing the last chunk
         self.last_release = 0.0  # when the last chunk is delivered
         self.in_flight = 0
@@ -162,6 +163,8 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
                         writer.write_eof()
                     return item
                 link.on_bytes(len(item))  # counted before the peer can see it
+                if link.capture is not None:
+                    link.capture.append(item)
                 writer.write(item)
                 await writer.drain()
             except OSError:
@@ -196,6 +199,8 @@ class _Proxy:
         self.rng = random.Random(config.seed)
         self.bytes_up = 0
         self.bytes_down = 0
+        self.capture_up: list[bytes] | None = None  # lists to record the delivered bytes (all connections)
+        self.capture_down: list[bytes] | None = None
         self.address: Address = listen
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task, list[asyncio.StreamWriter]] = {}
@@ -251,6 +256,7 @@ class _Proxy:
             logger.debug("wan: connection from %s", peer)
             up = _Link(self.config, self.rng, self._count_up)
             down = _Link(self.config, self.rng, self._count_down)
+            up.capture, down.capture = self.capture_up, self.capture_down
             pipes = [
                 asyncio.create_task(_pipe(client_reader, up_writer, up)),
                 asyncio.create_task(_pipe(up_reader, client_writer, down)),
@@ -291,8 +297,11 @@ class WanEmulator:
         upstream: Address | str,
         config: WanConfig,
         listen: Address | str = ("127.0.0.1", 0),
+        capture: bool = False,
     ) -> None:
         self._proxy = _Proxy(_as_address(listen), _as_address(upstream), config)
+        if capture:  # keep every byte relayed, for wire-capture tests (`captured_up`, `captured_down`)
+            self._proxy.capture_up, self._proxy.capture_down = [], []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -326,6 +335,16 @@ class WanEmulator:
     def bytes_down(self) -> int:
         """Bytes delivered from the upstream to clients so far."""
         return self._proxy.bytes_down
+
+    @property
+    def captured_up(self) -> bytes:
+        """Everything relayed from clients to the upstream (needs ``capture=True``)."""
+        return b"".join(self._proxy.capture_up or [])
+
+    @property
+    def captured_down(self) -> bytes:
+        """Everything relayed from the upstream to clients (needs ``capture=True``)."""
+        return b"".join(self._proxy.capture_down or [])
 
     def url_for(self, scheme: str = "ws", path: str = "") -> str:
         """A URL pointing at the emulator, e.g. ``ws://127.0.0.1:40123``."""

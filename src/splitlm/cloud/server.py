@@ -1,5 +1,7 @@
 """The cloud server: asyncio + websockets, many sessions, compute off the event loop.
 
+Every connection starts with the HELLO / HELLO_OK handshake (`splitlm.transport.handshake`);
+after it every frame in both directions is AES-256-GCM encrypted (`splitlm.transport.crypto`).
 Plain HTTP `GET /healthz` on the same port answers `ok` with the shard fingerprint.
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,22 +21,28 @@ import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from splitlm import __version__
+from splitlm import SplitLMError, __version__
 from splitlm.cloud.sessions import ForwardRequest, ServerLimits, SessionTable, run_forward, validate
 from splitlm.model.shards import load_cloud
 from splitlm.transport.codecs import WIRE_DTYPES
+from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
+    FLAG_ENCRYPTED,
+    HEADER_SIZE,
     VERSION,
     Frame,
     MsgType,
-    decode_frame,
+    decode_body,
+    decode_header,
     encode_frame,
     error_frame,
     pack_tensors,
     unpack_mask,
     unpack_tensors,
 )
+from splitlm.transport.handshake import hello_keys, server_handshake
+from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolve_identity
 
 log = logging.getLogger("splitlm.cloud")
 
@@ -44,22 +53,56 @@ def int_list(value, name: str) -> list[int]:
     return value
 
 
+# errors after which the connection is closed (the ERROR frame is sent first); VERSION_MISMATCH only
+# before the handshake (afterwards an unauthenticated frame must not be able to end the connection)
+CLOSING = {ErrorCode.VERSION_MISMATCH, ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.AUTH_FAILED,
+           ErrorCode.UNKNOWN_CLIENT}
+# errors that count towards ServerLimits.max_bad_frames (frames that fail below the request level)
+BAD_FRAME_CODES = {ErrorCode.BAD_FRAME, ErrorCode.VERSION_MISMATCH, ErrorCode.NOT_READY, ErrorCode.NOT_ENCRYPTED,
+                   ErrorCode.DECRYPT_FAILED, ErrorCode.REPLAY, ErrorCode.OUT_OF_ORDER}
+
+
 class Connection:
-    """Per-connection protocol state: handshake done, sequence numbers in both directions."""
+    """Per-connection protocol state: handshake, keys, the authenticated client, sequence numbers."""
 
     def __init__(self, conn_id: int, ws: ServerConnection):
         self.id, self.ws = conn_id, ws
-        self.ready = False
-        self.last_seq_in = 0
+        self.window = ReplayWindow()  # incoming sequence numbers (HELLO's, then the channel's)
         self.seq_out = itertools.count(1)
+        self.channel: Channel | None = None  # set by a successful HELLO
+        self.client_key: bytes | None = None  # the client's static public key (announced in HELLO)
+        self.client = "?"  # its fingerprint, for the log
+        self.authenticated = False  # the client proved it holds the key (a frame decrypted)
+        self.bad_frames = 0
 
-    async def send(self, frame: Frame) -> None:
+    @property
+    def ready(self) -> bool:
+        return self.channel is not None
+
+    async def send(self, frame: Frame, plaintext: bool = False) -> None:
         frame.seq = next(self.seq_out)
-        await self.ws.send(encode_frame(frame))
+        if self.channel is not None and not plaintext:
+            await self.ws.send(self.channel.seal(frame))
+        else:
+            await self.ws.send(encode_frame(frame))
 
 
 class CloudServer:
-    def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None):
+    """The cloud.
+
+    identity: the server's static key (`Identity` or .key path); None = the one kept in the config
+        dir (``cloud.key``, created on first use).
+    allowed_clients: a file of allowed client public keys (or a list of keys / fingerprints);
+        None = any client may connect (still encrypted; a warning is logged).
+    tls_cert, tls_key: serve wss:// with this certificate chain and key (on top of the encryption).
+    rekey: when this side's sending keys rotate.
+    """
+
+    def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *,
+                 identity: Identity | str | Path | None = None,
+                 allowed_clients: str | Path | list | AllowedClients | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
+                 rekey: RekeyPolicy | None = None):
         self.model = load_cloud(shard_dir)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
@@ -67,6 +110,33 @@ class CloudServer:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitlm-compute")
         self.conn_ids = itertools.count(1)
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
+        self.identity = resolve_identity(identity, "cloud")
+        self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
+                        else AllowedClients(allowed_clients))
+        self.rekey = rekey
+        self.ssl_context = self._tls(tls_cert, tls_key)
+
+    @staticmethod
+    def _tls(cert: str | Path | None, key: str | Path | None) -> ssl.SSLContext | None:
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            raise SplitLMError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as e:
+            raise SplitLMError(f"cannot load the TLS certificate {cert} / key {key}: {e}") from None
+        return context
+
+    @property
+    def public_key(self) -> bytes:
+        return self.identity.public_bytes
+
+    @property
+    def fingerprint(self) -> str:
+        """The server's identity fingerprint (what edges pin with --cloud-key)."""
+        return self.identity.fingerprint
 
     # -- HTTP ------------------------------------------------------------------------------------
     def process_request(self, connection: ServerConnection, request):
@@ -87,35 +157,75 @@ class CloudServer:
                 await self.dispatch(conn, data)
         except (TimeoutError, asyncio.TimeoutError):
             await self.send_error(conn, ProtocolError(ErrorCode.NOT_READY, "no HELLO within the handshake timeout"))
-            await ws.close()
+            await self.close(conn, "handshake timeout")
         except ConnectionClosed:
             pass
         finally:
-            self.sessions.drop_owner(conn.id)
+            self.sessions.drop_connection(conn.id)
 
-    async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None) -> None:
+    async def close(self, conn: Connection, reason: str) -> None:
+        log.info("conn %d (client %s): closing: %s", conn.id, conn.client, reason)
+        await conn.ws.close(1008 if reason != "handshake timeout" else 1000, reason[:120])
+
+    async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None,
+                         plaintext: bool = False) -> None:
         self.stats["errors"] += 1
-        log.info("conn %d: %s", conn.id, err)
+        log.info("conn %d (client %s): %s", conn.id, conn.client, err)  # messages never hold tensor data
         try:
-            await conn.send(error_frame(err, session, ref=ref))
+            await conn.send(error_frame(err, session, ref=ref), plaintext)
         except ConnectionClosed:
             pass
+
+    def _decode(self, conn: Connection, data: bytes | str) -> Frame:
+        """Check, authenticate and decode one incoming message (raises ProtocolError)."""
+        if conn.channel is None:  # before the handshake: plaintext HELLO only
+            header = decode_header(data)
+            if header.flags & FLAG_ENCRYPTED:
+                raise ProtocolError(ErrorCode.NOT_READY, "encrypted frame before the handshake")
+            frame = decode_body(header, memoryview(data)[HEADER_SIZE:])
+            conn.window.accept(frame.seq)
+            if frame.type != MsgType.HELLO:
+                raise ProtocolError(ErrorCode.NOT_READY, "send HELLO first")
+            return frame
+        try:
+            frame = conn.channel.open(data)
+        except ProtocolError as err:
+            if err.code == ErrorCode.DECRYPT_FAILED and not conn.authenticated:
+                raise ProtocolError(ErrorCode.AUTH_FAILED, "the first encrypted frame did not decrypt: the client "
+                                    f"does not hold the private key of {conn.client}") from None
+            raise
+        if not conn.authenticated:
+            conn.authenticated = True
+            log.info("conn %d: client %s authenticated", conn.id, conn.client)
+        return frame
 
     async def dispatch(self, conn: Connection, data: bytes | str) -> None:
         ref, session = None, 0
         try:
-            frame = decode_frame(data)
-            ref, session = frame.seq, frame.session
-            if frame.seq <= conn.last_seq_in:
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"sequence number {frame.seq} is not increasing")
-            conn.last_seq_in = frame.seq
+            try:  # header fields for the ERROR's ref and session (unauthenticated if the frame was rejected)
+                header = decode_header(data)
+                ref, session = header.seq, header.session
+            except ProtocolError:
+                pass
+            frame = self._decode(conn, data)
+            if frame.type == MsgType.HELLO:
+                if conn.channel is not None:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, "the handshake is already done")
+                await self.hello(conn, frame, data)
+                return
             reply = await self.handle(conn, frame)
             reply.meta["ref"] = frame.seq
             await conn.send(reply)
         except ProtocolError as err:
-            await self.send_error(conn, err, session, ref)
-            if err.code in (ErrorCode.VERSION_MISMATCH, ErrorCode.FINGERPRINT_MISMATCH):
-                await conn.ws.close()
+            # AUTH_FAILED after HELLO goes out in the clear: the client's keys differ from ours
+            plaintext = conn.channel is not None and not conn.authenticated and err.code == ErrorCode.AUTH_FAILED
+            await self.send_error(conn, err, session, ref, plaintext)
+            if err.code in CLOSING and not (err.code == ErrorCode.VERSION_MISMATCH and conn.ready):
+                await self.close(conn, err.code.name)
+            elif err.code in BAD_FRAME_CODES:
+                conn.bad_frames += 1
+                if conn.bad_frames >= self.limits.max_bad_frames:
+                    await self.close(conn, f"{conn.bad_frames} bad frames")
         except ConnectionClosed:
             raise
         except Exception as e:  # a bug must not take the server down
@@ -124,39 +234,44 @@ class CloudServer:
                                   session, ref)
 
     async def handle(self, conn: Connection, frame: Frame) -> Frame:
-        if frame.type == MsgType.HELLO:
-            return self.hello(conn, frame)
-        if not conn.ready:
-            raise ProtocolError(ErrorCode.NOT_READY, "send HELLO first")
+        owner = conn.client_key
         if frame.type == MsgType.OPEN:
             wire = frame.meta.get("wire_dtype", "fp16")
             if not isinstance(wire, str) or wire not in WIRE_DTYPES:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
-            s = self.sessions.open(conn.id, wire, len(self.model.middle.layers))
+            s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id)
             return Frame(MsgType.OPENED, s.id, meta={"wire_dtype": wire})
         if frame.type == MsgType.FORWARD:
             return await self.forward(conn, frame)
         if frame.type == MsgType.CLOSE:
-            self.sessions.close(frame.session, conn.id)
+            self.sessions.close(frame.session, owner, conn.id)
             return Frame(MsgType.CLOSED, frame.session)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected message {frame.type.name}")
 
-    def hello(self, conn: Connection, frame: Frame) -> Frame:
+    async def hello(self, conn: Connection, frame: Frame, data: bytes) -> None:
         if frame.meta.get("version") != VERSION:
             raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"edge speaks version {frame.meta.get('version')}, cloud {VERSION}")
         if frame.meta.get("fingerprint") != self.manifest.fingerprint:
             raise ProtocolError(ErrorCode.FINGERPRINT_MISMATCH,
                                 "the edge shard and the cloud shard come from different splits "
                                 f"(cloud fingerprint {self.manifest.fingerprint})")
-        conn.ready = True
+        _, client_key = hello_keys(frame)
+        conn.client = fingerprint(client_key)
+        if self.allowed is not None and client_key not in self.allowed:
+            raise ProtocolError(ErrorCode.UNKNOWN_CLIENT, f"client key {conn.client} is not on this cloud's list of "
+                                "allowed clients (ask its operator to add your .pub file)")
         lim = self.limits
-        return Frame(MsgType.HELLO_OK, meta={
-            "server": f"splitlm/{__version__}", "fingerprint": self.manifest.fingerprint,
-            "limits": {"max_tokens_per_session": lim.max_tokens_per_session,
-                       "max_tokens_per_forward": lim.max_tokens_per_forward, "max_frame_bytes": lim.max_frame_bytes}})
+        info = {"server": f"splitlm/{__version__}", "fingerprint": self.manifest.fingerprint,
+                "limits": {"max_tokens_per_session": lim.max_tokens_per_session,
+                           "max_tokens_per_forward": lim.max_tokens_per_forward,
+                           "max_frame_bytes": lim.max_frame_bytes}}
+        ok, channel, _ = server_handshake(self.identity, frame, data, info, next(conn.seq_out), self.rekey, conn.window)
+        conn.channel, conn.client_key = channel, client_key
+        log.info("conn %d: HELLO from client %s", conn.id, conn.client)
+        await conn.ws.send(ok)
 
     async def forward(self, conn: Connection, frame: Frame) -> Frame:
-        session = self.sessions.get(frame.session, conn.id)
+        session = self.sessions.get(frame.session, conn.client_key, conn.id)
         meta = frame.meta
         max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size
         tensors = unpack_tensors(frame, max_elems)
@@ -190,11 +305,19 @@ class CloudServer:
     async def serve(self, host: str, port: int, started: threading.Event | None = None,
                     stop: asyncio.Event | None = None) -> None:
         async with serve(self.handler, host, port, max_size=self.limits.max_frame_bytes, compression=None,
-                         process_request=self.process_request, ping_interval=None) as server:
+                         process_request=self.process_request, ping_interval=None, ssl=self.ssl_context) as server:
             self.port = server.sockets[0].getsockname()[1]
             expiry = asyncio.create_task(self.expire_loop())
-            log.info("serving %s (layers [%d,%d), fingerprint %s) on ws://%s:%d", self.manifest.role,
-                     *self.manifest.cloud_layers, self.manifest.fingerprint, host, self.port)
+            scheme = "wss" if self.ssl_context else "ws"
+            log.info("serving %s (layers [%d,%d), fingerprint %s) on %s://%s:%d", self.manifest.role,
+                     *self.manifest.cloud_layers, self.manifest.fingerprint, scheme, host, self.port)
+            log.info("cloud identity %s (%s)", self.fingerprint,
+                     self.identity.path or "in memory")
+            if self.allowed is None:
+                log.warning("no allow-list of clients (--clients): any client may connect (still encrypted)")
+            else:
+                log.info("%d allowed client key(s)%s", len(self.allowed),
+                         f" from {self.allowed.path}" if self.allowed.path else "")
             if started is not None:
                 started.set()
             try:
@@ -207,8 +330,9 @@ class BackgroundServer:
     """Run a CloudServer on its own event loop in a daemon thread (tests, demo, benchmarks)."""
 
     def __init__(self, shard_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 limits: ServerLimits | None = None):
-        self.server = CloudServer(shard_dir, limits)
+                 limits: ServerLimits | None = None, **security):
+        """`security`: CloudServer's keyword arguments (identity, allowed_clients, tls_cert, tls_key, rekey)."""
+        self.server = CloudServer(shard_dir, limits, **security)
         self.host, self._port = host, port
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
@@ -228,7 +352,11 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.server.port}"
+        return f"{'wss' if self.server.ssl_context else 'ws'}://{self.host}:{self.server.port}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self.server.fingerprint
 
     def __exit__(self, *exc) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)

@@ -22,14 +22,16 @@ class ServerLimits:
     max_frame_bytes: int = 64 * 2**20
     idle_timeout_s: float = 600.0
     hello_timeout_s: float = 10.0
+    max_bad_frames: int = 64  # undecodable / unauthenticated / replayed frames before the connection is closed
 
 
 @dataclass
 class Session:
     id: int
-    owner: int  # the connection that opened it; no other connection may use it
+    owner: bytes  # the authenticated client key that opened it; no other client may use it
     wire_dtype: str
     cache: KVCache
+    conn: int = 0  # the connection that opened it (the session ends with it)
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -48,30 +50,34 @@ class SessionTable:
         self.limits = limits
         self.sessions: dict[int, Session] = {}
 
-    def open(self, owner: int, wire_dtype: str, num_layers: int) -> Session:
+    def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0) -> Session:
+        """A new session for client key `owner` on connection `conn` (limits count per client key)."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"server is at its limit of {self.limits.max_sessions} sessions")
         if sum(s.owner == owner for s in self.sessions.values()) >= self.limits.max_sessions_per_client:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                                 f"at most {self.limits.max_sessions_per_client} sessions per client")
         sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers))
+        while sid in self.sessions:
+            sid = secrets.randbits(63) or 1
+        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn)
         self.sessions[sid] = session
         return session
 
-    def get(self, sid: int, owner: int) -> Session:
+    def get(self, sid: int, owner: bytes, conn: int | None = None) -> Session:
+        """The session, if `owner` (and, when given, connection `conn`) opened it."""
         session = self.sessions.get(sid)
-        if session is None or session.owner != owner:  # do not reveal that another client's session exists
-            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {sid:#x}")
+        if session is None or session.owner != owner or (conn is not None and session.conn != conn):
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {sid:#x}")  # same answer: no oracle
         session.last_used = time.monotonic()
         return session
 
-    def close(self, sid: int, owner: int) -> None:
-        self.get(sid, owner)
+    def close(self, sid: int, owner: bytes, conn: int | None = None) -> None:
+        self.get(sid, owner, conn)
         del self.sessions[sid]
 
-    def drop_owner(self, owner: int) -> None:
-        for sid in [s.id for s in self.sessions.values() if s.owner == owner]:
+    def drop_connection(self, conn: int) -> None:
+        for sid in [s.id for s in self.sessions.values() if s.conn == conn]:
             del self.sessions[sid]
 
     def expire(self) -> int:

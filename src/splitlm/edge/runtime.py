@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from splitlm import SplitLMError
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.model.shards import load_edge
 from splitlm.transport.client import CloudClient
 from splitlm.transport.codecs import check_wire_dtype
@@ -34,6 +36,8 @@ class GenerationStats:
     cloud_compute_s: float = 0.0
     edge_compute_s: float = 0.0
     serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
+    spec_mode: str = "none"
+    spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
 
     @property
     def decode_round_trips(self) -> int:
@@ -77,10 +81,17 @@ class EdgeSession:
         return self.head_cache.length
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int] | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [T, V]."""
+    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
+                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
+        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V].
+
+        `keep` first retains only those entries of the previous call's new tokens, in both the
+        edge's caches and (piggy-backed on this request) the cloud's.
+        """
         model, client = self.edge.model, self.edge.client
+        if keep is not None:
+            self.head_cache.keep(keep)
+            self.tail_cache.keep(keep)
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         pos = torch.tensor(positions)
@@ -88,22 +99,33 @@ class EdgeSession:
         h = model.embed_and_head(torch.tensor([ids]), pos, mask, self.head_cache)[0]  # [T, D]
         t1 = time.perf_counter()
         up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
-        h, meta = client.forward(self.id, h, positions, self.edge.wire_dtype, mask=mask)
+        h, meta = client.forward(self.id, h, positions, self.edge.wire_dtype, mask=mask, keep=keep)
         t2 = time.perf_counter()
-        logits = model.tail_and_logits(h[None].to(self.edge.dtype), pos, mask, self.tail_cache)[0]  # [T, V]
+        logits = model.tail_and_logits(h[None].to(self.edge.dtype), pos, mask, self.tail_cache, rows)[0]
         t3 = time.perf_counter()
+        serialize_s = client.serialize_s - ser
+        network_s = max(0.0, meta["round_trip_s"] - meta["compute_s"] - serialize_s)
+        edge_s = (t1 - t0) + (t3 - t2)
         s = self.stats
         s.round_trips += 1
         s.bytes_up += client.bytes_up - up
         s.bytes_down += client.bytes_down - down
         s.cloud_compute_s += meta["compute_s"]
-        s.serialize_s += client.serialize_s - ser
-        s.network_s += max(0.0, meta["round_trip_s"] - meta["compute_s"] - (client.serialize_s - ser))
-        s.edge_compute_s += (t1 - t0) + (t3 - t2)
+        s.serialize_s += serialize_s
+        s.network_s += network_s
+        s.edge_compute_s += edge_s
+        self.last_step = {"tokens": len(ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"]}
         return logits
 
     def close(self) -> None:
         self.edge.client.close_session(self.id)
+
+
+def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
+    try:
+        return SpecConfig(spec) if isinstance(spec, str) else (spec or SpecConfig())
+    except ValueError as e:
+        raise SplitLMError(str(e)) from None
 
 
 class Stream:
@@ -120,7 +142,10 @@ class Stream:
 class Edge:
     """The edge side of a split model, connected to one cloud server."""
 
-    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "fp16", timeout_s: float = 60.0):
+    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "fp16", timeout_s: float = 60.0, *,
+                 identity=None, cloud_key=None, known_hosts=None, tls_ca=None, rekey=None):
+        """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
+        (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key)."""
         try:
             self.wire_dtype = check_wire_dtype(wire_dtype)
         except ValueError as e:
@@ -130,7 +155,8 @@ class Edge:
         self.dtype = next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
-        self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s)
+        self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
+                                  cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
 
     def _load_tokenizer(self):
         if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():
@@ -171,37 +197,42 @@ class Edge:
             raise SplitLMError("the prompt is empty")
         return ids
 
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128,
-                     stop_at_eos: bool = True) -> Iterator[tuple[int, GenerationStats]]:
-        """Greedy sequential decoding, one round trip per token. Yields (token id, live stats)."""
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
+                     spec: SpecConfig | None = None) -> Iterator[tuple[list[int], GenerationStats]]:
+        """Decode greedily; yields (new tokens of one step, live stats). With `spec` mode `none`
+        every step is one round trip and one token; other modes verify a drafted tree per step."""
         if max_new_tokens < 1:
             raise SplitLMError("max_new_tokens must be at least 1")
+        spec = spec or SpecConfig()
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
         session = self.open_session()
+        s = session.stats
+        s.prompt_tokens = len(prompt_ids)
+        s.spec_mode = spec.mode
+        budget = StepBudget(fixed_nodes=spec.max_nodes)
+        spec_stats = SpecStats()
         try:
-            s = session.stats
-            s.prompt_tokens = len(prompt_ids)
             start = time.perf_counter()
-            logits = session.forward(prompt_ids)
-            token = int(logits[-1].argmax())
-            s.prefill_s = time.perf_counter() - start
-            while True:
-                s.new_tokens += 1
+            steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec), budget,
+                                       spec_stats, adaptive=spec.mode == "auto")
+            for new in steps:
+                if s.new_tokens == 0:
+                    s.prefill_s = time.perf_counter() - start
+                s.new_tokens += len(new)
                 s.decode_s = time.perf_counter() - start - s.prefill_s
-                yield token, s
-                if token in eos or s.new_tokens >= max_new_tokens:
-                    break
-                token = int(session.forward([token])[-1].argmax())
+                s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
+                          "compute_c0_s": round(budget.compute.c0, 5), "compute_c1_s": round(budget.compute.c1, 6)}
+                yield new, s
         finally:
             session.close()
 
-    def _run(self, prompt, max_new_tokens, chat, stop_at_eos) -> Iterator[tuple[str, GenerationResult]]:
+    def _run(self, prompt, max_new_tokens, chat, stop_at_eos, spec) -> Iterator[tuple[str, GenerationResult]]:
         prompt_ids = self._prompt_ids(prompt, chat)
         ids: list[int] = []
         text = ""
         stats = GenerationStats()
-        for token, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos):
-            ids.append(token)
+        for tokens, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec):
+            ids.extend(tokens)
             stats = live_stats
             new_text = self.decode(ids)
             if not new_text.endswith("\ufffd"):  # hold back incomplete UTF-8 sequences
@@ -213,16 +244,16 @@ class Edge:
         yield final[len(text):], GenerationResult(final, ids, stats, finish, prompt_ids)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True) -> GenerationResult:
-        *_, (_, result) = self._run(prompt, max_new_tokens, chat, stop_at_eos)
+                 stop_at_eos: bool = True, spec: SpecConfig | str | None = None) -> GenerationResult:
+        *_, (_, result) = self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec))
         return result
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-               stop_at_eos: bool = True) -> Stream:
+               stop_at_eos: bool = True, spec: SpecConfig | str | None = None) -> Stream:
         stream = Stream(iter(()))
 
         def pieces() -> Iterator[str]:
-            for delta, result in self._run(prompt, max_new_tokens, chat, stop_at_eos):
+            for delta, result in self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec)):
                 if result is not None:
                     stream.result = result
                 if delta:

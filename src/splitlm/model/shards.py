@@ -128,10 +128,12 @@ class EdgeModel(nn.Module):
     def embed_and_head(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
         return self.head(self.embed_tokens(ids), positions, new_mask, cache)  # [B, T, D]
 
-    def tail_and_logits(self, h, positions, new_mask=None, cache=None) -> torch.Tensor:
+    def tail_and_logits(self, h, positions, new_mask=None, cache=None, rows=None) -> torch.Tensor:
         h = self.tail(h, positions, new_mask, cache)
+        if rows is not None:
+            h = h[:, rows]  # the LM head only where logits are needed
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), w)  # [B, T, V]
+        return F.linear(self.norm(h), w)  # [B, T or len(rows), V]
 
 
 class CloudModel(nn.Module):

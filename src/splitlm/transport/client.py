@@ -1,9 +1,12 @@
-"""Synchronous WebSocket client for the cloud protocol (used by the edge)."""
+"""Synchronous WebSocket client for the cloud protocol (used by the edge): handshake, then encrypted frames."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import ssl
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,17 +14,29 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from splitlm import SplitLMError
+from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
-    VERSION,
+    FLAG_ENCRYPTED,
     Frame,
     MsgType,
     decode_frame,
-    encode_frame,
+    decode_header,
     pack_mask,
     pack_tensors,
     unpack_tensors,
 )
+from splitlm.transport.handshake import ClientHandshake
+from splitlm.transport.keys import (
+    Identity,
+    KnownHosts,
+    fingerprint,
+    host_id,
+    parse_key_spec,
+    resolve_identity,
+)
+
+log = logging.getLogger("splitlm.client")
 
 REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
               MsgType.CLOSE: MsgType.CLOSED}
@@ -35,28 +50,60 @@ class CloudError(SplitLMError):
         self.code = code
 
 
-class CloudClient:
-    """One connection to a cloud server. Counts bytes in both directions (frames as sent)."""
+def tls_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None:
+    """The TLS context for a wss:// URL: the system's trust store, or only the CAs in `ca_file`."""
+    if not url.startswith("wss://"):
+        if ca_file is not None:
+            raise CloudError(f"a TLS CA file was given but {url} is not a wss:// URL")
+        return None
+    try:
+        return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    except (OSError, ssl.SSLError) as e:
+        raise CloudError(f"cannot load the TLS CA file {ca_file}: {e}") from None
 
-    def __init__(self, url: str, fingerprint: str, timeout_s: float = 60.0, max_frame_bytes: int = 64 * 2**20):
+
+def error_from_frame(reply: Frame, note: str = "") -> CloudError:
+    code = reply.meta.get("code")
+    return CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}",
+                      ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
+
+
+class CloudClient:
+    """One authenticated, encrypted connection to a cloud server. Counts bytes in both directions (as sent).
+
+    identity: this client's static key (an `Identity` or a .key path); None = the one kept in the
+        config dir (created on first use).
+    cloud_key: the cloud's expected public key: raw bytes, a ``SHA256:`` fingerprint, a .pub file or
+        a public-key line. None = trust on first use, recorded in `known_hosts` (default
+        ``$SPLITLM_CONFIG/known_hosts`` or ``~/.config/splitlm/known_hosts``); a changed key is refused.
+    tls_ca: CA certificate file for a wss:// URL (default: the system's trust store).
+    rekey: when this side's sending key rotates (tests force rotations with small limits).
+    """
+
+    def __init__(self, url: str, fingerprint: str, timeout_s: float = 60.0, max_frame_bytes: int = 64 * 2**20, *,
+                 identity: Identity | str | Path | None = None, cloud_key: str | bytes | None = None,
+                 known_hosts: str | Path | None = None, tls_ca: str | Path | None = None,
+                 rekey: RekeyPolicy | None = None):
         self.url, self.timeout_s = url, timeout_s
         self.bytes_up = self.bytes_down = 0
-        self.serialize_s = 0.0  # time spent encoding and decoding frames and tensors
+        self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
-        self.last_seq_in = 0
+        self.identity = resolve_identity(identity, "client")
+        pinned = None if cloud_key is None else parse_key_spec(cloud_key)
+        context = tls_context(url, tls_ca)
         try:
             self.ws: ClientConnection = connect(url, open_timeout=timeout_s, max_size=max_frame_bytes,
-                                                compression=None, proxy=None, ping_interval=None).__enter__()
+                                                compression=None, proxy=None, ping_interval=None,
+                                                ssl=context).__enter__()
         except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
             raise CloudError(f"cannot reach the cloud at {url}: {e}") from None
-        hello = self.request(Frame(MsgType.HELLO, meta={"version": VERSION, "fingerprint": fingerprint}))
-        self.server_info: dict[str, Any] = hello.meta
+        try:
+            self.channel: Channel = self._handshake(fingerprint, pinned, known_hosts, rekey)
+        except BaseException:
+            self.ws.close()
+            raise
 
-    def request(self, frame: Frame) -> Frame:
-        frame.seq = next(self.seq)
-        t0 = time.perf_counter()
-        data = encode_frame(frame)
-        self.serialize_s += time.perf_counter() - t0
+    def _exchange(self, data: bytes) -> bytes:
         try:
             self.ws.send(data)
             self.bytes_up += len(data)
@@ -66,22 +113,69 @@ class CloudClient:
         except TimeoutError:
             raise CloudError(f"no answer from the cloud within {self.timeout_s:.0f} s") from None
         self.bytes_down += len(reply_data)
-        t0 = time.perf_counter()
+        return reply_data
+
+    def _handshake(self, shard_fingerprint: str, pinned: str | None, known_hosts: str | Path | None,
+                   rekey: RekeyPolicy | None) -> Channel:
+        hs = ClientHandshake(self.identity, shard_fingerprint, seq=next(self.seq))
+        reply_data = self._exchange(hs.hello_bytes)
         try:
             reply = decode_frame(reply_data)
+            if reply.type == MsgType.ERROR:
+                raise error_from_frame(reply)
+            if reply.type != MsgType.HELLO_OK:
+                raise CloudError(f"the cloud answered HELLO with {reply.type.name}")
+            cloud_fp = fingerprint(ClientHandshake.server_key(reply))
+            host = host_id(self.url)
+            record = None
+            if pinned is not None:
+                if cloud_fp != pinned:
+                    raise CloudError(f"the cloud at {host} presented key {cloud_fp}, but --cloud-key pins {pinned}; "
+                                     "refusing to connect (wrong cloud, or a man in the middle)",
+                                     ErrorCode.SERVER_KEY_MISMATCH)
+            else:
+                hosts = KnownHosts(known_hosts)
+                known = hosts.lookup(host)
+                if known is None:
+                    record = hosts
+                elif known[1] != cloud_fp:
+                    raise CloudError(f"the cloud at {host} presented key {cloud_fp}, but {hosts.path} line {known[0]} "
+                                     f"records {known[1]}; refusing to connect. If the cloud's key really changed, "
+                                     f"delete that line (or pass --cloud-key)", ErrorCode.SERVER_KEY_MISMATCH)
+            channel, info = hs.finish(reply_data, rekey, ReplayWindow())
         except ProtocolError as e:
-            raise CloudError(f"malformed frame from the cloud: {e.message}") from None
+            raise CloudError(f"handshake with the cloud failed: {e}", e.code) from None
+        if record is not None:  # only once the cloud proved it holds the key
+            record.add(host, cloud_fp)
+            log.warning("trusting the cloud key %s of %s on first use (recorded in %s)", cloud_fp, host, record.path)
+        self.cloud_fingerprint = cloud_fp
+        self.server_info: dict[str, Any] = info
+        return channel
+
+    def _open(self, data: bytes) -> Frame:
+        header = decode_header(data)
+        if not header.flags & FLAG_ENCRYPTED and header.type == MsgType.ERROR:
+            # the cloud could not encrypt it (it failed to authenticate us): report it, marked as unauthenticated
+            raise error_from_frame(decode_frame(data), " (unauthenticated error frame; the connection is closed)")
+        return self.channel.open(data)
+
+    def request(self, frame: Frame) -> Frame:
+        frame.seq = next(self.seq)
+        t0 = time.perf_counter()
+        data = self.channel.seal(frame)
+        self.serialize_s += time.perf_counter() - t0
+        reply_data = self._exchange(data)
+        t0 = time.perf_counter()
+        try:
+            reply = self._open(reply_data)
+        except ProtocolError as e:
+            raise CloudError(f"rejected a frame from the cloud: {e}", e.code) from None
         finally:
             self.serialize_s += time.perf_counter() - t0
-        if reply.seq <= self.last_seq_in:
-            raise CloudError("the cloud repeated or reordered a frame")
-        self.last_seq_in = reply.seq
-        if reply.meta.get("ref") not in (None, frame.seq):
-            raise CloudError("the cloud answered a different request")
         if reply.type == MsgType.ERROR:
-            code = reply.meta.get("code")
-            raise CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}",
-                             ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
+            raise error_from_frame(reply)
+        if reply.meta.get("ref") != frame.seq:
+            raise CloudError("the cloud answered a different request")
         if reply.type != REPLY_TYPE[frame.type]:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply

@@ -15,12 +15,23 @@ class ErrorCode(IntEnum):
     TOO_LARGE = 7  # frame or tensor over the limits
     LIMIT_EXCEEDED = 8  # sessions, tokens per session
     INTERNAL = 9
+    AUTH_FAILED = 10  # a peer did not prove its static key (bad HELLO_OK confirmation, client key not held, none sent)
+    UNKNOWN_CLIENT = 11  # the client's static key is not on the cloud's allow-list
+    DECRYPT_FAILED = 12  # an encrypted frame failed AES-GCM authentication (tampered, truncated, wrong key)
+    REPLAY = 13  # a sequence number that was already accepted (or too old to tell)
+    OUT_OF_ORDER = 14  # a sequence number below one already accepted, never seen itself (reordered)
+    NOT_ENCRYPTED = 15  # a plaintext frame after the handshake
+    SERVER_KEY_MISMATCH = 16  # edge-side only: the cloud's static key is not the pinned / known one
 
 
 class ProtocolError(Exception):
     """A failure that becomes (or came from) an ERROR frame."""
 
+    MAX_MESSAGE = 300  # messages may quote peer-supplied values: keep logs and ERROR frames small
+
     def __init__(self, code: ErrorCode, message: str):
+        if len(message) > self.MAX_MESSAGE:
+            message = message[:self.MAX_MESSAGE - 3] + "..."
         super().__init__(f"{code.name}: {message}")
         self.code = ErrorCode(code)
         self.message = message

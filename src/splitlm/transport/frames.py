@@ -4,14 +4,17 @@
     0      4    magic  b"SPLM"
     4      1    version
     5      1    type   (MsgType)
-    6      2    flags
+    6      2    flags  (FLAG_ENCRYPTED, FLAG_KEY_PHASE; other bits must be 0)
     8      8    session id (0 = none)
     16     8    sequence number (strictly increasing per direction)
     24     4    metadata length in bytes
     28     4    payload length in bytes
     32     ...  metadata (msgpack map), then payload (tensor bytes, described in metadata["tensors"])
 
-All integers are big-endian. See docs/protocol.md for the messages.
+All integers are big-endian. After the handshake every frame is encrypted (FLAG_ENCRYPTED): metadata
+and payload are one AES-256-GCM ciphertext, `meta_len` is the plaintext metadata length and
+`payload_len` the plaintext payload length + 16 (the tag); see `splitlm.transport.crypto`.
+See docs/protocol.md for the messages.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from splitlm.transport.codecs import decode_tensor, encode_tensor
 from splitlm.transport.errors import ErrorCode, ProtocolError
 
 MAGIC = b"SPLM"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!4sBBHQQII")
 HEADER_SIZE = HEADER.size  # 32
+FLAG_ENCRYPTED = 0x0001  # metadata + payload are one AES-256-GCM ciphertext, the header its associated data
+FLAG_KEY_PHASE = 0x0002  # which key of the sender's key chain sealed the frame; flips at every rekey
+KNOWN_FLAGS = FLAG_ENCRYPTED | FLAG_KEY_PHASE
 
 
 class MsgType(IntEnum):
@@ -64,7 +70,18 @@ def encode_frame(frame: Frame) -> bytes:
     return frame.header(len(meta)) + meta + frame.payload
 
 
-def decode_frame(data: bytes) -> Frame:
+@dataclass(frozen=True)
+class Header:
+    type: MsgType
+    flags: int
+    session: int
+    seq: int
+    meta_len: int
+    payload_len: int
+
+
+def decode_header(data: bytes) -> Header:
+    """Parse and check the 32-byte header (checks 1-7 of docs/protocol.md, section "Header")."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(ErrorCode.BAD_FRAME, "expected a binary frame, got text")
     if len(data) < HEADER_SIZE:
@@ -80,13 +97,28 @@ def decode_frame(data: bytes) -> Frame:
         msg_type = MsgType(type_)
     except ValueError:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown message type {type_}") from None
+    if flags & ~KNOWN_FLAGS:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown flag bits {flags & ~KNOWN_FLAGS:#06x}")
+    return Header(msg_type, flags, session, seq, meta_len, payload_len)
+
+
+def decode_body(header: Header, body: bytes) -> Frame:
+    """Metadata and payload of a frame from its (plaintext) body: `meta_len` bytes of msgpack, then the payload."""
     try:
-        meta = msgpack.unpackb(bytes(data[HEADER_SIZE:HEADER_SIZE + meta_len]), raw=False) if meta_len else {}
+        meta = msgpack.unpackb(bytes(body[:header.meta_len]), raw=False) if header.meta_len else {}
     except Exception as e:  # noqa: BLE001 - msgpack raises several types
         raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable metadata ({type(e).__name__})") from None
     if not isinstance(meta, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "metadata is not a map")
-    return Frame(msg_type, session, seq, meta, bytes(data[HEADER_SIZE + meta_len:]), flags)
+    return Frame(header.type, header.session, header.seq, meta, bytes(body[header.meta_len:]), header.flags)
+
+
+def decode_frame(data: bytes) -> Frame:
+    """Decode a plaintext frame (HELLO, HELLO_OK, errors before the handshake); see crypto for the rest."""
+    header = decode_header(data)
+    if header.flags & FLAG_ENCRYPTED:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "an encrypted frame where a plaintext one was expected")
+    return decode_body(header, memoryview(data)[HEADER_SIZE:])
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor], wire_dtype: str) -> tuple[list[dict], bytes]:

@@ -1,0 +1,82 @@
+"""The benchmark's prompt set: load and check `benchmarks/prompts.json`, tokenize like the edge does.
+
+Format: a JSON list of `{"id", "category", "prompt", "chat"}`; `chat: true` wraps the prompt in
+the model's chat template (as `splitlm generate --chat` does), `false` continues the raw text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitlm import SplitLMError
+
+CATEGORIES = ("code", "structured", "creative", "conversational")
+DEFAULT_PROMPTS = Path("benchmarks") / "prompts.json"
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    prompt: str
+    chat: bool = False
+    ids: list[int] = field(default_factory=list)  # token ids, filled by `tokenize`
+
+
+def default_prompts_path() -> Path:
+    """`benchmarks/prompts.json` of the current directory, else of the source checkout."""
+    if DEFAULT_PROMPTS.is_file():
+        return DEFAULT_PROMPTS
+    return Path(__file__).resolve().parents[3] / DEFAULT_PROMPTS
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Read and check a prompt file; raise SplitLMError with the reason if it is unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise SplitLMError(f"prompt file not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SplitLMError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise SplitLMError(f"{path}: expected a non-empty JSON list of prompts")
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for i, item in enumerate(data):
+        where = f"{path}: prompt #{i}"
+        if not isinstance(item, dict):
+            raise SplitLMError(f"{where}: expected an object with id, category, prompt, chat")
+        missing = [k for k in ("id", "category", "prompt") if not isinstance(item.get(k), str) or not item[k]]
+        if missing:
+            raise SplitLMError(f"{where}: missing or empty string field(s): {', '.join(missing)}")
+        if not isinstance(item.get("chat", False), bool):
+            raise SplitLMError(f"{where}: 'chat' must be true or false")
+        if item["id"] in seen:
+            raise SplitLMError(f"{where}: duplicate id {item['id']!r}")
+        seen.add(item["id"])
+        prompts.append(Prompt(item["id"], item["category"], item["prompt"], item.get("chat", False)))
+    return prompts
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def tokenize(prompts: list[Prompt], tok) -> None:
+    """Fill `Prompt.ids` the way the edge does (the chat template for chat prompts)."""
+    for p in prompts:
+        if p.chat:
+            if not tok.chat_template:
+                raise SplitLMError(f"prompt {p.id!r} asks for the chat template, but this model has none")
+            text = tok.apply_chat_template([{"role": "user", "content": p.prompt}],
+                                           add_generation_prompt=True, tokenize=False)
+            p.ids = tok(text, add_special_tokens=False).input_ids
+        else:
+            p.ids = tok(p.prompt).input_ids
+        if not p.ids:
+            raise SplitLMError(f"prompt {p.id!r} has no tokens")

@@ -1,0 +1,295 @@
+"""`splitlm bench`: run a prompt set through decoding modes behind an emulated WAN and report.
+
+    splitlm bench --rtt-ms 80                          # local-hf and split-seq, all prompts
+    splitlm bench --sweep 20,40,80,120,200 --limit 4   # + the step-time model t = α·RTT + β
+
+Set-up: the cloud shard is served by a `splitlm serve-cloud --threads 1` subprocess; the
+edge (and the full `transformers` model used as reference and by `local-hf`) runs in this
+process with `torch.set_num_threads(1)`; the WAN emulator is a thread of this process (an
+asyncio proxy, idle while compute runs). Pinning keeps the two compute sides from stealing
+each other's cores. Every RTT gets its own emulator and edge connection, all open at once; each
+mode first decodes a few warm-up tokens there (not counted); then prompts are interleaved across
+RTTs and modes (prompt 1 everywhere, then prompt 2, ...), so that machine noise hits all alike.
+Results: `OUT/bench-<timestamp>.json` (+ `.md` and `-*.png`), and `OUT/results.json` (a copy
+of the latest run's JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from splitlm import SplitLMError, __version__
+
+SCHEMA = "splitlm.bench/1"
+DEFAULT_MODES = "local-hf,split-seq"
+DEFAULT_OUT = Path("benchmarks") / "results"
+WARMUP_TOKENS = 4
+
+
+@dataclass
+class BenchConfig:
+    rtts_ms: list[float] = field(default_factory=lambda: [80.0])  # one RTT, or the sweep
+    modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))
+    prompts: str = ""  # prompt file; "" = benchmarks/prompts.json
+    max_new_tokens: int = 64
+    out: str = str(DEFAULT_OUT)
+    model: str = "default"
+    head: int = 2
+    tail: int = 2
+    wire_dtype: str = "fp16"
+    jitter_ms: float = 0.0
+    mbps: float | None = None
+    limit: int | None = None
+    memory: bool = True
+    plots: bool = True
+
+    @property
+    def sweep(self) -> bool:
+        return len(self.rtts_ms) > 1
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_rtt_list(text: str) -> list[float]:
+    """'20,40,80' -> [20.0, 40.0, 80.0]; raise SplitLMError on anything else."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SplitLMError(f"bad --sweep {text!r}: expected RTTs in ms separated by commas, e.g. 20,40,80") from None
+    if len(set(values)) < 2 or any(not v >= 0 for v in values):
+        raise SplitLMError(f"bad --sweep {text!r}: need at least two different RTTs >= 0 ms")
+    return sorted(set(values))
+
+
+@contextlib.contextmanager
+def cloud_process(shard_dir: Path) -> Iterator[int]:
+    """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess; yields its port."""
+    from splitlm.demo import free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
+                             "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def link(port: int, rtt_ms: float, config: BenchConfig) -> Iterator[str]:
+    """The URL of the cloud behind an emulated WAN (or the cloud itself at RTT 0 with no jitter/cap)."""
+    if rtt_ms == 0 and not config.jitter_ms and config.mbps is None:
+        yield f"ws://127.0.0.1:{port}"
+        return
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    wan_config = WanConfig(rtt_ms=rtt_ms, jitter_ms=config.jitter_ms, mbps=config.mbps, seed=0)
+    with WanEmulator(upstream=("127.0.0.1", port), config=wan_config) as wan:
+        yield wan.url_for("ws")
+
+
+def environment(model_dir: Path, config: BenchConfig) -> dict:
+    import torch
+    import transformers
+
+    from splitlm.model.config import ModelConfig
+    from splitlm.model.loading import read_hf_config
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    return {
+        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+        "cpu_count": os.cpu_count(), "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
+        "transformers": transformers.__version__, "splitlm": __version__,
+        "threads": {"edge_and_local": 1, "cloud": 1, "wan_emulator": "thread of the bench process"},
+        "model": {"name": re.sub(r"-[0-9a-f]{16}$", "", model_dir.name),  # drop the cache's hash suffix
+                  "path": str(model_dir), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                  "vocab_size": cfg.vocab_size, "weights_dtype": "fp32"},
+        "split": {"head": config.head, "tail": config.tail,
+                  "cloud_layers": [config.head, cfg.num_layers - config.tail]},
+    }
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Run the benchmark; returns the results document (see docs/benchmarks.md for its fields)."""
+    from splitlm.bench.metrics import aggregate, fit_sweep, prompt_row
+    from splitlm.bench.modes import MODES, BenchContext, teacher_forced_agreement
+    from splitlm.bench.prompts import default_prompts_path, load_prompts, load_tokenizer, tokenize
+
+    prompts_path = Path(config.prompts) if config.prompts else default_prompts_path()
+    prompts = load_prompts(prompts_path)[: config.limit]
+    modes = [MODES[m] for m in config.modes]
+    network = any(m.network for m in modes)
+
+    import torch
+
+    from splitlm.demo import cached_split
+    from splitlm.model.loading import resolve_model
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model(config.model)
+    split_dir = cached_split(config.model, config.head, config.tail) if network else None
+    tok = load_tokenizer(model_dir)
+    tokenize(prompts, tok)
+    started = time.time()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    rtts = config.rtts_ms if network else config.rtts_ms[:1]
+    progress(f"{len(prompts)} prompts x {len(modes)} modes x {len(rtts)} RTT(s), up to {config.max_new_tokens} tokens;"
+             f" model {re.sub(r'-[0-9a-f]{16}$', '', model_dir.name)}, split k={config.head} m={config.tail}, wire {config.wire_dtype};"
+             " edge and cloud pinned to 1 torch thread each")
+
+    edge_dir = split_dir / "edge" if split_dir else Path()
+    rows: list[dict] = []
+    memory: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(cloud_process(split_dir / "cloud")) if network else None
+        contexts: dict[float, BenchContext] = {}  # one edge per RTT, each behind its own emulator
+        for rtt in rtts:
+            url = stack.enter_context(link(port, rtt, config)) if network else None
+            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype)  # the HF model is shared
+            stack.callback(contexts[rtt].close)
+        first = contexts[rtts[0]]
+        # The reference: the full transformers model's greedy continuation (local-hf's own code path).
+        progress("reference: greedy continuations of the full transformers model")
+        reference = {p.id: MODES["local-hf"].run(first, p.ids, config.max_new_tokens).token_ids for p in prompts}
+        agreement = {p.id: (len(reference[p.id]),) * 2 for p in prompts}  # local modes are the reference
+        split_agreement: dict[str, tuple[int, int]] = {}
+        if network:
+            progress("agreement: teacher-forced reference continuations through the split model")
+            split_agreement = {p.id: teacher_forced_agreement(first, p.ids, reference[p.id]) for p in prompts}
+        for ctx in contexts.values():
+            for m in modes:  # warm-up (connects, first calls), not counted
+                m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
+        # Interleaved: prompt 1 in every RTT and mode, then prompt 2, ...: machine noise hits all alike.
+        for i, p in enumerate(prompts, 1):
+            for rtt, ctx in contexts.items():
+                for m in modes:
+                    run = m.run(ctx, p.ids, config.max_new_tokens)
+                    row = prompt_row(m.name, rtt, p, run, reference[p.id],
+                                     split_agreement[p.id] if m.network else agreement[p.id],
+                                     tok.decode(run.token_ids, skip_special_tokens=True))
+                    rows.append(row)
+                    progress(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
+                             f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
+                             f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}")
+        if config.memory:
+            from splitlm.bench.memory import probe_memory
+
+            longest = max(prompts, key=lambda p: len(p.ids))
+            for m in modes:
+                progress(f"memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
+                memory[m.name] = probe_memory(m.name, model_dir, edge_dir, f"ws://127.0.0.1:{port}" if port else None,
+                                              config.wire_dtype, longest.ids, config.max_new_tokens)
+
+    results = aggregate(rows, memory)
+    env = environment(model_dir, config)
+    env["load_avg_at_start"] = load_at_start  # other work on the machine skews absolute figures; ratios hold better
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "config": {**asdict(config), "prompts": str(prompts_path), "sweep": config.sweep},
+        "environment": env,
+        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids)} for p in prompts],
+        "memory": memory,
+        "results": results,
+        "step_model": fit_sweep(results) if config.sweep else {},
+        "runs": rows,
+    }
+
+
+def write_results(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
+    """Write `bench-<stamp>.json`, `.md`, the plots, and `results.json`; returns the paths written."""
+    from splitlm.bench.report import markdown_report, write_plots
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
+    base = out / f"bench-{stamp}"
+    paths = [base.with_suffix(".json"), base.with_suffix(".md")]
+    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
+    report = markdown_report(doc)
+    if plots:
+        pngs = write_plots(doc, base)
+        paths += pngs
+        report += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    paths[1].write_text(report)
+    shutil.copyfile(paths[0], out / "results.json")
+    return paths
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time (default 80; 0 = no emulator)")
+    p.add_argument("--sweep", default=None, metavar="R1,R2,...",
+                   help="run at each of these RTTs (ms) instead and fit t_step = α·RTT + β per mode")
+    from splitlm.bench.modes import ALIASES, MODES
+
+    known = "; ".join(f"{m.name}: {m.help}" for m in MODES.values())
+    aliases = ", ".join(f"{a}={n}" for a, n in ALIASES.items())
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help=f"comma-separated modes (default {DEFAULT_MODES}). {known}. Aliases: {aliases}")
+    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
+    p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
+    p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
+    p.add_argument("--tail", type=int, default=2, help="edge tail layers M (default 2)")
+    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"], help="activation codec (default fp16)")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
+    p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    from splitlm.bench.modes import parse_modes
+
+    if args.rtt_ms < 0 or args.jitter_ms < 0 or (args.mbps is not None and args.mbps <= 0):
+        raise SplitLMError("--rtt-ms and --jitter-ms must be >= 0 and --mbps > 0")
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
+        raise SplitLMError("--max-new-tokens and --limit must be at least 1")
+    if args.head < 1 or args.tail < 0:
+        raise SplitLMError("--head must be >= 1 and --tail >= 0")
+    return BenchConfig(
+        rtts_ms=parse_rtt_list(args.sweep) if args.sweep else [args.rtt_ms], modes=parse_modes(args.modes),
+        prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
+        head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, jitter_ms=args.jitter_ms, mbps=args.mbps,
+        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots)
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    from splitlm.bench.prompts import default_prompts_path, load_prompts
+    from splitlm.bench.report import markdown_report
+
+    config = config_from_args(args)
+    load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
+    doc = run_bench(config)
+    paths = write_results(doc, config.out, plots=config.plots)
+    print(markdown_report(doc))
+    progress("wrote " + ", ".join(str(p) for p in paths))
+    return 0

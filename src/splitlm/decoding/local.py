@@ -1,0 +1,28 @@
+"""A step session over the whole model in this process (no network): tests and local baselines."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splitlm.model.llama import Transformer
+
+
+class LocalSession:
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.cache = model.stack.new_cache()
+        self.last_step: dict = {}
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
+                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
+        start = time.perf_counter()
+        if keep is not None:
+            self.cache.keep(keep)
+        if positions is None:
+            positions = list(range(self.cache.length, self.cache.length + len(ids)))
+        logits = self.model(torch.tensor([ids]), torch.tensor(positions), mask, self.cache)[0]  # [T, V]
+        self.last_step = {"tokens": len(ids), "network_s": 0.0, "compute_s": time.perf_counter() - start}
+        return logits if rows is None else logits[rows]

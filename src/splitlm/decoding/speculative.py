@@ -1,0 +1,135 @@
+"""The decoding loop: draft a tree, verify it in one pass through the split model, keep the
+accepted path. Greedy output is token-identical to sequential decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter, Window
+from splitlm.decoding.tree import TokenTree, accept_greedy
+
+SPEC_MODES = ("none", "ngram", "lookahead", "auto")
+
+
+@dataclass
+class SpecConfig:
+    mode: str = "none"
+    max_nodes: int | None = None  # fixed tree size (root included); None = chosen per step from the link
+    window: int = 5  # lookahead: columns W
+    ngram: int = 4  # lookahead: N (window levels = N - 1)
+    max_depth: int = 8  # n-gram drafter: longest continuation
+
+    def __post_init__(self):
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"unknown speculative mode {self.mode!r} (choose from {', '.join(SPEC_MODES)})")
+
+
+def make_drafter(cfg: SpecConfig) -> Drafter:
+    if cfg.mode == "ngram":
+        return NgramDrafter(max_depth=cfg.max_depth)
+    if cfg.mode == "lookahead":
+        return LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)
+    if cfg.mode == "auto":
+        return CombinedDrafter([NgramDrafter(max_depth=cfg.max_depth), LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)])
+    return Drafter()
+
+
+class StepSession(Protocol):
+    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits."""
+
+    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
+                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor: ...
+
+    last_step: dict
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0
+    tree_nodes: int = 0  # sum over steps, root included
+    window_tokens: int = 0
+    accepted_drafts: int = 0  # drafted tokens accepted (bonus tokens excluded)
+    expected_tokens: float = 0.0
+    choices: list[int] = field(default_factory=list)  # tree size chosen per step
+
+    def to_dict(self) -> dict:
+        s = max(self.steps, 1)
+        return {"steps": self.steps, "mean_tree_nodes": round(self.tree_nodes / s, 2),
+                "mean_window_tokens": round(self.window_tokens / s, 2),
+                "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
+                "mean_expected_tokens": round(self.expected_tokens / s, 3)}
+
+
+def build_step(tree: TokenTree, window: Window | None, base: int):
+    """Tokens, absolute positions, [T, T] mask and logit rows of one verification pass."""
+    n = len(tree)
+    tokens = list(tree.tokens)
+    positions = [base + d for d in tree.depths()]
+    if window is None:
+        return tokens, positions, (tree.mask() if n > 1 else None), list(range(n))
+    wt = window.tokens()
+    total = n + len(wt)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[:n, :n] = tree.mask()
+    mask[n:, 0] = True  # the window continues from the root
+    mask[n:, n:] = window.mask()
+    tokens += wt
+    positions += [base + r for r in window.rel_positions()]
+    rows = list(range(n)) + [n + r for r in window.output_rows()]
+    return tokens, positions, mask, rows
+
+
+def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
+                       drafter: Drafter, budget: StepBudget, stats: SpecStats,
+                       adaptive: bool = False) -> Iterator[list[int]]:
+    """Yield the new tokens of each step (the first chunk comes from the prefill). With `adaptive`,
+    a lookahead window is resized every step to what the measured link and compute afford."""
+    logits = session.forward(prompt_ids, rows=[len(prompt_ids) - 1])
+    budget.observe_step(len(prompt_ids), session.last_step["compute_s"], session.last_step["network_s"])
+    root = int(logits[-1].argmax())
+    yield [root]
+    produced = 1
+    context = list(prompt_ids) + [root]
+    drafter.reset(context)
+    la = drafter if isinstance(drafter, LookaheadDrafter) else getattr(drafter, "lookahead", lambda: None)()
+    max_width, levels = (la.width, la.n - 1) if la is not None else (0, 0)
+    keep: list[int] | None = None
+    adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
+    while produced < max_new_tokens and root not in eos:
+        if adaptive_window:
+            drafter.set_width(budget.window_width(max_width, levels))
+        window = drafter.window()
+        extra = 0 if window is None else len(window.tokens())
+        tree = drafter.propose()
+        choice = budget.choose(tree, extra)
+        tree = tree.pruned(choice.nodes)
+        tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
+        logits = session.forward(tokens, positions, mask, keep=keep, rows=rows)
+        argmax = logits.argmax(-1).tolist()
+        path, new = accept_greedy(tree, argmax[: len(tree)])
+        if window is not None:
+            drafter.observe(argmax[len(tree):])
+        step = session.last_step
+        budget.observe_step(len(tokens), step["compute_s"], step["network_s"])
+        budget.observe_acceptance(tree, path)
+        stats.steps += 1
+        stats.tree_nodes += len(tree)
+        stats.window_tokens += extra
+        stats.accepted_drafts += len(path) - 1
+        stats.expected_tokens += choice.expected_tokens
+        stats.choices.append(len(tree))
+        keep = path
+        for i, tok in enumerate(new):  # stop inside the step at an end token or the length limit
+            if tok in eos or produced + i + 1 >= max_new_tokens:
+                new = new[: i + 1]
+                break
+        produced += len(new)
+        context.extend(new)
+        drafter.extend(new)
+        root = new[-1]
+        yield new

@@ -1,0 +1,98 @@
+"""Token trees: the candidates of one decoding step, and their visibility mask and positions.
+
+Node 0 is the root: the last generated token, not yet in any KV cache. Every other node is a
+drafted token with a parent among the earlier nodes. A node sees the committed context and its
+own ancestors, nothing else; its position is the root's position plus its depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]  # [N], tokens[0] is the root
+    parents: list[int]  # [N], parents[0] == -1, parents[i] < i
+    scores: list[float] = field(default_factory=list)  # [N], estimated P(node accepted); root 1.0
+
+    @classmethod
+    def root_only(cls, token: int) -> TokenTree:
+        return cls([token], [-1], [1.0])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        d: list[int] = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return d
+
+    def child(self, node: int, token: int) -> int | None:
+        for i in range(node + 1, len(self.tokens)):
+            if self.parents[i] == node and self.tokens[i] == token:
+                return i
+        return None
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        """Add `token` under `parent` unless that child exists (then keep the higher score); return its index."""
+        existing = self.child(parent, token)
+        if existing is not None:
+            self.scores[existing] = max(self.scores[existing], score)
+            return existing
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def add_path(self, tokens: list[int], scores: list[float]) -> None:
+        node = 0
+        for tok, s in zip(tokens, scores, strict=True):
+            node = self.add(node, tok, s)
+
+    def mask(self) -> torch.Tensor:
+        """[N, N] bool: row i sees column j iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                m[i] = m[p]
+            m[i, i] = True
+        return m
+
+    def pruned(self, max_nodes: int) -> TokenTree:
+        """The `max_nodes` best-scoring nodes (root always kept); a kept node's parent is kept too."""
+        if len(self) <= max_nodes:
+            return self
+        order = sorted(range(1, len(self)), key=lambda i: -self.scores[i])
+        keep = {0}
+        for i in order:
+            if len(keep) >= max_nodes:
+                break
+            chain = []
+            j = i
+            while j not in keep:
+                chain.append(j)
+                j = self.parents[j]
+            if len(keep) + len(chain) <= max_nodes:
+                keep.update(chain)
+        old = sorted(keep)
+        index = {o: n for n, o in enumerate(old)}
+        return TokenTree([self.tokens[o] for o in old], [index.get(self.parents[o], -1) for o in old],
+                         [self.scores[o] for o in old])
+
+
+def accept_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], list[int]]:
+    """Walk the tree along the target's greedy choices.
+
+    argmax[i] is the target's next token after node i's path. Returns (accepted node indices,
+    root first; generated tokens = the accepted nodes' tokens after the root, plus the bonus).
+    """
+    path = [0]
+    while (nxt := tree.child(path[-1], argmax[path[-1]])) is not None:
+        path.append(nxt)
+    tokens = [tree.tokens[i] for i in path[1:]] + [argmax[path[-1]]]
+    return path, tokens

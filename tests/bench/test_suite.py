@@ -1,0 +1,171 @@
+"""The benchmark suite: prompt set, options, figures, report, and one tiny run on the bundled model."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from splitlm import SplitLMError
+from splitlm.bench.metrics import aggregate, fit_sweep, prompt_row
+from splitlm.bench.modes import ModeRun, parse_modes
+from splitlm.bench.prompts import CATEGORIES, Prompt, load_prompts
+from splitlm.bench.suite import parse_rtt_list
+from splitlm.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ROOT / "benchmarks" / "prompts.json"
+
+
+def test_shipped_prompt_set():
+    prompts = load_prompts(PROMPTS)
+    assert len(prompts) >= 16
+    counts = Counter(p.category for p in prompts)
+    assert set(counts) == set(CATEGORIES) and min(counts.values()) >= 4
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert {p.chat for p in prompts} == {True, False}
+    # round-robin order: `--limit 4` covers every category
+    assert {p.category for p in prompts[:4]} == set(CATEGORIES)
+    raw = json.loads(PROMPTS.read_text())
+    assert all(set(item) == {"id", "category", "prompt", "chat"} for item in raw)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not found"),
+    ("{not json", "not valid JSON"),
+    ("[]", "non-empty JSON list"),
+    ('[{"id": "a", "category": "code"}]', "prompt"),
+    ('[{"id": "a", "category": "code", "prompt": "x", "chat": "yes"}]', "chat"),
+    ('[{"id": "a", "category": "c", "prompt": "x"}, {"id": "a", "category": "c", "prompt": "y"}]', "duplicate"),
+])
+def test_bad_prompt_files(tmp_path, content, message):
+    path = tmp_path / "prompts.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SplitLMError, match=message):
+        load_prompts(path)
+
+
+def test_modes_and_sweep_parsing():
+    assert parse_modes("local-hf,split-seq") == ["local-hf", "split-seq"]
+    assert parse_modes("sequential, local,split-seq") == ["split-seq", "local-hf"]  # aliases of the issue
+    with pytest.raises(SplitLMError, match="unknown benchmark mode 'warp'.*split-seq"):
+        parse_modes("split-seq,warp")
+    assert parse_rtt_list("80,20,40") == [20.0, 40.0, 80.0]
+    for bad in ("20,abc", "80", "-5,20", "80,80"):
+        with pytest.raises(SplitLMError, match="--sweep"):
+            parse_rtt_list(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "/nonexistent/prompts.json"], "prompt file not found"),
+    (["--modes", "warp"], "unknown benchmark mode"),
+    (["--sweep", "20,x"], "bad --sweep"),
+    (["--max-new-tokens", "0"], "at least 1"),
+])
+def test_cli_user_errors_exit_1(capsys, argv, message):
+    assert main(["bench", *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def _synthetic_rows() -> list[dict]:
+    """Two modes, three RTTs, two prompts: split-seq steps take RTT + 60 ms, local-hf 50 ms."""
+    rows = []
+    for rtt in (20.0, 80.0, 200.0):
+        for i, cat in enumerate(("code", "creative")):
+            p = Prompt(f"p{i}", cat, "x", ids=[1, 2, 3])
+            ref = [5, 6, 7, 8, 9]
+            local = ModeRun(ref, ttft_s=0.1, decode_s=4 * 0.05, steps=4, edge_s=0.2)
+            step = rtt / 1000 + 0.06
+            split = ModeRun(ref if i == 0 else [5, 6, 0, 0, 0], ttft_s=0.2, decode_s=4 * step, steps=4, round_trips=4,
+                            network_s=4 * rtt / 1000, cloud_s=4 * 0.04, edge_s=4 * 0.02, bytes_up=4 * 1200,
+                            bytes_down=4 * 1300, prefill_bytes_up=3 * 1200, prefill_bytes_down=1300)
+            rows.append(prompt_row("local-hf", rtt, p, local, ref, (5, 5)))
+            rows.append(prompt_row("split-seq", rtt, p, split, ref, (4, 5)))
+    return rows
+
+
+def test_aggregate_and_fit_on_synthetic_rows():
+    results = aggregate(_synthetic_rows(), memory={"split-seq": {"peak_rss_mb": 300.0}})
+    by = {(r["mode"], r["rtt_ms"], r["category"]): r for r in results}
+    seq = by[("split-seq", 80.0, "all")]
+    assert seq["tokens_per_round_trip"] == 1.0
+    assert seq["step_s"] == pytest.approx(0.14) and seq["tok_s"] == pytest.approx(1 / 0.14)
+    assert seq["network_s_per_step"] == pytest.approx(0.08) and seq["other_s_per_step"] == pytest.approx(0.0)
+    assert seq["bytes_up_per_token"] == 1200 and seq["bytes_down_per_token"] == 1300
+    assert seq["agreement"] == pytest.approx(0.8) and seq["exact_match"] == 0.5
+    assert seq["efficiency"] == pytest.approx(1.0) and seq["edge_peak_rss_mb"] == 300.0
+    assert by[("split-seq", 80.0, "code")]["exact_match"] == 1.0
+    assert by[("local-hf", 80.0, "all")]["tokens_per_round_trip"] is None
+    fits = fit_sweep(results)
+    assert fits["split-seq"]["alpha"] == pytest.approx(1.0) and fits["split-seq"]["beta_s"] == pytest.approx(0.06)
+    assert fits["local-hf"]["alpha"] == pytest.approx(0.0, abs=1e-9)
+    pred = {p["rtt_ms"]: p["tok_s"] for p in fits["split-seq"]["predictions"]}
+    assert pred[100] == pytest.approx(1 / 0.16)
+
+
+def test_report_and_plots_from_synthetic_doc(tmp_path):
+    from splitlm.bench.suite import write_results
+
+    results = aggregate(_synthetic_rows())
+    doc = {"schema": "splitlm.bench/1", "created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
+           "config": {"rtts_ms": [20.0, 80.0, 200.0], "modes": ["local-hf", "split-seq"], "prompts": "x.json",
+                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": True},
+           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
+                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
+                           "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]}},
+           "prompts": [{"id": "p0"}, {"id": "p1"}], "memory": {"split-seq": {"peak_rss_mb": 300.0}},
+           "results": results, "step_model": fit_sweep(results), "runs": []}
+    paths = write_results(doc, tmp_path)
+    names = {p.name for p in paths}
+    assert names == {"bench-20250102-030405.json", "bench-20250102-030405.md",
+                     "bench-20250102-030405-overview.png", "bench-20250102-030405-sweep.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert json.loads((tmp_path / "results.json").read_text())["schema"] == "splitlm.bench/1"
+    md = (tmp_path / "bench-20250102-030405.md").read_text()
+    assert "## Step-time model" in md and "| split-seq | 80 |" in md
+
+
+@pytest.mark.slow
+def test_tiny_bench_run_on_bundled_model(bundled_dir, tmp_path, capsys):
+    rtt = 20
+    argv = ["bench", "--limit", "2", "--max-new-tokens", "8", "--rtt-ms", str(rtt), "--wire-dtype", "fp32",
+            "--out", str(tmp_path), "--no-plots"]
+    assert main(argv) == 0
+    assert "## Overall" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert {"schema", "config", "environment", "prompts", "memory", "results", "step_model", "runs"} <= doc.keys()
+    assert len(doc["runs"]) == 4 and len(doc["prompts"]) == 2
+    overall = {r["mode"]: r for r in doc["results"] if r["category"] == "all"}
+    assert set(overall) == {"local-hf", "split-seq"}
+    fields = {"tokens_per_round_trip", "tok_s", "ttft_s", "bytes_up_per_token", "bytes_down_per_token",
+              "agreement", "exact_match", "network_s_per_step", "cloud_s_per_step", "edge_s_per_step",
+              "serialize_s_per_step", "edge_peak_rss_mb", "efficiency"}
+    assert fields <= overall["split-seq"].keys()
+    assert {r["category"] for r in doc["results"]} == {"all", "code", "structured"}
+    seq = overall["split-seq"]
+    assert seq["tokens_per_round_trip"] == 1.0
+    assert seq["exact_match"] == 1.0 and seq["agreement"] == 1.0  # fp32 on the wire: token-identical
+    assert overall["local-hf"]["exact_match"] == 1.0
+    assert rtt * 0.9 / 1000 <= seq["network_s_per_step"] <= (rtt + 10) / 1000
+    assert seq["bytes_up_per_token"] > 576 * 4 and seq["tok_s"] > 0
+    mem = doc["memory"]
+    assert mem["split-seq"]["peak_rss_mb"] < mem["local-hf"]["peak_rss_mb"]
+    assert mem["split-seq"]["weights_mb"] < mem["local-hf"]["weights_mb"]
+
+
+@pytest.mark.slow
+def test_local_hf_mode_is_transformers_greedy(bundled_dir, bundled_hf):
+    from conftest import BUNDLED_PROMPTS, hf_greedy
+    from splitlm.bench.modes import MODES, BenchContext
+
+    model, tok = bundled_hf
+    ctx = BenchContext(bundled_dir, "", None)
+    ctx.__dict__["hf"] = model  # share the session's model instead of loading another copy
+    for prompt in BUNDLED_PROMPTS[:2]:
+        ids = tok(prompt).input_ids
+        run = MODES["local-hf"].run(ctx, ids, 16)
+        assert run.token_ids == hf_greedy(model, ids, 16)
+        assert run.steps == len(run.token_ids) - 1 and run.ttft_s > 0 and run.decode_s > 0
