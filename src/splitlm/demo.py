@@ -49,9 +49,11 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cli import print_stats
     from splitlm.edge import Edge
+    from splitlm.transport.keys import default_identity
 
     split_dir = cached_split(model)
     port = free_port()
+    cloud_key = default_identity("cloud").fingerprint  # the server below uses this identity; pin it
     log(f"splitlm demo: starting a cloud server on 127.0.0.1:{port} (it holds only the middle layers)")
     proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(split_dir / "cloud"),
                              "--port", str(port), "--threads", "1"], stderr=subprocess.DEVNULL)
@@ -62,7 +64,7 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
         torch.set_num_threads(1)
         log(f"splitlm demo: the edge reaches it through an emulated WAN link with {rtt_ms:.0f} ms round trips")
         with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan, \
-                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype) as edge:
+                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype, cloud_key=cloud_key) as edge:
             prompt = prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
             stream = edge.stream(prompt, max_new_tokens, chat=True, spec=spec)

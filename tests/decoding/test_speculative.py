@@ -142,3 +142,25 @@ def test_adaptive_window_shrinks_when_compute_is_dear():
         cheap.observe_step(t, 0.002 + 0.00001 * t, 0.08)
     assert cheap.window_width(max_width=8, levels=3) == 8
     assert cheap.choose(TokenTree([1, 2, 3], [-1, 0, 1], [1, 0.9, 0.8])).nodes == 3
+
+
+def test_corpus_drafter_matches_sequential(model):
+    from splitlm.decoding.corpus import CorpusDrafter, NgramModel
+
+    rng = random.Random(5)
+    corpus = NgramModel([rng.randrange(3, 64) for _ in range(3000)])
+    prompt = random_prompt(rng, 10)
+    reference, _ = run(model, prompt, 40, Drafter())
+    for mix in (False, True):
+        out, stats = run(model, prompt, 40, CorpusDrafter(corpus, mix_context=mix), max_nodes=10)
+        assert out == reference
+        assert stats.tree_nodes > stats.steps  # it did draft
+
+
+def test_ngram_model_backs_off_to_shorter_contexts():
+    from splitlm.decoding.corpus import NgramModel
+
+    m = NgramModel([1, 2, 3, 1, 2, 3, 1, 2, 4, 9, 2, 3], max_n=2, min_count=1)
+    assert m.next_tokens([1, 2], 2)[0] == (3, 2 / 3)
+    assert m.next_tokens([7, 2], 1) == [(3, 0.75)]  # (7, 2) unseen -> order 1
+    assert m.next_tokens([5], 1) == []

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.corpus import CorpusDrafter, NgramModel
 from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter, Window
 from splitlm.decoding.tree import TokenTree, accept_greedy
 
@@ -29,13 +30,18 @@ class SpecConfig:
             raise ValueError(f"unknown speculative mode {self.mode!r} (choose from {', '.join(SPEC_MODES)})")
 
 
-def make_drafter(cfg: SpecConfig) -> Drafter:
+def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None) -> Drafter:
+    """The drafter of a mode; `auto` also drafts from a local-text n-gram model when one is given."""
     if cfg.mode == "ngram":
         return NgramDrafter(max_depth=cfg.max_depth)
     if cfg.mode == "lookahead":
         return LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)
     if cfg.mode == "auto":
-        return CombinedDrafter([NgramDrafter(max_depth=cfg.max_depth), LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)])
+        drafters: list[Drafter] = [NgramDrafter(max_depth=cfg.max_depth)]
+        if corpus is not None:
+            drafters.append(CorpusDrafter(corpus, mix_context=True))
+        drafters.append(LookaheadDrafter(width=cfg.window, ngram=cfg.ngram))
+        return CombinedDrafter(drafters)
     return Drafter()
 
 

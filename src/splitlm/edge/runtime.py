@@ -17,6 +17,7 @@ import torch
 
 from splitlm import SplitLMError
 from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.model.shards import load_edge
 from splitlm.transport.client import CloudClient
@@ -155,6 +156,7 @@ class Edge:
         self.dtype = next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
+        self._corpus: NgramModel | None = None
         self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
                                   cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
 
@@ -173,6 +175,15 @@ class Edge:
 
     def close(self) -> None:
         self.client.close()
+
+    def corpus_model(self) -> NgramModel | None:
+        """The n-gram model of local text the `auto` drafter uses (built once, ~2 s; needs the tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        if self._corpus is None:
+            docs = self.tokenizer(default_corpus_documents()).input_ids
+            self._corpus = NgramModel([tok for doc in docs for tok in doc])
+        return self._corpus
 
     def open_session(self) -> EdgeSession:
         return EdgeSession(self)
@@ -213,7 +224,8 @@ class Edge:
         spec_stats = SpecStats()
         try:
             start = time.perf_counter()
-            steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec), budget,
+            corpus = self.corpus_model() if spec.mode == "auto" else None
+            steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus), budget,
                                        spec_stats, adaptive=spec.mode == "auto")
             for new in steps:
                 if s.new_tokens == 0:
