@@ -75,6 +75,7 @@ def pool(rows: list[dict], memory: dict | None = None) -> dict:
         "mode": first["mode"], "rtt_ms": first["rtt_ms"], "prompts": len(rows),
         "new_tokens": s["new_tokens"], "decode_tokens": s["decode_tokens"], "round_trips": s["round_trips"],
         "tokens_per_round_trip": tau, "tok_s": tok_s,
+        "tokens_per_step": _ratio(s["decode_tokens"], s["steps"]),  # per forward pass for local modes
         "ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
         "step_s": step,
         "network_s_per_step": parts["network_s"], "cloud_s_per_step": parts["cloud_s"],

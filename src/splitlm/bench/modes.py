@@ -120,10 +120,13 @@ class BenchContext:
     def edge(self):
         """The edge runtime, connected to `cloud_url`."""
         from splitlm.edge import Edge
+        from splitlm.transport.keys import default_identity
 
         if self.cloud_url is None:
             raise SplitLMError("this benchmark mode needs a cloud server, but none was started")
-        return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype)
+        # the bench's own cloud process runs with the default cloud identity: pin it
+        return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype,
+                    cloud_key=default_identity("cloud").fingerprint)
 
     def set_cloud_url(self, url: str | None) -> None:
         """Point the edge at another address (another emulated RTT); it reconnects on next use."""
@@ -177,6 +180,57 @@ def run_local_hf(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) 
 @mode("split-seq", network=True, help="naive split decoding: one cloud round trip per token")
 def run_split_seq(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     return run_edge(ctx, prompt_ids, max_new_tokens)
+
+
+@mode("ngram", network=True, help="speculative: n-gram (prompt lookup) token trees through the split model")
+def run_ngram(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("ngram"))
+
+
+@mode("lookahead", network=True, help="speculative: lookahead (Jacobi window + n-gram pool) through the split model")
+def run_lookahead(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("lookahead"))
+
+
+@mode("auto", network=True, help="speculative: all drafters merged, tree and window sized from the link")
+def run_auto(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto"))
+
+
+@mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")
+def run_hf_pld(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    """`generate(prompt_lookup_num_tokens=10)`; its steps are the model's forward passes after the first."""
+    import torch
+
+    model, eos = ctx.hf, sorted(ctx.eos_ids)
+    forwards = 0
+    first_token_at: list[float] = []
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+        if forwards == 1:
+            first_token_at.append(time.perf_counter())
+
+    hook = model.register_forward_hook(count)
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10,
+                                 eos_token_id=eos, pad_token_id=eos[0] if eos else None)
+            end = time.perf_counter()
+    finally:
+        hook.remove()
+    ids = out[0, len(prompt_ids):].tolist()
+    ttft = first_token_at[0] - start
+    return ModeRun(ids, ttft, end - start - ttft, steps=max(forwards - 1, 0), edge_s=end - start - ttft)
 
 
 def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec=None) -> ModeRun:

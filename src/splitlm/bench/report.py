@@ -10,6 +10,15 @@ PARTS = (("network_s_per_step", "network"), ("cloud_s_per_step", "cloud compute"
 COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac", "#76b7b2", "#edc948", "#b07aa1")
 
 
+def _tau(row: dict) -> str:
+    """Tokens per round trip; for local modes tokens per forward pass, marked "/fwd" (1.00 = no speculation)."""
+    if row.get("tokens_per_round_trip") is not None:
+        return f"{row['tokens_per_round_trip']:.2f}"
+    if row.get("tokens_per_step") is not None:
+        return f"{row['tokens_per_step']:.2f}/fwd"
+    return "–"
+
+
 def _f(value, fmt: str = ".1f", scale: float = 1.0) -> str:
     return "–" if value is None else format(value * scale, fmt)
 
@@ -50,7 +59,7 @@ def markdown_report(doc: dict) -> str:
     out.append(_table(
         ["mode", "RTT ms", "tok/RT", "tok/s", "TTFT ms", "step ms", "net", "cloud", "edge", "ser", "other",
          "B up/tok", "B down/tok", "agreement", "exact", "efficiency", "× seq"],
-        [[r["mode"], f"{r['rtt_ms']:g}", _f(r["tokens_per_round_trip"], ".2f"), _f(r["tok_s"]),
+        [[r["mode"], f"{r['rtt_ms']:g}", _tau(r), _f(r["tok_s"]),
           _f(r["ttft_s"], ".0f", 1e3), _f(r["step_s"], ".1f", 1e3),
           *(_f(r[k], ".1f", 1e3) for k, _ in PARTS),
           _f(r["bytes_up_per_token"], ".0f"), _f(r["bytes_down_per_token"], ".0f"),
@@ -66,7 +75,7 @@ def markdown_report(doc: dict) -> str:
     out.append(_table(["mode", "RTT ms", "category", "prompts", "tok/RT", "tok/s", "× seq", "TTFT ms", "agreement",
                        "exact"],
                       [[r["mode"], f"{r['rtt_ms']:g}", r["category"], str(r["prompts"]),
-                        _f(r["tokens_per_round_trip"], ".2f"), _f(r["tok_s"]), _f(r["tok_s_vs_split_seq"], ".2f"),
+                        _tau(r), _f(r["tok_s"]), _f(r["tok_s_vs_split_seq"], ".2f"),
                         _f(r["ttft_s"], ".0f", 1e3), _pct(r["agreement"]), _pct(r["exact_match"])]
                        for r in res if r["category"] != "all"]))
     if doc["memory"]:
