@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
-from splitlm import SplitLMError
+from splitlm.cloud.local import cloud_process
 from splitlm.model.loading import cache_root, log
 
 DEMO_PROMPT = "In three short sentences, explain why sending text to a cloud model can leak private data."
@@ -24,26 +18,6 @@ def cached_split(model: str, head: int = 2, tail: int = 2):
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SplitLMError("the cloud server exited during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise SplitLMError("the cloud server did not become healthy in time")
-
-
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
              wire_dtype: str = "fp16", rtt_ms: float = 80.0, spec: str = "auto") -> int:
     from splitlm.bench.wan import WanConfig, WanEmulator
@@ -52,13 +26,9 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
     from splitlm.transport.keys import default_identity
 
     split_dir = cached_split(model)
-    port = free_port()
     cloud_key = default_identity("cloud").fingerprint  # the server below uses this identity; pin it
-    log(f"splitlm demo: starting a cloud server on 127.0.0.1:{port} (it holds only the middle layers)")
-    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(split_dir / "cloud"),
-                             "--port", str(port), "--threads", "1"], stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(port, proc)
+    log("splitlm demo: starting a cloud server on loopback (it holds only the middle layers)")
+    with cloud_process(split_dir / "cloud") as port:
         import torch
 
         torch.set_num_threads(1)
@@ -79,10 +49,4 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
             if slow.tokens_per_s > 0:
                 log(f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per round "
                     f"trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return 0

@@ -131,16 +131,19 @@ def test_keep_after_partial_acceptance_equals_recompute(model):
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_adaptive_window_shrinks_when_compute_is_dear():
+def test_adaptive_window_follows_its_measured_gain():
     budget = StepBudget(rtt_prior_s=0.08)
     for t in (1, 5, 20, 40):  # 3 ms per token, 50 ms per step
         budget.observe_step(t, 0.05 + 0.003 * t, 0.08)
-    w = budget.window_width(max_width=8, levels=3)
-    assert 0 < w < 8
+    # a 4-column window of 3 levels costs 36 ms a step; a pool that adds nothing shrinks it
+    assert budget.window_width(4, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 3
+    assert budget.window_width(1, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 1
+    # a pool that adds a token per step (worth ~100 ms) grows it
+    assert budget.window_width(4, 8, 3, gain_tokens=1.0, tokens_per_step=1.5) == 5
     cheap = StepBudget()
     for t in (1, 5, 20, 40):  # compute is nearly free next to an 80 ms round trip
-        cheap.observe_step(t, 0.002 + 0.00001 * t, 0.08)
-    assert cheap.window_width(max_width=8, levels=3) == 8
+        cheap.observe_step(t, 0.002, 0.08)
+    assert cheap.window_width(2, 8, 3, gain_tokens=0.0, tokens_per_step=1.0) == 8
     assert cheap.choose(TokenTree([1, 2, 3], [-1, 0, 1], [1, 0.9, 0.8])).nodes == 3
 
 

@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError, __version__
+from splitlm.cloud.local import cloud_process
 
 SCHEMA = "splitlm.bench/1"
 DEFAULT_MODES = "local-hf,split-seq"
@@ -73,27 +73,6 @@ def parse_rtt_list(text: str) -> list[float]:
     if len(set(values)) < 2 or any(not v >= 0 for v in values):
         raise SplitLMError(f"bad --sweep {text!r}: need at least two different RTTs >= 0 ms")
     return sorted(set(values))
-
-
-@contextlib.contextmanager
-def cloud_process(shard_dir: Path) -> Iterator[int]:
-    """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess; yields its port."""
-    from splitlm.demo import free_port, wait_healthy
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
-                             "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(port, proc)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextlib.contextmanager

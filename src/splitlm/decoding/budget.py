@@ -62,6 +62,7 @@ class BudgetChoice:
     nodes: int  # tree nodes sent, root included
     expected_tokens: float
     predicted_step_s: float
+    reach: list[float]  # per node of the proposed tree: estimated chance it is accepted
 
 
 class StepBudget:
@@ -74,6 +75,9 @@ class StepBudget:
 
     def observe_step(self, tokens: int, compute_s: float, network_s: float) -> None:
         self.compute.add(tokens, compute_s)
+        self.observe_network(network_s)
+
+    def observe_network(self, network_s: float) -> None:
         self.rtt_s = network_s if not self.rtt_seen else 0.8 * self.rtt_s + 0.2 * network_s
         self.rtt_seen = True
 
@@ -85,25 +89,39 @@ class StepBudget:
                 self.calibration.add(tree.scores[i], i in accepted)
 
     def choose(self, tree: TokenTree, extra_tokens: int = 0) -> BudgetChoice:
+        """The tree size (and which nodes) that maximise expected tokens per second.
+
+        Calibrated scores are acceptance chances given the parent was accepted, so a node's chance
+        to be reached and accepted is the product along its path; a parent's is never below its
+        child's, so the best k nodes by that product always form a subtree."""
+        reach = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            reach[i] = reach[tree.parents[i]] * self.calibration.p(tree.scores[i])
         limit = min(len(tree), self.max_nodes if self.fixed_nodes is None else self.fixed_nodes)
-        # a parent scores at least as high as its children, so a prefix of this order is a subtree
-        scores = sorted(tree.scores[1:], reverse=True)[: limit - 1]
-        best = BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens))
+        ranked = sorted(reach[1:], reverse=True)[: limit - 1]
+        best = BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)
         expected = 1.0
-        for k, s in enumerate(scores, start=2):
-            expected += self.calibration.p(s)
+        for k, r in enumerate(ranked, start=2):
+            expected += r
             t = self.step_time(k + extra_tokens)
             if self.fixed_nodes is not None or expected / t > best.expected_tokens / best.predicted_step_s:
-                best = BudgetChoice(k, expected, t)
+                best = BudgetChoice(k, expected, t, reach)
         return best
 
-    def window_width(self, max_width: int, levels: int, share: float = 0.15) -> int:
-        """Lookahead columns affordable for `share` of a step's fixed cost (all of them when compute is
-        cheap next to the round trip, none when every token costs as much as a round trip)."""
+    def window_width(self, current: int, max_width: int, levels: int, gain_tokens: float,
+                     tokens_per_step: float) -> int:
+        """Grow or shrink the lookahead window by one column: keep it while the tokens that only its
+        pool proposed (`gain_tokens` per step) save more time than its `levels` tokens per column cost."""
         if self.fixed_nodes is not None or self.compute.c1 <= 0:
             return max_width
-        affordable = share * (self.rtt_s + self.compute.c0) / (self.compute.c1 * levels)
-        return max(0, min(max_width, int(affordable)))
+        step = self.step_time(1 + current * levels)
+        saved_s = gain_tokens * step / max(tokens_per_step, 1.0)
+        cost_s = current * levels * self.compute.c1
+        if saved_s > 1.1 * cost_s:
+            return min(max_width, current + 1)
+        if saved_s < 0.9 * cost_s:
+            return max(1, current - 1)  # one column keeps the pool learning
+        return current
 
     def step_time(self, tokens: int) -> float:
         return self.rtt_s + self.compute.predict(tokens)

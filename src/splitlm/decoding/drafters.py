@@ -33,6 +33,9 @@ class Drafter:
     def window(self) -> Window | None:
         return None
 
+    def accepted(self, drafted: list[int]) -> None:
+        """The drafted tokens the target accepted in the last step (bonus token excluded)."""
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup as a tree: continuations of earlier occurrences of the context's suffix.
@@ -197,12 +200,23 @@ class CombinedDrafter(Drafter):
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
+        paths: dict[int, tuple] = {0: ()}
+        self.window_only: set[tuple] = set()  # paths only the lookahead pool proposed
         for d in self.drafters:
             tree = d.propose()
             where = {0: 0}
             for i in range(1, len(tree)):
-                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i])
+                n_before = len(merged)
+                where[i] = node = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i])
+                paths[node] = paths[where[tree.parents[i]]] + (tree.tokens[i],)
+                if isinstance(d, LookaheadDrafter) and node >= n_before:
+                    self.window_only.add(paths[node])
         return merged
+
+    def accepted(self, drafted: list[int]) -> None:
+        # EMA of accepted tokens per step that only the lookahead window's pool proposed
+        gain = sum(tuple(drafted[:i]) in self.window_only for i in range(1, len(drafted) + 1))
+        self.window_gain = 0.8 * getattr(self, "window_gain", 0.0) + 0.2 * gain
 
     def lookahead(self) -> LookaheadDrafter | None:
         return next((d for d in self.drafters if isinstance(d, LookaheadDrafter)), None)

@@ -96,7 +96,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     """Yield the new tokens of each step (the first chunk comes from the prefill). With `adaptive`,
     a lookahead window is resized every step to what the measured link and compute afford."""
     logits = session.forward(prompt_ids, rows=[len(prompt_ids) - 1])
-    budget.observe_step(len(prompt_ids), session.last_step["compute_s"], session.last_step["network_s"])
+    # the prefill's network time is a round trip like any other; its compute (a long causal pass,
+    # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
+    budget.observe_network(session.last_step["network_s"])
     root = int(logits[-1].argmax())
     yield [root]
     produced = 1
@@ -108,16 +110,19 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
     while produced < max_new_tokens and root not in eos:
         if adaptive_window:
-            drafter.set_width(budget.window_width(max_width, levels))
+            tau = (produced - 1) / stats.steps if stats.steps else 1.0
+            width = drafter.window().width if drafter.window() is not None else 0
+            drafter.set_width(budget.window_width(width, max_width, levels, getattr(drafter, "window_gain", 0.0), tau))
         window = drafter.window()
         extra = 0 if window is None else len(window.tokens())
         tree = drafter.propose()
         choice = budget.choose(tree, extra)
-        tree = tree.pruned(choice.nodes)
+        tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         logits = session.forward(tokens, positions, mask, keep=keep, rows=rows)
         argmax = logits.argmax(-1).tolist()
         path, new = accept_greedy(tree, argmax[: len(tree)])
+        drafter.accepted(new[:-1])
         if window is not None:
             drafter.observe(argmax[len(tree):])
         step = session.last_step

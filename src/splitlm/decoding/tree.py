@@ -63,11 +63,13 @@ class TokenTree:
             m[i, i] = True
         return m
 
-    def pruned(self, max_nodes: int) -> TokenTree:
-        """The `max_nodes` best-scoring nodes (root always kept); a kept node's parent is kept too."""
+    def pruned(self, max_nodes: int, priority: list[float] | None = None) -> TokenTree:
+        """The `max_nodes` best nodes by `priority` (default: score); the root and every kept node's
+        parent are kept too."""
         if len(self) <= max_nodes:
             return self
-        order = sorted(range(1, len(self)), key=lambda i: -self.scores[i])
+        priority = self.scores if priority is None else priority
+        order = sorted(range(1, len(self)), key=lambda i: -priority[i])
         keep = {0}
         for i in order:
             if len(keep) >= max_nodes:

@@ -157,6 +157,7 @@ class Edge:
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
         self._corpus: NgramModel | None = None
+        self._budgets: dict[tuple, StepBudget] = {}
         self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
                                   cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
 
@@ -220,7 +221,8 @@ class Edge:
         s = session.stats
         s.prompt_tokens = len(prompt_ids)
         s.spec_mode = spec.mode
-        budget = StepBudget(fixed_nodes=spec.max_nodes)
+        # what the budget learns (link, compute cost, drafters' calibration) carries over between requests
+        budget = self._budgets.setdefault((spec.mode, spec.max_nodes), StepBudget(fixed_nodes=spec.max_nodes))
         spec_stats = SpecStats()
         try:
             start = time.perf_counter()

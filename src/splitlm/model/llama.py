@@ -16,6 +16,8 @@ from torch import nn
 from splitlm.model.config import ModelConfig
 from splitlm.model.kv_cache import KVCache
 
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -83,9 +85,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, hd]
+        if SDPA_GQA:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, H, T, hd]
+        else:  # torch < 2.5: repeat the key/value heads
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
