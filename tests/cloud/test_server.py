@@ -182,6 +182,25 @@ def test_handshake_timeout_closes_the_connection(tiny_split):
             raw.ws.recv(timeout=5)
 
 
+def test_idle_connections_are_closed(tiny_split, fingerprint):
+    import time
+
+    from websockets.exceptions import ConnectionClosed
+
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(idle_timeout_s=0.6)) as server:
+        raw = Raw(server.url)
+        assert raw.hello(fingerprint).type == MsgType.HELLO_OK
+        sid = raw.send(Frame(MsgType.OPEN, meta={"wire_dtype": "fp32"})).session
+        time.sleep(0.3)
+        assert raw.send(forward_frame(sid)).type == MsgType.RESULT  # activity keeps it open
+        with pytest.raises(ConnectionClosed):
+            raw.ws.recv(timeout=5)  # then silence: closed after the idle timeout
+        deadline = time.monotonic() + 5
+        while server.server.sessions.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server drops the connection's sessions once its close completes
+        assert not server.server.sessions.sessions
+
+
 # -- authentication and the encrypted channel under attack (issue 5) ---------------------------------------
 
 def test_a_client_without_the_private_key_is_refused(tiny_split, fingerprint):

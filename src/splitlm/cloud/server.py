@@ -153,7 +153,12 @@ class CloudServer:
             while not conn.ready:  # the handshake must complete in time, whatever arrives first
                 remaining = deadline - asyncio.get_running_loop().time()
                 await self.dispatch(conn, await asyncio.wait_for(ws.recv(), max(remaining, 0.001)))
-            async for data in ws:
+            while True:  # a connection silent for the idle timeout is closed (its sessions expire too)
+                try:
+                    data = await asyncio.wait_for(ws.recv(), self.limits.idle_timeout_s)
+                except (TimeoutError, asyncio.TimeoutError):
+                    await self.close(conn, "idle timeout")
+                    return
                 await self.dispatch(conn, data)
         except (TimeoutError, asyncio.TimeoutError):
             await self.send_error(conn, ProtocolError(ErrorCode.NOT_READY, "no HELLO within the handshake timeout"))
@@ -165,7 +170,8 @@ class CloudServer:
 
     async def close(self, conn: Connection, reason: str) -> None:
         log.info("conn %d (client %s): closing: %s", conn.id, conn.client, reason)
-        await conn.ws.close(1008 if reason != "handshake timeout" else 1000, reason[:120])
+        normal = reason in ("handshake timeout", "idle timeout")
+        await conn.ws.close(1000 if normal else 1008, reason[:120])
 
     async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None,
                          plaintext: bool = False) -> None:
