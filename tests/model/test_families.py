@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from conftest import hf_greedy
 
+from conftest import hf_greedy
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
