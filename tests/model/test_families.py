@@ -1,4 +1,5 @@
-"""Mistral (sliding window) and Qwen2 (q/k/v biases, per-layer sliding windows) against transformers,
+"""Mistral (sliding window), Qwen2 (q/k/v biases, per-layer sliding windows) and Gemma 3 (scaled
+embedding, sandwich norms, q/k norms, local/global RoPE and windows) against transformers,
 whole and split over a real loopback WebSocket, with and without speculative decoding."""
 
 import random
@@ -24,6 +25,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM",
                       {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 3}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 9,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                       "factor": 8.0}}}),
 }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from splitlm import SplitLMError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
 
 
 @dataclass
@@ -23,6 +23,11 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding-window layers
+    gemma: bool = False  # Gemma 3: scaled embedding, (1 + w) norms around attention and MLP, q/k norms
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
+    final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     attention_bias: bool = False  # biases on q, k, v and o projections
@@ -41,12 +46,21 @@ class ModelConfig:
             raise SplitLMError(
                 f"unsupported model architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        # transformers 5 keeps rope settings in `rope_parameters`, 4.x in `rope_theta` + `rope_scaling`.
+        gemma = model_type == "gemma3_text"
+        # transformers 5 keeps rope settings in `rope_parameters` (Gemma 3: one dict per layer type),
+        # 4.x in `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        local_theta = None
+        if gemma:
+            local = rope.pop("sliding_attention", None)
+            rope = dict(rope.pop("full_attention", rope))
+            local_theta = float(local["rope_theta"] if local else hf.get("rope_local_base_freq", 10000.0))
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
+        if rope_type not in ("default", "llama3", "linear"):
             raise SplitLMError(f"unsupported RoPE scaling {rope_type!r}")
+        if hf.get("attn_logit_softcapping"):
+            raise SplitLMError("attention logit soft-capping is not supported")
         heads = hf["num_attention_heads"]
         window = hf.get("sliding_window")
         if model_type == "qwen2" and not hf.get("use_sliding_window", False):
@@ -67,7 +81,12 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
+            rope_local_theta=local_theta,
+            gemma=gemma,
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             attention_bias=hf.get("attention_bias", False),

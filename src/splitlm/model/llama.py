@@ -8,6 +8,7 @@ weights load without renaming. Every forward takes explicit positions and an exp
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,25 +21,33 @@ SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm; Gemma's variant scales by (1 + weight) in float32."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (y * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * y.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3 frequency scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 or linear scaling when configured
+    (`local`: Gemma 3's sliding-window layers, own base, never scaled)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else cfg.rope_scaling
     if not scaling:
         return inv_freq
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_ctx = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
@@ -76,21 +85,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
+        if cfg.gemma:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
+        self.qk_norm = cfg.gemma
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = x.shape  # [B, T, D]
         q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
         v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
         if SDPA_GQA:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, H, T, hd]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         else:  # torch < 2.5: repeat the key/value heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -101,22 +117,45 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=bias)
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
+        self.act = partial(F.gelu, approximate="tanh") if cfg.hidden_act.startswith("gelu") else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
+    """Llama: x + attn(norm(x)), then + mlp(norm(x)) (`post_attention_layernorm` is the MLP's pre-norm).
+    Gemma 3: each of attention and MLP is wrapped in a pre- and a post-norm."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        d, eps, g = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+        self.gemma = g
+        self.input_layernorm = RMSNorm(d, eps, g)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps, g)
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, g)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, g)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
+        if self.gemma:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    x = table(ids)  # [B, T, D]
+    if cfg.gemma:  # Gemma scales embeddings by sqrt(D), rounded to the weights' dtype
+        x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+    return x
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def causal_mask(t: int) -> torch.Tensor:
@@ -138,6 +177,8 @@ class LayerStack(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(start, end))
         self.windows = [cfg.layer_window(i) for i in range(start, end)]  # None = full attention
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
+        self.local_rope = [cfg.rope_local_theta is not None and w is not None for w in self.windows]
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
@@ -164,9 +205,11 @@ class LayerStack(nn.Module):
         masks = {None: mask}  # per sliding window: also hide keys `window` or more positions back
         for w in set(self.windows) - {None}:
             masks[w] = mask & (positions[0][:, None] - key_positions[None, :] < w)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        rope = {False: rope_cos_sin(self.inv_freq, positions, x.dtype)}
+        if any(self.local_rope):
+            rope[True] = rope_cos_sin(self.inv_freq_local, positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, masks[self.windows[i]], cache, i)
+            x = layer(x, *rope[self.local_rope[i]], masks[self.windows[i]], cache, i)
         return x
 
     def load_global_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -188,15 +231,16 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.stack = LayerStack(cfg, 0, cfg.num_layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), w)
+        return softcap(F.linear(self.norm(h), w), self.cfg.final_logit_softcapping)
 
     def forward(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
-        return self.logits(self.stack(self.embed_tokens(ids), positions, new_mask, cache))  # [B, T, V]
+        x = embed(self.embed_tokens, ids, self.cfg)
+        return self.logits(self.stack(x, positions, new_mask, cache))  # [B, T, V]
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         self.embed_tokens.weight.data.copy_(state["model.embed_tokens.weight"])

@@ -20,7 +20,7 @@ from torch import nn
 
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
-from splitlm.model.llama import LayerStack, RMSNorm
+from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
 from splitlm.model.loading import (
     file_sha256,
     load_state,
@@ -122,18 +122,18 @@ class EdgeModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.head = LayerStack(cfg, 0, manifest.head)
         self.tail = LayerStack(cfg, cfg.num_layers - manifest.tail, cfg.num_layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed_and_head(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
-        return self.head(self.embed_tokens(ids), positions, new_mask, cache)  # [B, T, D]
+        return self.head(embed(self.embed_tokens, ids, self.cfg), positions, new_mask, cache)  # [B, T, D]
 
     def tail_and_logits(self, h, positions, new_mask=None, cache=None, rows=None) -> torch.Tensor:
         h = self.tail(h, positions, new_mask, cache)
         if rows is not None:
             h = h[:, rows]  # the LM head only where logits are needed
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), w)  # [B, T or len(rows), V]
+        return softcap(F.linear(self.norm(h), w), self.cfg.final_logit_softcapping)  # [B, T or len(rows), V]
 
 
 class CloudModel(nn.Module):
