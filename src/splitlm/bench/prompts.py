@@ -7,6 +7,7 @@ the model's chat template (as `splitlm generate --chat` does), `false` continues
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,9 +71,10 @@ def load_tokenizer(tokenizer_dir: str | Path):
 def tokenize(prompts: list[Prompt], tok) -> None:
     """Fill `Prompt.ids` the way the edge does (the chat template for chat prompts)."""
     for p in prompts:
+        if p.chat and not tok.chat_template:  # e.g. Gemma 3 270M's GGUF carries no template
+            print(f"[bench] prompt {p.id!r}: the model has no chat template; using the plain text", file=sys.stderr)
+            p.chat = False
         if p.chat:
-            if not tok.chat_template:
-                raise SplitLMError(f"prompt {p.id!r} asks for the chat template, but this model has none")
             text = tok.apply_chat_template([{"role": "user", "content": p.prompt}],
                                            add_generation_prompt=True, tokenize=False)
             p.ids = tok(text, add_special_tokens=False).input_ids

