@@ -127,8 +127,8 @@ def edge_security_kwargs(args) -> dict:
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"],
-                   help="activation codec on the wire (default fp16)")
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                   help="activation codec on the wire (default auto: fp16, bf16 for Gemma)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
     add_edge_security_options(p)
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default")
     p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
-    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmark split decoding behind an emulated WAN")

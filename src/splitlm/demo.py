@@ -19,7 +19,7 @@ def cached_split(model: str, head: int = 2, tail: int = 2):
 
 
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
-             wire_dtype: str = "fp16", rtt_ms: float = 80.0, spec: str = "auto") -> int:
+             wire_dtype: str = "auto", rtt_ms: float = 80.0, spec: str = "auto") -> int:
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cli import print_stats
     from splitlm.edge import Edge

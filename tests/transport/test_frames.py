@@ -71,3 +71,11 @@ def test_tensor_descriptions_are_checked():
     with pytest.raises(ProtocolError) as e:
         unpack_tensors(Frame(MsgType.FORWARD, meta={"tensors": specs}, payload=payload), 4)
     assert e.value.code == ErrorCode.TOO_LARGE
+
+
+def test_fp16_overflow_is_refused_not_sent_as_infinity():
+    from splitlm.transport.codecs import encode_tensor
+
+    with pytest.raises(OverflowError, match="bf16"):
+        encode_tensor(torch.tensor([1.0, 1e6]), "fp16")
+    assert len(encode_tensor(torch.tensor([1.0, 1e6]), "bf16")) == 4

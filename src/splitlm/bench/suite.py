@@ -48,7 +48,7 @@ class BenchConfig:
     model: str = "default"
     head: int = 2
     tail: int = 2
-    wire_dtype: str = "fp16"
+    wire_dtype: str = "auto"
     jitter_ms: float = 0.0
     mbps: float | None = None
     limit: int | None = None
@@ -238,7 +238,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
     p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
     p.add_argument("--tail", type=int, default=2, help="edge tail layers M (default 2)")
-    p.add_argument("--wire-dtype", default="fp16", choices=["fp32", "fp16", "bf16"], help="activation codec (default fp16)")
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                   help="activation codec (default auto: fp16, bf16 for Gemma)")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
     p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")

@@ -298,7 +298,10 @@ class CloudServer:
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
         self.stats["tokens"] += t
-        specs, payload = pack_tensors({"hidden": out}, session.wire_dtype)
+        try:
+            specs, payload = pack_tensors({"hidden": out}, session.wire_dtype)
+        except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         return Frame(MsgType.RESULT, session.id, meta={"tensors": specs, "compute_s": compute_s,
                                                        "cache_len": session.cache.length}, payload=payload)
 

@@ -143,16 +143,19 @@ class Stream:
 class Edge:
     """The edge side of a split model, connected to one cloud server."""
 
-    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "fp16", timeout_s: float = 60.0, *,
+    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
                  identity=None, cloud_key=None, known_hosts=None, tls_ca=None, rekey=None):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
-        (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key)."""
+        (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
+        wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range."""
+        self.edge_dir = Path(edge_dir)
+        self.model = load_edge(self.edge_dir)
+        if wire_dtype == "auto":
+            wire_dtype = "bf16" if self.model.cfg.gemma else "fp16"
         try:
             self.wire_dtype = check_wire_dtype(wire_dtype)
         except ValueError as e:
             raise SplitLMError(str(e)) from None
-        self.edge_dir = Path(edge_dir)
-        self.model = load_edge(self.edge_dir)
         self.dtype = next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()

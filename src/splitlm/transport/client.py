@@ -188,7 +188,10 @@ class CloudClient:
                 crop: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Send hidden [T, D] through the cloud's layers; returns hidden [T, D] and the reply metadata."""
         t0 = time.perf_counter()
-        specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
+        try:
+            specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
+        except OverflowError as e:
+            raise CloudError(str(e)) from None
         self.serialize_s += time.perf_counter() - t0
         meta: dict[str, Any] = {"tensors": specs, "positions": positions}
         if mask is not None:

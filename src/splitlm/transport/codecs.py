@@ -18,8 +18,14 @@ def check_wire_dtype(name: str) -> str:
 
 
 def encode_tensor(t: torch.Tensor, wire_dtype: str) -> bytes:
-    """Cast to the wire dtype and return the raw bytes (row-major, little-endian)."""
-    t = t.detach().to(WIRE_DTYPES[wire_dtype]).contiguous().cpu()
+    """Cast to the wire dtype and return the raw bytes (row-major, little-endian).
+
+    Raises OverflowError when finite values become infinite in the cast (fp16's range is ±65504)."""
+    cast = t.detach().to(WIRE_DTYPES[wire_dtype])
+    if wire_dtype == "fp16" and not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(t).all()):
+        raise OverflowError(f"activations up to {float(t.abs().max()):.3g} exceed the fp16 wire range; "
+                            "use --wire-dtype bf16 or fp32")
+    t = cast.contiguous().cpu()
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
