@@ -70,15 +70,12 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
 def tokenize(prompts: list[Prompt], tok) -> None:
     """Fill `Prompt.ids` the way the edge does (the chat template for chat prompts)."""
+    from splitlm.edge.runtime import encode_prompt
+
     for p in prompts:
         if p.chat and not tok.chat_template:  # e.g. Gemma 3 270M's GGUF carries no template
             print(f"[bench] prompt {p.id!r}: the model has no chat template; using the plain text", file=sys.stderr)
             p.chat = False
-        if p.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": p.prompt}],
-                                           add_generation_prompt=True, tokenize=False)
-            p.ids = tok(text, add_special_tokens=False).input_ids
-        else:
-            p.ids = tok(p.prompt).input_ids
+        p.ids = encode_prompt(tok, p.prompt, p.chat)
         if not p.ids:
             raise SplitLMError(f"prompt {p.id!r} has no tokens")

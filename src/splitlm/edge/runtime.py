@@ -122,6 +122,15 @@ class EdgeSession:
         self.edge.client.close_session(self.id)
 
 
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt: raw text, or one user turn in the tokenizer's chat template."""
+    if not chat:
+        return tokenizer(prompt).input_ids
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
     try:
         return SpecConfig(spec) if isinstance(spec, str) else (spec or SpecConfig())
@@ -195,13 +204,9 @@ class Edge:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise SplitLMError(f"{self.edge_dir} has no tokenizer; pass token ids instead of text")
-        if chat:
-            if not self.tokenizer.chat_template:
-                raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        return self.tokenizer(prompt).input_ids
+        if chat and not self.tokenizer.chat_template:
+            raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
