@@ -123,12 +123,28 @@ def add_edge_security_options(p: argparse.ArgumentParser) -> None:
 
 def edge_security_kwargs(args) -> dict:
     """Keyword arguments for `Edge(...)` from the options of `add_edge_security_options`."""
-    return {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca")}
+    return {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
+                                                           "cache_policy")}
+
+
+def cache_policy_arg(text: str) -> str:
+    from splitlm.cloud.policy import CachePolicy
+
+    try:
+        return str(CachePolicy.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                   help="activation codec on the wire (default auto: fp16, bf16 for Gemma)")
+    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES,
+                   help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use "
+                        "per-row scales)")
+    p.add_argument("--cache-policy", type=cache_policy_arg, default="session", metavar="{none,session,window:N,sealed}",
+                   help="what the cloud may keep between requests (default session; see README, cache policies)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
     add_edge_security_options(p)
 
@@ -189,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default")
     p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="benchmark split decoding behind an emulated WAN")

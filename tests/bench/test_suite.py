@@ -169,3 +169,14 @@ def test_local_hf_mode_is_transformers_greedy(bundled_dir, bundled_hf):
         run = MODES["local-hf"].run(ctx, ids, 16)
         assert run.token_ids == hf_greedy(model, ids, 16)
         assert run.steps == len(run.token_ids) - 1 and run.ttft_s > 0 and run.decode_s > 0
+
+
+def test_codec_list_parsing():
+    from splitlm import SplitLMError
+    from splitlm.bench.suite import parse_codecs
+
+    assert parse_codecs("all") == ["fp32", "fp16", "bf16", "int8", "fp8"]
+    assert parse_codecs("int8, fp16") == ["int8", "fp16"]
+    assert parse_codecs("") == []
+    with pytest.raises(SplitLMError, match="unknown codec"):
+        parse_codecs("fp16,int4")

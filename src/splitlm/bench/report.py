@@ -87,6 +87,14 @@ def markdown_report(doc: dict) -> str:
             "", "Each mode alone in a fresh process (1 torch thread) decoding the longest prompt: peak RSS of that"
             " process (VmHWM). Baseline = RSS after importing torch, transformers and splitlm, before loading"
             " a model. For split modes this is the edge's memory; the cloud's is not included."]
+    if doc.get("codecs"):
+        from splitlm.bench.codecs import codec_table
+
+        out += ["", "## Wire codecs", "", *codec_table(doc["codecs"]), "",
+                "Per codec, straight to the cloud: decoding bytes per token (sequential, one token per round trip),"
+                " teacher-forced next-token agreement with the full transformers model's greedy continuation,"
+                " free-running greedy agreement up to the first differing token, and prompts whose greedy ids are"
+                " identical. int8 and fp8 (e4m3) carry one fp32 scale per row."]
     if doc["step_model"]:
         pred_rtts = (20, 50, 100, 200, 500)
         out += ["", "## Step-time model: t_step = α·RTT + β", "", _table(

@@ -54,6 +54,7 @@ class BenchConfig:
     limit: int | None = None
     memory: bool = True
     plots: bool = True
+    codecs: list[str] = field(default_factory=list)  # codec study: bytes/token and agreement per wire codec
 
     @property
     def sweep(self) -> bool:
@@ -122,7 +123,7 @@ def run_bench(config: BenchConfig) -> dict:
     prompts_path = Path(config.prompts) if config.prompts else default_prompts_path()
     prompts = load_prompts(prompts_path)[: config.limit]
     modes = [MODES[m] for m in config.modes]
-    network = any(m.network for m in modes)
+    network = any(m.network for m in modes) or bool(config.codecs)
 
     import torch
 
@@ -160,6 +161,18 @@ def run_bench(config: BenchConfig) -> dict:
         if network:
             progress("agreement: teacher-forced reference continuations through the split model")
             split_agreement = {p.id: teacher_forced_agreement(first, p.ids, reference[p.id]) for p in prompts}
+        codec_results = []
+        if config.codecs:
+            from splitlm.bench.codecs import codec_rows
+            from splitlm.edge import Edge
+            from splitlm.transport.keys import default_identity
+
+            def make_edge(codec: str):
+                return Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=codec,
+                            cloud_key=default_identity("cloud").fingerprint)
+
+            progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
+            codec_results = codec_rows(make_edge, prompts, reference, config.codecs, config.max_new_tokens, progress)
         for ctx in contexts.values():
             for m in modes:  # warm-up (connects, first calls), not counted
                 m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
@@ -197,6 +210,7 @@ def run_bench(config: BenchConfig) -> dict:
         "memory": memory,
         "results": results,
         "step_model": fit_sweep(results) if config.sweep else {},
+        "codecs": codec_results,
         "runs": rows,
     }
 
@@ -238,8 +252,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
     p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
     p.add_argument("--tail", type=int, default=2, help="edge tail layers M (default 2)")
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                   help="activation codec (default auto: fp16, bf16 for Gemma)")
+    from splitlm.transport.codecs import WIRE_DTYPES
+
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
+                   help="activation codec of the modes (default auto: fp16, bf16 for Gemma)")
+    p.add_argument("--codecs", default="", metavar="C1,C2,...",
+                   help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
+                        "token and agreement with the full model's greedy tokens")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
     p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
@@ -259,7 +278,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rtts_ms=parse_rtt_list(args.sweep) if args.sweep else [args.rtt_ms], modes=parse_modes(args.modes),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, jitter_ms=args.jitter_ms, mbps=args.mbps,
-        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots)
+        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs))
+
+
+def parse_codecs(text: str) -> list[str]:
+    from splitlm.transport.codecs import WIRE_DTYPES
+
+    codecs = list(WIRE_DTYPES) if text.strip() == "all" else [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in codecs if c not in WIRE_DTYPES]
+    if bad:
+        raise SplitLMError(f"unknown codec(s) {', '.join(bad)} in --codecs (choose from {', '.join(WIRE_DTYPES)}, all)")
+    return codecs
 
 
 def bench_main(args: argparse.Namespace) -> int:

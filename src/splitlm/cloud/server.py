@@ -22,7 +22,8 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
-from splitlm.cloud.sessions import ForwardRequest, ServerLimits, SessionTable, run_forward, validate
+from splitlm.cloud.policy import CachePolicy
+from splitlm.cloud.sessions import Control, ForwardRequest, ServerLimits, SessionTable, run_forward, validate
 from splitlm.model.shards import load_cloud
 from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
@@ -245,14 +246,38 @@ class CloudServer:
             wire = frame.meta.get("wire_dtype", "fp16")
             if not isinstance(wire, str) or wire not in WIRE_DTYPES:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
-            s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id)
-            return Frame(MsgType.OPENED, s.id, meta={"wire_dtype": wire})
+            policy = self.parse_policy(frame.meta.get("cache_policy", "session"))
+            s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id, policy)
+            return Frame(MsgType.OPENED, s.id, meta={"wire_dtype": wire, "cache_policy": str(policy)})
         if frame.type == MsgType.FORWARD:
             return await self.forward(conn, frame)
+        if frame.type == MsgType.POLICY:
+            return self.policy(conn, frame)
         if frame.type == MsgType.CLOSE:
             self.sessions.close(frame.session, owner, conn.id)
             return Frame(MsgType.CLOSED, frame.session)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected message {frame.type.name}")
+
+    @staticmethod
+    def parse_policy(value) -> CachePolicy:
+        try:
+            return CachePolicy.parse(value)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+
+    def policy(self, conn: Connection, frame: Frame) -> Frame:
+        """Tighten a session's cache policy and/or revoke (wipe) its cache now."""
+        session = self.sessions.get(frame.session, conn.client_key, conn.id)
+        revoke = frame.meta.get("revoke", False)
+        if type(revoke) is not bool:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "revoke must be true or false")
+        new = frame.meta.get("cache_policy")
+        if new is not None:
+            session.tighten(self.parse_policy(new), frame.meta.get("key"))
+        if revoke:
+            session.wipe()
+        return Frame(MsgType.POLICY_OK, session.id, meta={"cache_policy": str(session.policy),
+                                                           "cache_len": session.cache_shape[0]})
 
     async def hello(self, conn: Connection, frame: Frame, data: bytes) -> None:
         if frame.meta.get("version") != VERSION:
@@ -279,7 +304,7 @@ class CloudServer:
     async def forward(self, conn: Connection, frame: Frame) -> Frame:
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
         meta = frame.meta
-        max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size
+        max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
         tensors = unpack_tensors(frame, max_elems)
         if "hidden" not in tensors:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "FORWARD carries no 'hidden' tensor")
@@ -290,20 +315,24 @@ class CloudServer:
         crop = meta.get("crop")
         if crop is not None and type(crop) is not int:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "crop must be an integer")
-        mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t)
-        req = ForwardRequest(hidden, positions, mask, keep, crop)
+        context = meta.get("context", 0)
+        if type(context) is not int or not 0 <= context < max(t, 1):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "context must be an integer below the number of rows")
+        control = Control.from_meta(meta.get("control"))
+        mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t - context)
+        req = ForwardRequest(hidden, positions, mask, keep, crop, context, control)
         validate(req, session, self.model, self.limits)
         start = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(self.executor, run_forward, self.model, session, req)
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
-        self.stats["tokens"] += t
+        self.stats["tokens"] += t - context
         try:
-            specs, payload = pack_tensors({"hidden": out}, session.wire_dtype)
+            specs, payload = pack_tensors({"hidden": out}, control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         return Frame(MsgType.RESULT, session.id, meta={"tensors": specs, "compute_s": compute_s,
-                                                       "cache_len": session.cache.length}, payload=payload)
+                                                       "cache_len": session.cache_shape[0]}, payload=payload)
 
     async def expire_loop(self) -> None:
         while True:

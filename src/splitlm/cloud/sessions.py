@@ -1,15 +1,20 @@
-"""Cloud sessions: one KV cache per session, the limits that protect the server, one forward step."""
+"""Cloud sessions: one KV cache per session under its cache policy, the limits that protect the
+server, the control tuple of a request, one forward step."""
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from splitlm.cloud.policy import CachePolicy
+from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.shards import CloudModel
+from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.errors import ErrorCode, ProtocolError
 
 
@@ -32,17 +37,77 @@ class Session:
     wire_dtype: str
     cache: KVCache
     conn: int = 0  # the connection that opened it (the session ends with it)
+    policy: CachePolicy = field(default_factory=CachePolicy)
+    sealed: bytes | None = None  # the cache, encrypted (policy "sealed"); `cache` is then empty
+    sealed_shape: tuple[int, int] = (0, 0)  # (length, pending_start) of the sealed cache
+    seal_counter: int = 0
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(length, pending_start) of the cache, sealed or not."""
+        return self.sealed_shape if self.sealed is not None else (self.cache.length, self.cache.pending_start)
+
+    def wipe(self) -> None:
+        self.cache.clear()
+        self.sealed, self.sealed_shape = None, (0, 0)
+
+    def tighten(self, new: CachePolicy, key: bytes | None = None) -> None:
+        """Switch to a policy at least as tight as the current one and apply it to the cache now."""
+        if not self.policy.allows(new):
+            raise ProtocolError(ErrorCode.POLICY, f"cache policy {self.policy} cannot be loosened to {new}")
+        if new.retention == 0:
+            self.wipe()
+        elif new.mode == "window":  # never cut into the pending block (the edge may still keep from it)
+            self.cache.retain_last(max(new.window, self.cache.length - self.cache.pending_start))
+        elif new.sealed and self.sealed is None and self.cache.length:
+            self.seal(check_key(key))
+        self.policy = new
+
+    def seal(self, key: bytes) -> None:
+        self.seal_counter += 1
+        self.sealed = seal(self.cache, key, self.id, self.seal_counter)
+        self.sealed_shape = (self.cache.length, self.cache.pending_start)
+        self.cache = KVCache(len(self.cache.k))
+
+
+@dataclass
+class Control:
+    """The edge's control tuple for one request (the seed paper's (flagCache, LCache, dtype, l))."""
+    cache: bool = True  # flagCache: may the cloud use the history it holds? False = wipe it first
+    window: int | None = None  # LCache: at most this many past entries; tightens the session for good
+    dtype: str | None = None  # the reply's wire dtype (None = the session's)
+    split: int | None = None  # l: the layer the edge's hidden states come from (must be the shard's)
+    key: bytes | None = None  # a sealed session's cache key, for this request only
+
+    @classmethod
+    def from_meta(cls, meta) -> Control:
+        if meta is None:
+            return cls()
+        if not isinstance(meta, dict):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "control must be a map")
+        c = cls(meta.get("cache", True), meta.get("window"), meta.get("dtype"), meta.get("split"), meta.get("key"))
+        if type(c.cache) is not bool:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.cache must be true or false")
+        if c.window is not None and (type(c.window) is not int or c.window < 1):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.window must be an integer >= 1")
+        if c.dtype is not None and (not isinstance(c.dtype, str) or c.dtype not in WIRE_DTYPES):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown control.dtype {c.dtype!r}")
+        if c.split is not None and type(c.split) is not int:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.split must be an integer")
+        return c
 
 
 @dataclass
 class ForwardRequest:
-    hidden: torch.Tensor  # [T, D]
-    positions: torch.Tensor  # [T]
-    mask: torch.Tensor | None  # [T, T] bool, None = causal
+    hidden: torch.Tensor  # [C + T, D]: C context rows (re-sent history), then T new tokens
+    positions: torch.Tensor  # [C + T]
+    mask: torch.Tensor | None  # [T, T] bool among the new tokens, None = causal
     keep: list[int] | None  # entries of the previous step to keep (applied first)
     crop: int | None  # truncate the cache to this length (applied before keep)
+    context: int = 0  # C
+    control: Control = field(default_factory=Control)
 
 
 class SessionTable:
@@ -50,7 +115,8 @@ class SessionTable:
         self.limits = limits
         self.sessions: dict[int, Session] = {}
 
-    def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0) -> Session:
+    def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0,
+             policy: CachePolicy | None = None) -> Session:
         """A new session for client key `owner` on connection `conn` (limits count per client key)."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"server is at its limit of {self.limits.max_sessions} sessions")
@@ -60,7 +126,7 @@ class SessionTable:
         sid = secrets.randbits(63) or 1
         while sid in self.sessions:
             sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn)
+        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy())
         self.sessions[sid] = session
         return session
 
@@ -89,43 +155,90 @@ class SessionTable:
 
 
 def validate(req: ForwardRequest, session: Session, model: CloudModel, limits: ServerLimits) -> None:
-    """Check a forward request against the model and the session before touching any state."""
+    """Check a forward request against the model, the session and its policy before touching any state."""
     cfg = model.cfg
     if req.hidden.dim() != 2 or req.hidden.shape[1] != cfg.hidden_size:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {cfg.hidden_size}], got {list(req.hidden.shape)}")
-    t = req.hidden.shape[0]
-    if t == 0 or t > limits.max_tokens_per_forward:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a forward carries 1..{limits.max_tokens_per_forward} tokens, got {t}")
-    if req.positions.shape != (t,):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{t} tokens need {t} positions, got {req.positions.numel()}")
+    rows = req.hidden.shape[0]
+    if rows == 0 or rows > limits.max_tokens_per_forward:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a forward carries 1..{limits.max_tokens_per_forward} tokens, got {rows}")
+    if type(req.context) is not int or not 0 <= req.context < rows:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"context must be an integer in [0, {rows}) (rows of hidden)")
+    t = rows - req.context
+    if req.positions.shape != (rows,):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{rows} rows need {rows} positions, got {req.positions.numel()}")
+    if req.mask is not None and req.mask.shape != (t, t):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mask covers the {t} new tokens, not {list(req.mask.shape)}")
     max_pos = min(cfg.max_position_embeddings, limits.max_tokens_per_session)
     if int(req.positions.min()) < 0 or int(req.positions.max()) >= max_pos:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"positions must lie in [0, {max_pos})")
     if not bool(torch.isfinite(req.hidden).all()):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "hidden states contain NaN or infinity")
-    cache = session.cache
-    length = cache.length
+    ctl, policy = req.control, session.policy
+    if ctl.split is not None and ctl.split != model.manifest.cloud_layers[0]:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"this cloud runs layers from {model.manifest.cloud_layers[0]}, "
+                                                   f"not from {ctl.split}")
+    if ctl.cache and policy.retention == 0:
+        raise ProtocolError(ErrorCode.POLICY, "the session's cache policy is none: a request cannot use cached history")
+    if ctl.window is not None and not policy.allows(CachePolicy("window", ctl.window)):
+        raise ProtocolError(ErrorCode.POLICY, f"control.window {ctl.window} would loosen cache policy {policy}")
+    window = min(x for x in (ctl.window, policy.window, math.inf) if x is not None)
+    if t > window:
+        raise ProtocolError(ErrorCode.POLICY, f"under a window of {window} a request carries at most {window} new tokens")
+    if policy.sealed:
+        check_key(ctl.key)
+    length, pending_start = session.cache_shape if ctl.cache else (0, 0)
     if req.crop is not None:
         if not 0 <= req.crop <= length:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"crop to {req.crop} outside the cache (length {length})")
         length = req.crop
     if req.keep is not None:
-        pending = length - min(cache.pending_start, length)
+        pending = length - min(pending_start, length)
         if any(not 0 <= i < pending for i in req.keep) or len(set(req.keep)) != len(req.keep):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"keep indices must be distinct and in [0, {pending})")
         length = length - pending + len(req.keep)
-    if length + t > limits.max_tokens_per_session:
+    if length + rows > limits.max_tokens_per_session:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
-                            f"session would hold {length + t} tokens; the limit is {limits.max_tokens_per_session}")
+                            f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}")
+
+
+def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """Visibility among C context rows (causal) followed by T new tokens (which see all context)."""
+    if c == 0:
+        return mask
+    full = torch.ones(c + t, c + t, dtype=torch.bool).tril()
+    if mask is not None:
+        full[c:, c:] = mask
+    return full
 
 
 @torch.inference_mode()
 def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> torch.Tensor:
+    """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
+    ctl = req.control
+    if session.sealed is not None:  # raises SEALED_KEY before any state changes
+        session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter, len(session.cache.k))
+        session.sealed, session.sealed_shape = None, (0, 0)
+    cache = session.cache
+    if not ctl.cache:
+        cache.clear()
     if req.crop is not None:
-        session.cache.crop(req.crop)
+        cache.crop(req.crop)
     if req.keep is not None:
-        session.cache.keep(req.keep)
+        cache.keep(req.keep)
+    if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
+        session.tighten(CachePolicy("window", ctl.window))
+    c, t = req.context, req.hidden.shape[0] - req.context
     dtype = next(model.parameters()).dtype
-    out = model(req.hidden[None].to(dtype), req.positions, req.mask, session.cache)[0]  # [T, D]
-    session.tokens_processed += req.hidden.shape[0]
+    mask = context_mask(c, req.mask, t)
+    out = model(req.hidden[None].to(dtype), req.positions, mask, cache)[0][c:]  # [T, D]
+    cache.pending_start += c  # context rows are history, not part of the step's pending block
+    session.tokens_processed += t
+    policy = session.policy
+    if policy.retention == 0:
+        cache.clear()
+    elif policy.mode == "window":
+        cache.retain_last(policy.window)
+    elif policy.sealed:
+        session.seal(ctl.key)
     return out

@@ -15,6 +15,15 @@ class LocalSession:
         self.cache = model.stack.new_cache()
         self.last_step: dict = {}
 
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def settle(self, keep: list[int] | None = None) -> None:
+        """Keep only these entries of the last forward's tokens (None: all)."""
+        if keep is not None:
+            self.cache.keep(keep)
+
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:

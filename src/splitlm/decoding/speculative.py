@@ -46,10 +46,13 @@ def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None) -> Drafter:
 
 
 class StepSession(Protocol):
-    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits."""
+    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits,
+    and `settle` to keep only the accepted entries of the last forward's tokens."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor: ...
+
+    def settle(self, keep: list[int] | None = None) -> None: ...
 
     last_step: dict
 
@@ -92,10 +95,15 @@ def build_step(tree: TokenTree, window: Window | None, base: int):
 
 def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                        drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                       adaptive: bool = False) -> Iterator[list[int]]:
+                       adaptive: bool = False, cached: int = 0) -> Iterator[list[int]]:
     """Yield the new tokens of each step (the first chunk comes from the prefill). With `adaptive`,
-    a lookahead window is resized every step to what the measured link and compute afford."""
-    logits = session.forward(prompt_ids, rows=[len(prompt_ids) - 1])
+    a lookahead window is resized every step to what the measured link and compute afford.
+
+    `cached`: the first `cached` prompt tokens are already in the session's caches (a later turn of
+    a conversation). After every step the session is told which of its entries to keep
+    (`settle`; the cloud hears it piggy-backed on the next request), so at any point it holds the
+    context except its last token."""
+    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(session.last_step["network_s"])
@@ -106,7 +114,6 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     drafter.reset(context)
     la = drafter if isinstance(drafter, LookaheadDrafter) else getattr(drafter, "lookahead", lambda: None)()
     max_width, levels = (la.width, la.n - 1) if la is not None else (0, 0)
-    keep: list[int] | None = None
     adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
     while produced < max_new_tokens and root not in eos:
         if adaptive_window:
@@ -115,11 +122,16 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             drafter.set_width(budget.window_width(width, max_width, levels, getattr(drafter, "window_gain", 0.0), tau))
         window = drafter.window()
         extra = 0 if window is None else len(window.tokens())
+        cap = getattr(session, "max_step_tokens", None)  # a cloud cache window caps a step's tokens
+        if cap is not None and extra >= cap:
+            window, extra = None, 0
         tree = drafter.propose()
         choice = budget.choose(tree, extra)
+        if cap is not None:
+            choice.nodes = min(choice.nodes, cap - extra)
         tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
-        logits = session.forward(tokens, positions, mask, keep=keep, rows=rows)
+        logits = session.forward(tokens, positions, mask, rows=rows)
         argmax = logits.argmax(-1).tolist()
         path, new = accept_greedy(tree, argmax[: len(tree)])
         drafter.accepted(new[:-1])
@@ -138,7 +150,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         for i, tok in enumerate(new):  # stop inside the step at an end token or the length limit
             if tok in eos or produced + i + 1 >= max_new_tokens:
                 new = new[: i + 1]
+                keep = path[: i + 1]  # the cache keeps the context up to, not including, the last token
                 break
+        session.settle(keep)
         produced += len(new)
         context.extend(new)
         drafter.extend(new)

@@ -12,10 +12,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
+from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
@@ -23,10 +26,14 @@ from splitlm.model.shards import load_edge
 from splitlm.transport.client import CloudClient
 from splitlm.transport.codecs import check_wire_dtype
 
+if TYPE_CHECKING:
+    from splitlm.edge.conversation import Conversation
+
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, already in the session's caches (later turns of a conversation)
     new_tokens: int = 0
     round_trips: int = 0  # all cloud round trips, prefill included
     prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
@@ -68,18 +75,123 @@ class GenerationResult:
 
 
 class EdgeSession:
-    """One cloud session together with the edge's own KV caches for its head and tail layers."""
+    """One cloud session together with the edge's own KV caches for its head and tail layers.
 
-    def __init__(self, edge: Edge):
+    The edge also keeps its head layers' outputs for every committed token (`history`, [L, D]), so
+    that whatever the cloud does not hold under the cache policy (`none`, after `revoke`) is re-sent
+    as context rows instead of being recomputed.
+    """
+
+    def __init__(self, edge: Edge, cache_policy: str | CachePolicy | None = None):
         self.edge = edge
-        self.id = edge.client.open_session(edge.wire_dtype)
+        try:
+            self.policy = CachePolicy.parse(cache_policy or edge.cache_policy)
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
+        self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
+        self.wire_dtype = edge.wire_dtype
+        self.id = edge.client.open_session(edge.wire_dtype, str(self.policy))
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
+        self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
+        self.history_pos: list[int] = []
+        self.pending: tuple[torch.Tensor, list[int]] | None = None  # the last forward's new rows, unresolved
+        self.cloud_committed = 0  # committed entries the cloud holds (a prefix; a suffix under window:N)
+        self.cloud_pending = 0  # size of the cloud's pending block
+        self.cloud_keep: list[int] | None = None  # to piggy-back on the next FORWARD
+        self.cloud_crop: int | None = None
         self.stats = GenerationStats()
+        self.last_step: dict = {}
 
     @property
     def length(self) -> int:
         return self.head_cache.length
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may carry (a window policy caps it at N)."""
+        return self.policy.window
+
+    def settle(self, keep: list[int] | None = None) -> None:
+        """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache."""
+        if self.pending is None:
+            return
+        h, pos = self.pending
+        self.pending = None
+        if keep is not None:
+            self.head_cache.keep(keep)
+            self.tail_cache.keep(keep)
+            h, pos = h[keep], [pos[i] for i in keep]
+            if self.cloud_pending:
+                self.cloud_keep = list(keep)
+        self.history = torch.cat([self.history, h])
+        self.history_pos += pos
+        self.cloud_committed += len(pos) if self.cloud_pending else 0
+        self.cloud_pending = 0
+
+    def crop(self, n: int) -> None:
+        """Truncate the conversation to its first n committed tokens (edge and cloud)."""
+        self.settle()
+        if not 0 <= n <= self.length:
+            raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
+        offset = self.length - self.cloud_committed  # oldest committed entries the cloud does not hold
+        self.head_cache.crop(n)
+        self.tail_cache.crop(n)
+        self.history, self.history_pos = self.history[:n], self.history_pos[:n]
+        cloud_n = max(0, n - offset)
+        if cloud_n < self.cloud_committed:
+            if self.cloud_keep is not None:  # the cloud applies crop before keep: fold the keep into the crop
+                before = self.cloud_committed - len(self.cloud_keep)
+                if cloud_n >= before:
+                    self.cloud_keep = self.cloud_keep[: cloud_n - before]
+                    cloud_n = None
+                else:
+                    self.cloud_keep = None
+            if cloud_n is not None:
+                self.cloud_crop = cloud_n if self.cloud_crop is None else min(self.cloud_crop, cloud_n)
+            self.cloud_committed = max(0, n - offset)
+
+    def revoke(self) -> None:
+        """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
+        self.settle()
+        self.edge.client.policy(self.id, revoke=True)
+        self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
+
+    def tighten(self, cache_policy: str | CachePolicy) -> None:
+        """Switch to a tighter cache policy for the rest of the session (the cloud refuses a looser one).
+
+        `none` and `sealed` take effect on the cloud now; `window:N` with the next request's
+        control tuple (after that request's keep, so the pending block stays intact)."""
+        try:
+            new = CachePolicy.parse(cache_policy)
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
+        if not self.policy.allows(new):
+            raise SplitLMError(f"cache policy {self.policy} cannot be loosened to {new}")
+        if new.mode == "window":
+            self.policy = new
+            return
+        if new.sealed and self.key is None:
+            self.key = AESGCM.generate_key(bit_length=256)
+        self.edge.client.policy(self.id, cache_policy=str(new), key=self.key if new.sealed else None)
+        self.policy = new
+        if new.retention == 0:
+            self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
+
+    def _context_rows(self) -> int:
+        """How many committed rows, counted from the end of the history, the cloud lacks."""
+        held = self.cloud_committed
+        if self.policy.window is not None:
+            return 0 if held else min(self.length, self.policy.window)
+        return self.length - held
+
+    def control(self) -> dict:
+        ctl = {"cache": self.policy.retention > 0, "dtype": self.wire_dtype, "split": self.edge.model.manifest.head}
+        if self.policy.window is not None:
+            ctl["window"] = self.policy.window
+        if self.key is not None:
+            ctl["key"] = self.key
+        return ctl
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
@@ -87,22 +199,47 @@ class EdgeSession:
         """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V].
 
         `keep` first retains only those entries of the previous call's new tokens, in both the
-        edge's caches and (piggy-backed on this request) the cloud's.
+        edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
+        window policy allows is sent in chunks.
         """
+        self.settle(keep)
+        limit = self.max_step_tokens
+        if limit is not None and len(ids) > limit and mask is None:
+            if positions is not None:
+                raise SplitLMError("a chunked forward takes default positions")
+            want = list(range(len(ids))) if rows is None else rows
+            out = []
+            for a in range(0, len(ids), limit):
+                part = [r - a for r in want if a <= r < a + limit]
+                logits = self._forward(ids[a:a + limit], None, None, part)
+                self.settle()
+                out.append(logits)
+            return torch.cat(out)
+        if limit is not None and len(ids) > limit:
+            raise SplitLMError(f"a step of {len(ids)} tokens exceeds the cache window of {limit}")
+        return self._forward(ids, positions, mask, rows)
+
+    def _forward(self, ids, positions, mask, rows) -> torch.Tensor:
         model, client = self.edge.model, self.edge.client
-        if keep is not None:
-            self.head_cache.keep(keep)
-            self.tail_cache.keep(keep)
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         pos = torch.tensor(positions)
+        n, c = self.length, self._context_rows()
         t0 = time.perf_counter()
         h = model.embed_and_head(torch.tensor([ids]), pos, mask, self.head_cache)[0]  # [T, D]
         t1 = time.perf_counter()
+        sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
+        sent_pos = self.history_pos[n - c:] + positions if c else positions
         up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
-        h, meta = client.forward(self.id, h, positions, self.edge.wire_dtype, mask=mask, keep=keep)
+        out, meta = client.forward(self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep,
+                                   crop=self.cloud_crop, context=c, control=self.control())
         t2 = time.perf_counter()
-        logits = model.tail_and_logits(h[None].to(self.edge.dtype), pos, mask, self.tail_cache, rows)[0]
+        self.pending = (h, list(positions))
+        retained = self.policy.retention > 0
+        self.cloud_keep = self.cloud_crop = None
+        self.cloud_pending = len(ids) if retained else 0
+        self.cloud_committed = meta["cache_len"] - self.cloud_pending if retained else 0
+        logits = model.tail_and_logits(out[None].to(self.edge.dtype), pos, mask, self.tail_cache, rows)[0]
         t3 = time.perf_counter()
         serialize_s = client.serialize_s - ser
         network_s = max(0.0, meta["round_trip_s"] - meta["compute_s"] - serialize_s)
@@ -153,10 +290,17 @@ class Edge:
     """The edge side of a split model, connected to one cloud server."""
 
     def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
-                 identity=None, cloud_key=None, known_hosts=None, tls_ca=None, rekey=None):
+                 cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
+                 rekey=None):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
-        wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range."""
+        wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
+        cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
+        session, window:N or sealed; each session may choose its own."""
+        try:
+            self.cache_policy = str(CachePolicy.parse(cache_policy or "session"))
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
         self.edge_dir = Path(edge_dir)
         self.model = load_edge(self.edge_dir)
         if wire_dtype == "auto":
@@ -198,8 +342,15 @@ class Edge:
             self._corpus = NgramModel([tok for doc in docs for tok in doc])
         return self._corpus
 
-    def open_session(self) -> EdgeSession:
-        return EdgeSession(self)
+    def open_session(self, cache_policy: str | None = None) -> EdgeSession:
+        return EdgeSession(self, cache_policy)
+
+    def conversation(self, system: str | None = None, spec: SpecConfig | str | None = None,
+                     cache_policy: str | None = None) -> Conversation:
+        """A multi-turn chat that keeps its cloud session (and the authorised cache) across turns."""
+        from splitlm.edge.conversation import Conversation
+
+        return Conversation(self, system, as_spec(spec), cache_policy)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -218,16 +369,22 @@ class Edge:
         return ids
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
-                     spec: SpecConfig | None = None) -> Iterator[tuple[list[int], GenerationStats]]:
+                     spec: SpecConfig | None = None, session: EdgeSession | None = None,
+                     cached: int = 0) -> Iterator[tuple[list[int], GenerationStats]]:
         """Decode greedily; yields (new tokens of one step, live stats). With `spec` mode `none`
-        every step is one round trip and one token; other modes verify a drafted tree per step."""
+        every step is one round trip and one token; other modes verify a drafted tree per step.
+
+        With `session` (kept open by the caller), the first `cached` prompt tokens are already in
+        its caches; otherwise a session is opened and closed for this request."""
         if max_new_tokens < 1:
             raise SplitLMError("max_new_tokens must be at least 1")
         spec = spec or SpecConfig()
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
-        session = self.open_session()
-        s = session.stats
-        s.prompt_tokens = len(prompt_ids)
+        own = session is None
+        if own:
+            session = self.open_session()
+        session.stats = s = GenerationStats()
+        s.prompt_tokens, s.cached_tokens = len(prompt_ids), cached
         s.spec_mode = spec.mode
         # what the budget learns (link, compute cost, drafters' calibration) carries over between requests
         budget = self._budgets.setdefault((spec.mode, spec.max_nodes), StepBudget(fixed_nodes=spec.max_nodes))
@@ -236,7 +393,7 @@ class Edge:
             corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
             start = time.perf_counter()
             steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus), budget,
-                                       spec_stats, adaptive=spec.mode == "auto")
+                                       spec_stats, adaptive=spec.mode == "auto", cached=cached)
             for new in steps:
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start
@@ -246,14 +403,19 @@ class Edge:
                           "compute_c0_s": round(budget.compute.c0, 5), "compute_c1_s": round(budget.compute.c1, 6)}
                 yield new, s
         finally:
-            session.close()
+            if own:
+                session.close()
 
     def _run(self, prompt, max_new_tokens, chat, stop_at_eos, spec) -> Iterator[tuple[str, GenerationResult]]:
-        prompt_ids = self._prompt_ids(prompt, chat)
+        return self.run_ids(self._prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, spec)
+
+    def run_ids(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, spec: SpecConfig,
+                session: EdgeSession | None = None, cached: int = 0) -> Iterator[tuple[str, GenerationResult | None]]:
+        """Yield (text delta, None) as tokens arrive, then (last delta, the full result)."""
         ids: list[int] = []
         text = ""
         stats = GenerationStats()
-        for tokens, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec):
+        for tokens, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, session, cached):
             ids.extend(tokens)
             stats = live_stats
             new_text = self.decode(ids)

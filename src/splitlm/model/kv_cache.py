@@ -60,6 +60,18 @@ class KVCache:
         self.length = n
         self.pending_start = min(self.pending_start, n)
 
+    def retain_last(self, n: int) -> None:
+        """Drop the oldest entries so that at most n remain (the pending block shifts down with them)."""
+        drop = max(0, self.length - n)
+        if not drop:
+            return
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            if k is not None:
+                self.k[i], self.v[i] = k[:, :, drop:], v[:, :, drop:]
+        self.positions = self.positions[drop:]
+        self.length -= drop
+        self.pending_start = max(0, self.pending_start - drop)
+
     def clear(self) -> None:
         self.crop(0)
         self.k = [None] * len(self.k)

@@ -39,7 +39,7 @@ from splitlm.transport.keys import (
 log = logging.getLogger("splitlm.client")
 
 REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
-              MsgType.CLOSE: MsgType.CLOSED}
+              MsgType.CLOSE: MsgType.CLOSED, MsgType.POLICY: MsgType.POLICY_OK}
 
 
 class CloudError(SplitLMError):
@@ -180,13 +180,25 @@ class CloudClient:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply
 
-    def open_session(self, wire_dtype: str) -> int:
-        return self.request(Frame(MsgType.OPEN, meta={"wire_dtype": wire_dtype})).session
+    def open_session(self, wire_dtype: str, cache_policy: str = "session") -> int:
+        return self.request(Frame(MsgType.OPEN, meta={"wire_dtype": wire_dtype, "cache_policy": cache_policy})).session
+
+    def policy(self, session: int, cache_policy: str | None = None, revoke: bool = False,
+               key: bytes | None = None) -> dict[str, Any]:
+        """Tighten the session's cache policy and/or wipe its cache now; returns the cloud's answer."""
+        meta: dict[str, Any] = {"revoke": revoke}
+        if cache_policy is not None:
+            meta["cache_policy"] = cache_policy
+        if key is not None:
+            meta["key"] = key
+        return self.request(Frame(MsgType.POLICY, session, meta=meta)).meta
 
     def forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
                 mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                crop: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Send hidden [T, D] through the cloud's layers; returns hidden [T, D] and the reply metadata."""
+                crop: int | None = None, context: int = 0,
+                control: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Send hidden [C + T, D] (C re-sent context rows, then T new tokens) through the cloud's layers;
+        returns hidden [T, D] of the new tokens and the reply metadata."""
         t0 = time.perf_counter()
         try:
             specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
@@ -200,6 +212,10 @@ class CloudClient:
             meta["keep"] = keep
         if crop is not None:
             meta["crop"] = crop
+        if context:
+            meta["context"] = context
+        if control is not None:
+            meta["control"] = control
         start = time.perf_counter()
         reply = self.request(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
         reply.meta["round_trip_s"] = time.perf_counter() - start

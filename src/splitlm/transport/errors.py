@@ -22,6 +22,8 @@ class ErrorCode(IntEnum):
     OUT_OF_ORDER = 14  # a sequence number below one already accepted, never seen itself (reordered)
     NOT_ENCRYPTED = 15  # a plaintext frame after the handshake
     SERVER_KEY_MISMATCH = 16  # edge-side only: the cloud's static key is not the pinned / known one
+    POLICY = 17  # a request the session's cache policy forbids, or an attempt to loosen the policy
+    SEALED_KEY = 18  # a sealed session's request without its cache key, or with a key that does not open it
 
 
 class ProtocolError(Exception):

@@ -50,6 +50,8 @@ class MsgType(IntEnum):
     CLOSE = 7
     CLOSED = 8
     ERROR = 9
+    POLICY = 10
+    POLICY_OK = 11
 
 
 @dataclass

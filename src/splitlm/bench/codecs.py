@@ -1,0 +1,71 @@
+"""Codec study: for each wire codec, bytes per token and agreement with the full model's greedy tokens.
+
+Runs directly against the bench's cloud (no emulated delay: bytes and agreement do not depend on
+the RTT). Per codec and prompt: teacher-forced next-token agreement (the reference continuation fed
+in one pass; the seed paper's metric), free-running greedy agreement (position by position, until
+the first difference, the usual way split systems drift), and decoding bytes per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from splitlm.decoding.speculative import SpecConfig
+
+
+def codec_rows(make_edge: Callable[[str], object], prompts: list, reference: dict[str, list[int]], codecs: list[str],
+               max_new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
+    rows = []
+    for codec in codecs:
+        edge = make_edge(codec)
+        hits = positions = exact = prefix = generated = up = down = decode_tokens = 0
+        try:
+            for p in prompts:
+                ref = reference[p.id]
+                if ref:
+                    session = edge.open_session()
+                    try:
+                        logits = session.forward(p.ids + ref[:-1])  # [T_prompt + n - 1, V]
+                    finally:
+                        session.close()
+                    predicted = logits[len(p.ids) - 1:].argmax(-1).tolist()
+                    hits += sum(int(a == b) for a, b in zip(predicted, ref, strict=True))
+                    positions += len(ref)
+                ids: list[int] = []
+                first = stats = None
+                for new, stats in edge.generate_ids(p.ids, max_new_tokens, True, SpecConfig("none")):
+                    ids += new
+                    if first is None:
+                        first = replace(stats)
+                exact += int(ids == ref)
+                prefix += next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), min(len(ids), len(ref)))
+                generated += len(ref)
+                up += stats.bytes_up - first.bytes_up
+                down += stats.bytes_down - first.bytes_down
+                decode_tokens += len(ids) - 1
+        finally:
+            edge.close()
+        row = {"codec": codec, "prompts": len(prompts),
+               "teacher_forced_agreement": round(hits / positions, 4) if positions else None,
+               "greedy_prefix_agreement": round(prefix / generated, 4) if generated else None,
+               "exact_match": round(exact / len(prompts), 4) if prompts else None,
+               "bytes_up_per_token": round(up / decode_tokens, 1) if decode_tokens else None,
+               "bytes_down_per_token": round(down / decode_tokens, 1) if decode_tokens else None}
+        progress(f"codec {codec:<5} agreement {row['teacher_forced_agreement']}  greedy prefix "
+                 f"{row['greedy_prefix_agreement']}  B/tok up {row['bytes_up_per_token']} down {row['bytes_down_per_token']}")
+        rows.append(row)
+    return rows
+
+
+def codec_table(rows: list[dict]) -> list[str]:
+    def pct(v):
+        return "" if v is None else f"{100 * v:.1f} %"
+
+    lines = ["| codec | B up/tok | B down/tok | teacher-forced agreement | greedy prefix agreement | exact |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['codec']} | {r['bytes_up_per_token']:.0f} | {r['bytes_down_per_token']:.0f} | "
+                     f"{pct(r['teacher_forced_agreement'])} | {pct(r['greedy_prefix_agreement'])} | "
+                     f"{pct(r['exact_match'])} |")
+    return lines

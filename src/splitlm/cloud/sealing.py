@@ -1,0 +1,81 @@
+"""Sealed KV caches: a session's cache encrypted at rest under a key only the edge holds.
+
+AES-256-GCM (`cryptography`); the nonce is the session's seal counter (it only grows, so a nonce
+never repeats under a key), and the associated data binds the blob to its session and counter.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from splitlm.model.kv_cache import KVCache
+from splitlm.transport.errors import ErrorCode, ProtocolError
+
+KEY_BYTES = 32
+
+
+def _aad(session_id: int, counter: int) -> bytes:
+    return b"splitlm-sealed-cache" + struct.pack("!QQ", session_id, counter)
+
+
+def _nonce(counter: int) -> bytes:
+    return struct.pack("!IQ", 0, counter)
+
+
+def check_key(key) -> bytes:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ProtocolError(ErrorCode.SEALED_KEY, f"a sealed session's request needs its {KEY_BYTES}-byte cache key")
+    return key
+
+
+def serialize(cache: KVCache) -> bytes:
+    """The cache's entries as bytes: a msgpack header (shapes, dtype, positions), then raw k and v."""
+    tensors = [t for pair in zip(cache.k, cache.v, strict=True) for t in pair]
+    present = [t is not None for t in cache.k]
+    ref = next((t for t in tensors if t is not None), None)
+    dtype = str(ref.dtype).removeprefix("torch.") if ref is not None else "float32"
+    header = {"length": cache.length, "pending_start": cache.pending_start, "present": present, "dtype": dtype,
+              "shapes": [list(t.shape) if t is not None else None for t in tensors],
+              "positions": cache.positions.tolist()}
+    head = msgpack.packb(header)
+    raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors if t is not None)
+    return struct.pack("!I", len(head)) + head + raw
+
+
+def deserialize(data: bytes, num_layers: int) -> KVCache:
+    (n,) = struct.unpack_from("!I", data)
+    header = msgpack.unpackb(data[4:4 + n])
+    dtype = getattr(torch, header["dtype"])
+    cache = KVCache(num_layers)
+    buf = np.frombuffer(data, dtype=np.uint8, offset=4 + n)
+    offset, tensors = 0, []
+    for shape in header["shapes"]:
+        if shape is None:
+            tensors.append(None)
+            continue
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        chunk = torch.from_numpy(buf[offset:offset + nbytes].copy()).view(dtype).reshape(shape)
+        tensors.append(chunk)
+        offset += nbytes
+    cache.k, cache.v = tensors[0::2], tensors[1::2]
+    cache.length, cache.pending_start = header["length"], header["pending_start"]
+    cache.positions = torch.tensor(header["positions"], dtype=torch.long)
+    return cache
+
+
+def seal(cache: KVCache, key: bytes, session_id: int, counter: int) -> bytes:
+    return AESGCM(key).encrypt(_nonce(counter), serialize(cache), _aad(session_id, counter))
+
+
+def unseal(blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int) -> KVCache:
+    try:
+        data = AESGCM(key).decrypt(_nonce(counter), blob, _aad(session_id, counter))
+    except InvalidTag:
+        raise ProtocolError(ErrorCode.SEALED_KEY, "the sealed cache does not open with this key") from None
+    return deserialize(data, num_layers)

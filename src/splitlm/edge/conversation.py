@@ -1,0 +1,93 @@
+"""Multi-turn chat over one cloud session: each turn sends only the tokens its caches lack.
+
+    with Edge("split/edge", url, cache_policy="sealed") as edge:
+        chat = edge.conversation()
+        print(chat.say("Name a colour.").text)
+        print(chat.say("And another one?").text)
+
+Each turn renders the whole conversation with the chat template, finds the longest prefix already
+in the session's caches, crops the caches to it (the template may render a finished answer
+differently from the tokens that were generated) and feeds the rest. Under the cache policy
+`none` (or after `revoke`) the cloud holds nothing, and the edge re-sends the history's hidden
+states as context rows; the edge's own caches always hold the whole conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from splitlm import SplitLMError
+from splitlm.decoding.speculative import SpecConfig
+from splitlm.edge.runtime import Edge, GenerationResult, Stream
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    def __init__(self, edge: Edge, system: str | None = None, spec: SpecConfig | None = None,
+                 cache_policy: str | None = None):
+        if edge.tokenizer is None or not edge.tokenizer.chat_template:
+            raise SplitLMError("a conversation needs a tokenizer with a chat template")
+        self.edge, self.spec = edge, spec or SpecConfig()
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.session = edge.open_session(cache_policy)
+        self.cached: list[int] = []  # the tokens in the session's caches, in order
+        self.turns: list[GenerationResult] = []
+
+    def render(self) -> list[int]:
+        text = self.edge.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
+        return self.edge.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _turn(self, user: str, max_new_tokens: int) -> Iterator[tuple[str, GenerationResult | None]]:
+        self.messages.append({"role": "user", "content": user})
+        ids = self.render()
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # at least one token to feed
+        if keep < len(self.cached):
+            self.session.crop(keep)
+        result = None
+        try:
+            for delta, result in self.edge.run_ids(ids, max_new_tokens, True, self.spec, self.session, keep):
+                yield delta, result
+        except BaseException:
+            self.messages.pop()
+            self.cached = self.cached[:keep] if result is None else self.cached
+            raise
+        # the caches hold the context except its last token (see speculative_decode)
+        self.cached = (ids + result.token_ids)[:-1]
+        self.messages.append({"role": "assistant", "content": result.text})
+        self.turns.append(result)
+
+    def say(self, user: str, max_new_tokens: int = 256) -> GenerationResult:
+        """One turn: the answer to `user`, given everything said before."""
+        *_, (_, result) = self._turn(user, max_new_tokens)
+        return result
+
+    def stream(self, user: str, max_new_tokens: int = 256) -> Stream:
+        stream = Stream(iter(()))
+
+        def pieces() -> Iterator[str]:
+            for delta, result in self._turn(user, max_new_tokens):
+                if result is not None:
+                    stream.result = result
+                if delta:
+                    yield delta
+
+        stream._pieces = pieces()
+        return stream
+
+    def revoke(self) -> None:
+        """Wipe the cloud's copy of this conversation now; the next turn re-sends what it needs."""
+        self.session.revoke()
+
+    def tighten(self, cache_policy: str) -> None:
+        self.session.tighten(cache_policy)
+
+    def close(self) -> None:
+        self.session.close()
