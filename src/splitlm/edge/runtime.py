@@ -28,6 +28,8 @@ from splitlm.transport.codecs import check_wire_dtype
 
 log = logging.getLogger("splitlm.edge")
 
+SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
+
 
 @dataclass
 class GenerationStats:
@@ -352,8 +354,8 @@ class Edge:
             raise SplitLMError("max_new_tokens must be at least 1")
         sampling = sampling or SamplingConfig()
         spec = spec or SpecConfig()
-        if not sampling.greedy:
-            spec = SpecConfig("none")
+        if not sampling.greedy or len(prompt_ids) + max_new_tokens + SPEC_HEADROOM > self.context_length:
+            spec = SpecConfig("none")  # sampling is sequential; so is the end of the context (no room for trees)
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
         # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
         # requests running at the same time each take their own
