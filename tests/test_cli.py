@@ -67,3 +67,14 @@ def test_serve_cloud_with_a_missing_shard(tmp_path):
 
 def test_edge_shard_given_as_cloud(tiny_split):
     assert_clean_failure(run_cli("serve-cloud", "--shard", str(tiny_split / "edge")), "is the edge shard")
+
+
+def test_serve_edge_and_chat_without_a_server(tiny_split, tmp_path):
+    edge = str(tiny_split / "edge")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--cloud", "ws://127.0.0.1:9"), "cannot reach the cloud")
+    assert_clean_failure(run_cli("chat", "--edge", edge, "--cloud", "ws://127.0.0.1:9"), "cannot reach the cloud")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--api-key-file", str(tmp_path / "nope")),
+                         "cannot read the API key file")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--default-temperature", "7"), "between 0 and 2")
+    assert_clean_failure(run_cli("chat", "--edge", edge, "--temperature", "-1"), "temperature")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--port", "http"), "expected an integer")

@@ -194,3 +194,20 @@ def test_metrics(api, client):
     assert values['splitlm_edge_request_seconds_count{endpoint="/v1/completions"}'] >= 1
     assert values['splitlm_edge_bytes_total{direction="up"}'] > 0
     assert values["splitlm_edge_requests_in_flight"] == 0
+
+
+def test_a_client_that_goes_away_stops_its_generation(api, client, bundled_server):
+    def in_flight():
+        with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
+            return metrics.parse(r.read().decode())["splitlm_edge_requests_in_flight"]
+
+    stream = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1000,
+                                       stream=True)
+    next(iter(stream))
+    assert in_flight() == 1
+    stream.close()
+    deadline = time.monotonic() + 20
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert in_flight() == 0  # long before 1000 tokens
+    assert bundled_server.server.sessions.sessions == {}  # its cloud session was closed
