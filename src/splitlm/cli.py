@@ -69,15 +69,16 @@ def cmd_generate(args) -> int:
     from splitlm.edge import Edge
 
     set_threads(args.threads)
+    sampling = sampling_config(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         stop_at_eos = not args.ignore_eos
+        options = dict(chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec, sampling=sampling, stop=args.stop)
         if args.json:
-            result = edge.generate(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos,
-                                   spec=args.spec)
+            result = edge.generate(args.prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
             return 0
-        stream = edge.stream(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec)
+        stream = edge.stream(args.prompt, args.max_new_tokens, **options)
         for piece in stream:
             print(piece, end="", flush=True)
         print()
@@ -122,12 +123,11 @@ def cmd_serve_edge(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from splitlm.decoding.sampling import SamplingConfig
     from splitlm.edge import Edge
     from splitlm.edge.chat import run_chat
 
     set_threads(args.threads)
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling = sampling_config(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         spec=args.spec)
@@ -172,6 +172,20 @@ def add_edge_security_options(p: argparse.ArgumentParser) -> None:
 def edge_security_kwargs(args) -> dict:
     """Keyword arguments for `Edge(...)` from the options of `add_edge_security_options`."""
     return {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca")}
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, with speculative decoding (default); > 0 samples one token per round trip")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="same seed, same sampled output")
+
+
+def sampling_config(args):
+    from splitlm.decoding.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
@@ -230,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
                    help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the text before this string (repeatable)")
+    add_sampling_options(p)
     add_edge_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -257,10 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, speculative (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_options(p)
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
                    help="speculative decoding for greedy answers (default auto)")
     add_edge_options(p)
