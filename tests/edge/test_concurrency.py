@@ -47,3 +47,18 @@ def test_stop_strings_are_found_and_their_beginnings_held_back():
     assert held_back("the end", ["near"]) == 0
     assert held_back("caf\ufffd", []) == 1  # an incomplete UTF-8 sequence
     assert held_back("abcab", ["abcabd"]) == 5
+
+
+def test_a_prompt_longer_than_the_clouds_forward_limit_goes_in_chunks(tiny_split, tiny_server):
+    from splitlm.cloud.server import BackgroundServer
+    from splitlm.cloud.sessions import ServerLimits
+
+    prompt = [(7 * i) % 200 + 3 for i in range(21)]
+    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+        expected = edge.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=8)) as small:
+        with Edge(tiny_split / "edge", small.url, wire_dtype="fp32") as edge:
+            result = edge.generate(prompt, max_new_tokens=6, stop_at_eos=False)
+    assert result.token_ids == expected.token_ids
+    s = result.stats
+    assert s.prefill_round_trips == 3 and s.round_trips == 3 + 5 and s.tokens_per_round_trip == 1.0

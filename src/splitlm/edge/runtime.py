@@ -36,6 +36,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     round_trips: int = 0  # all cloud round trips, prefill included
+    prefill_round_trips: int = 1  # more when the prompt exceeds the cloud's tokens per forward
     prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
     decode_s: float = 0.0  # after the first token
     bytes_up: int = 0
@@ -49,7 +50,7 @@ class GenerationStats:
 
     @property
     def decode_round_trips(self) -> int:
-        return max(0, self.round_trips - 1)
+        return max(0, self.round_trips - self.prefill_round_trips)
 
     @property
     def tokens_per_round_trip(self) -> float:
@@ -119,6 +120,18 @@ class EdgeSession:
         `keep` first retains only those entries of the previous call's new tokens, in both the
         edge's caches and (piggy-backed on this request) the cloud's.
         """
+        limit = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
+        if limit and len(ids) > limit and mask is None and positions is None:  # a long prompt: causal chunks
+            chunks = [ids[i:i + limit] for i in range(0, len(ids), limit)]
+            for chunk in chunks[:-1]:
+                self.forward(chunk, keep=keep, rows=[])
+                keep = None
+            self.stats.prefill_round_trips = len(chunks)
+            last = len(chunks[-1])
+            rows = None if rows is None else [r - (len(ids) - last) for r in rows]
+            if rows is not None and any(r < 0 for r in rows):
+                raise SplitLMError("logit rows of a chunked forward must lie in its last chunk")
+            return self.forward(chunks[-1], keep=keep, rows=rows)
         model, client = self.edge.model, self.client
         if keep is not None:
             self.head_cache.keep(keep)
