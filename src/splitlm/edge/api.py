@@ -247,8 +247,11 @@ class EdgeAPI:
             self.metrics.finished(endpoint, result, time.perf_counter() - start)
             self.metrics.requests.inc(endpoint=endpoint, status="200")
             return JSONResponse(self.completion_body(rid, chat, result))
+        first = await queue.get()  # a failure before the first token still gets an error status
+        if first is None and isinstance(job.exception(), CloudError | SplitLMError):
+            raise APIError(502, f"the cloud failed: {job.exception()}", "server_error", code="cloud_error")
         self.metrics.requests.inc(endpoint=endpoint, status="200")
-        return StreamingResponse(self.events(endpoint, rid, chat, req, queue, job, cancel, start),
+        return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, start),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def completion_body(self, rid: str, chat: bool, result: GenerationResult) -> dict:
@@ -271,12 +274,15 @@ class EdgeAPI:
                 "created": int(time.time()), "model": self.config.model_name,
                 "system_fingerprint": self.fingerprint, "choices": [choice]}
 
-    async def events(self, endpoint, rid, chat, req, queue, job, cancel, start) -> AsyncIterator[str]:
+    async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, start) -> AsyncIterator[str]:
+        """SSE chunks: the role (chat), the text pieces from `first` on, the finish reason, usage, [DONE]."""
         try:
             if chat:
                 yield sse(self.chunk(rid, chat, None, role=True))
-            while (piece := await queue.get()) is not None:
+            piece = first
+            while piece is not None:
                 yield sse(self.chunk(rid, chat, piece))
+                piece = await queue.get()
             try:
                 result = job.result()
             except (CloudError, SplitLMError) as e:
