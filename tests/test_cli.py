@@ -26,6 +26,21 @@ def test_generate_json(bundled_split, bundled_server, capsys):
     assert out["stats"]["round_trips"] == out["stats"]["new_tokens"]
 
 
+@pytest.mark.slow
+def test_generate_with_sampling_and_a_stop_string(bundled_split, bundled_server, capsys):
+    def generate(*extra):
+        assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt",
+                     "Once upon a time", "--max-new-tokens", "10", "--json", "--ignore-eos", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    a = generate("--temperature", "1.2", "--seed", "3")
+    assert a["stats"]["spec_mode"] == "none (sampling)" and len(a["token_ids"]) == 10
+    assert generate("--temperature", "1.2", "--seed", "3")["token_ids"] == a["token_ids"]
+    stop = a["text"][len(a["text"]) // 2:][:2]
+    cut = generate("--temperature", "1.2", "--seed", "3", "--stop", stop)
+    assert cut["text"] == a["text"][: a["text"].index(stop)] and cut["finish_reason"] == "stop"
+
+
 def assert_clean_failure(proc, needle):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
@@ -67,3 +82,12 @@ def test_serve_cloud_with_a_missing_shard(tmp_path):
 
 def test_edge_shard_given_as_cloud(tiny_split):
     assert_clean_failure(run_cli("serve-cloud", "--shard", str(tiny_split / "edge")), "is the edge shard")
+
+
+def test_serve_edge_and_chat_without_a_server(tiny_split, tmp_path):
+    edge = str(tiny_split / "edge")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--cloud", "ws://127.0.0.1:9"), "cannot reach the cloud")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--api-key-file", str(tmp_path / "nope")),
+                         "cannot read the API key file")
+    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--default-temperature", "7"), "between 0 and 2")
+    assert_clean_failure(run_cli("chat", "--edge", edge, "--temperature", "-1"), "temperature")

@@ -69,20 +69,68 @@ def cmd_generate(args) -> int:
     from splitlm.edge import Edge
 
     set_threads(args.threads)
+    sampling = sampling_config(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         stop_at_eos = not args.ignore_eos
+        options = dict(chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec, sampling=sampling, stop=args.stop)
         if args.json:
-            result = edge.generate(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos,
-                                   spec=args.spec)
+            result = edge.generate(args.prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
             return 0
-        stream = edge.stream(args.prompt, args.max_new_tokens, chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec)
+        stream = edge.stream(args.prompt, args.max_new_tokens, **options)
         for piece in stream:
             print(piece, end="", flush=True)
         print()
         print_stats(stream.result.stats)
     return 0
+
+
+def api_key(args) -> str | None:
+    """The bearer token local apps must send: --api-key-file, else $SPLITLM_API_KEY, else none."""
+    import os
+
+    if args.api_key_file:
+        try:
+            key = open(args.api_key_file).read().strip()
+        except OSError as e:
+            raise SplitLMError(f"cannot read the API key file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise SplitLMError(f"the API key file {args.api_key_file} is empty")
+        return key
+    return os.environ.get("SPLITLM_API_KEY") or None
+
+
+def cmd_serve_edge(args) -> int:
+    from pathlib import Path
+
+    from splitlm.edge import Edge
+    from splitlm.edge.api import APIConfig, serve
+
+    set_threads(args.threads)
+    if not 0.0 <= args.default_temperature <= 2.0:
+        raise SplitLMError(f"--default-temperature must be between 0 and 2, got {args.default_temperature}")
+    config = APIConfig(model_name=args.model_name or Path(args.edge).resolve().parent.name, api_key=api_key(args),
+                       spec=args.spec, max_concurrent=args.max_concurrent,
+                       default_temperature=args.default_temperature, default_max_tokens=args.default_max_tokens)
+    with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
+        if args.spec == "auto":
+            edge.corpus_model()  # built once now, not in the first request
+        print(f"serving model '{config.model_name}' on http://{args.host}:{args.port}/v1 "
+              f"(cloud {args.cloud}{', API key required' if config.api_key else ''})", file=sys.stderr, flush=True)
+        serve(edge, config, args.host, args.port)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from splitlm.edge import Edge
+    from splitlm.edge.chat import run_chat
+
+    set_threads(args.threads)
+    sampling = sampling_config(args)
+    with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
+        return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        spec=args.spec)
 
 
 def print_stats(s) -> None:
@@ -137,6 +185,20 @@ def cache_policy_arg(text: str) -> str:
 
 
 WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, with speculative decoding (default); > 0 samples one token per round trip")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="same seed, same sampled output")
+
+
+def sampling_config(args):
+    from splitlm.decoding.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
@@ -198,8 +260,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
                    help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the text before this string (repeatable)")
+    add_sampling_options(p)
     add_edge_options(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve-edge", help="serve an OpenAI-compatible API on this machine (the edge)")
+    p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients ask for (default: the name of the split directory)")
+    p.add_argument("--api-key-file", metavar="FILE", default=None,
+                   help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+                   help="speculative decoding for greedy (temperature 0) requests (default auto)")
+    p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
+    p.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature of requests that give none (default 1.0, as OpenAI's API)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=2048,
+                   help="max_tokens of requests that give none (default 2048, less if the context is shorter)")
+    add_edge_options(p)
+    p.set_defaults(func=cmd_serve_edge)
+
+    p = sub.add_parser("chat", help="chat in the terminal through a cloud server (streams, shows stats)")
+    p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
+    add_sampling_options(p)
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+                   help="speculative decoding for greedy answers (default auto)")
+    add_edge_options(p)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
     p.add_argument("--model", default="default")

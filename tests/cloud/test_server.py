@@ -8,6 +8,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from splitlm import metrics
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.shards import Manifest
@@ -83,6 +84,31 @@ def forward_frame(session, t=2, d=64, positions=None, **meta):
 def test_healthz(tiny_server, fingerprint):
     with urllib.request.urlopen(tiny_server.url.replace("ws://", "http://") + "/healthz", timeout=5) as r:
         assert r.status == 200 and fingerprint in r.read().decode()
+
+
+def test_metrics_count_round_trips_tokens_and_errors(tiny_server, fingerprint):
+    def scrape():
+        with urllib.request.urlopen(tiny_server.url.replace("ws://", "http://") + "/metrics", timeout=5) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            return metrics.parse(r.read().decode())
+
+    before = scrape()
+    raw = Raw(tiny_server.url)
+    raw.hello(fingerprint)
+    sid = raw.send(Frame(MsgType.OPEN, meta={"wire_dtype": "fp32"})).session
+    raw.send(forward_frame(sid, t=3))
+    raw.send(forward_frame(sid, t=2))
+    assert scrape()["splitlm_cloud_sessions"] == 1
+    raw.send(Frame(MsgType.CLOSE, sid))
+    raw.send(Frame(MsgType.CLOSE, sid))  # unknown now: an ERROR frame
+    after = scrape()
+    assert after["splitlm_cloud_round_trips_total"] - before["splitlm_cloud_round_trips_total"] == 2
+    assert after["splitlm_cloud_tokens_total"] - before["splitlm_cloud_tokens_total"] == 5
+    assert after['splitlm_cloud_tokens_per_round_trip_bucket{le="2"}'] >= 1
+    assert after['splitlm_cloud_requests_total{type="FORWARD"}'] >= 2
+    assert after['splitlm_cloud_errors_total{code="UNKNOWN_SESSION"}'] >= 1
+    assert after["splitlm_cloud_compute_seconds_count"] == after["splitlm_cloud_round_trips_total"]
+    assert after["splitlm_cloud_sessions"] == 0
 
 
 def test_session_forward_and_close(tiny_server, fingerprint):

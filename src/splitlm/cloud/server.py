@@ -2,7 +2,8 @@
 
 Every connection starts with the HELLO / HELLO_OK handshake (`splitlm.transport.handshake`);
 after it every frame in both directions is AES-256-GCM encrypted (`splitlm.transport.crypto`).
-Plain HTTP `GET /healthz` on the same port answers `ok` with the shard fingerprint.
+Plain HTTP `GET /healthz` on the same port answers `ok` with the shard fingerprint, `GET /metrics`
+the server's metrics in the Prometheus text format.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
+from splitlm import metrics as m
 from splitlm.cloud.policy import CachePolicy
 from splitlm.cloud.sessions import Control, ForwardRequest, ServerLimits, SessionTable, run_forward, validate
 from splitlm.model.shards import load_cloud
@@ -88,6 +90,26 @@ class Connection:
             await self.ws.send(encode_frame(frame))
 
 
+class CloudMetrics:
+    """What `GET /metrics` reports (no label carries a key, a session id or any tensor data)."""
+
+    def __init__(self):
+        r = self.registry = m.Registry()
+        self.connections = r.counter("splitlm_cloud_connections_total", "WebSocket connections accepted.")
+        self.requests = r.counter("splitlm_cloud_requests_total", "Requests answered, by message type.", ["type"])
+        self.round_trips = r.counter("splitlm_cloud_round_trips_total", "FORWARD requests computed (one per edge round trip).")
+        self.tokens = r.counter("splitlm_cloud_tokens_total", "Token positions run through the middle layers.")
+        self.tokens_per_round_trip = r.histogram("splitlm_cloud_tokens_per_round_trip",
+                                                 "Token positions per FORWARD (trees and windows included).",
+                                                 buckets=m.TOKENS)
+        self.errors = r.counter("splitlm_cloud_errors_total", "ERROR frames sent, by error code.", ["code"])
+        self.compute_seconds = r.histogram("splitlm_cloud_compute_seconds", "Compute time of one FORWARD.")
+        self.request_seconds = r.histogram("splitlm_cloud_request_seconds",
+                                           "Time from a request's arrival to its reply being sent, by type.",
+                                           ["type"])
+        self.sessions = r.gauge("splitlm_cloud_sessions", "Open sessions.")
+
+
 class CloudServer:
     """The cloud.
 
@@ -111,6 +133,7 @@ class CloudServer:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitlm-compute")
         self.conn_ids = itertools.count(1)
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
+        self.metrics = CloudMetrics()
         self.identity = resolve_identity(identity, "cloud")
         self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
                         else AllowedClients(allowed_clients))
@@ -143,12 +166,19 @@ class CloudServer:
     def process_request(self, connection: ServerConnection, request):
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, f"ok {self.manifest.fingerprint}\n")
+        if request.path == "/metrics":
+            self.metrics.sessions.set(len(self.sessions.sessions))
+            response = connection.respond(HTTPStatus.OK, self.metrics.registry.render())
+            del response.headers["Content-Type"]  # Headers is a multi-dict: replace, not add
+            response.headers["Content-Type"] = m.CONTENT_TYPE
+            return response
         return None
 
     # -- WebSocket ---------------------------------------------------------------------------------
     async def handler(self, ws: ServerConnection) -> None:
         conn = Connection(next(self.conn_ids), ws)
         self.stats["connections"] += 1
+        self.metrics.connections.inc()
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.hello_timeout_s
             while not conn.ready:  # the handshake must complete in time, whatever arrives first
@@ -177,6 +207,7 @@ class CloudServer:
     async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None,
                          plaintext: bool = False) -> None:
         self.stats["errors"] += 1
+        self.metrics.errors.inc(code=err.code.name)
         log.info("conn %d (client %s): %s", conn.id, conn.client, err)  # messages never hold tensor data
         try:
             await conn.send(error_frame(err, session, ref=ref), plaintext)
@@ -220,9 +251,12 @@ class CloudServer:
                     raise ProtocolError(ErrorCode.BAD_REQUEST, "the handshake is already done")
                 await self.hello(conn, frame, data)
                 return
+            start = time.perf_counter()
             reply = await self.handle(conn, frame)
             reply.meta["ref"] = frame.seq
             await conn.send(reply)
+            self.metrics.requests.inc(type=frame.type.name)
+            self.metrics.request_seconds.observe(time.perf_counter() - start, type=frame.type.name)
         except ProtocolError as err:
             # AUTH_FAILED after HELLO goes out in the clear: the client's keys differ from ours
             plaintext = conn.channel is not None and not conn.authenticated and err.code == ErrorCode.AUTH_FAILED
@@ -327,6 +361,10 @@ class CloudServer:
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
         self.stats["tokens"] += t - context
+        self.metrics.round_trips.inc()
+        self.metrics.tokens.inc(t - context)
+        self.metrics.tokens_per_round_trip.observe(t - context)
+        self.metrics.compute_seconds.observe(compute_s)
         try:
             specs, payload = pack_tensors({"hidden": out}, control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from splitlm import SplitLMError
+from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.runtime import Edge, GenerationResult, Stream
 
@@ -32,18 +33,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Conversation:
     def __init__(self, edge: Edge, system: str | None = None, spec: SpecConfig | None = None,
-                 cache_policy: str | None = None):
+                 cache_policy: str | None = None, sampling: SamplingConfig | None = None):
         if edge.tokenizer is None or not edge.tokenizer.chat_template:
             raise SplitLMError("a conversation needs a tokenizer with a chat template")
-        self.edge, self.spec = edge, spec or SpecConfig()
+        self.edge, self.spec, self.sampling = edge, spec or SpecConfig(), sampling
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.session = edge.open_session(cache_policy)
         self.cached: list[int] = []  # the tokens in the session's caches, in order
         self.turns: list[GenerationResult] = []
 
     def render(self) -> list[int]:
-        text = self.edge.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
-        return self.edge.tokenizer(text, add_special_tokens=False).input_ids
+        return self.edge.encode_messages(self.messages)
 
     def _turn(self, user: str, max_new_tokens: int) -> Iterator[tuple[str, GenerationResult | None]]:
         self.messages.append({"role": "user", "content": user})
@@ -53,7 +53,8 @@ class Conversation:
             self.session.crop(keep)
         result = None
         try:
-            for delta, result in self.edge.run_ids(ids, max_new_tokens, True, self.spec, self.session, keep):
+            for delta, result in self.edge.run_ids(ids, max_new_tokens, True, self.spec, self.sampling,
+                                                   session=self.session, cached=keep):
                 yield delta, result
         except BaseException:
             self.messages.pop()

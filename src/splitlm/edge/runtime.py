@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,13 +23,18 @@ from splitlm import SplitLMError
 from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
+from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.model.shards import load_edge
-from splitlm.transport.client import CloudClient
+from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype
 
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
+
+log = logging.getLogger("splitlm.edge")
+
+SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
 
 
 @dataclass
@@ -36,6 +43,7 @@ class GenerationStats:
     cached_tokens: int = 0  # of the prompt, already in the session's caches (later turns of a conversation)
     new_tokens: int = 0
     round_trips: int = 0  # all cloud round trips, prefill included
+    prefill_round_trips: int = 1  # more when the prompt exceeds the cloud's tokens per forward
     prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
     decode_s: float = 0.0  # after the first token
     bytes_up: int = 0
@@ -49,7 +57,7 @@ class GenerationStats:
 
     @property
     def decode_round_trips(self) -> int:
-        return max(0, self.round_trips - 1)
+        return max(0, self.round_trips - self.prefill_round_trips)
 
     @property
     def tokens_per_round_trip(self) -> float:
@@ -70,12 +78,35 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # generated ids only
     stats: GenerationStats
-    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
     prompt_ids: list[int] = field(default_factory=list)
+
+
+class Pool:
+    """Objects that serve one request at a time: take an idle one, or make a new one."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make = make
+        self._idle: list = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[object, bool]:
+        """(object, whether it was idle in the pool rather than just made)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._make(), False
+
+    def give(self, obj) -> None:
+        with self._lock:
+            self._idle.append(obj)
 
 
 class EdgeSession:
     """One cloud session together with the edge's own KV caches for its head and tail layers.
+
+    The session has a cloud connection to itself for its lifetime (taken from the edge's pool), so
+    sessions in different threads never share a connection.
 
     The edge also keeps its head layers' outputs for every committed token (`history`, [L, D]), so
     that whatever the cloud does not hold under the cache policy (`none`, after `revoke`) is re-sent
@@ -90,7 +121,7 @@ class EdgeSession:
             raise SplitLMError(str(e)) from None
         self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
         self.wire_dtype = edge.wire_dtype
-        self.id = edge.client.open_session(edge.wire_dtype, str(self.policy))
+        self.client, self.id = edge._open_cloud_session(str(self.policy))
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
         self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
@@ -154,7 +185,7 @@ class EdgeSession:
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
         self.settle()
-        self.edge.client.policy(self.id, revoke=True)
+        self.client.policy(self.id, revoke=True)
         self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
 
     def tighten(self, cache_policy: str | CachePolicy) -> None:
@@ -173,7 +204,7 @@ class EdgeSession:
             return
         if new.sealed and self.key is None:
             self.key = AESGCM.generate_key(bit_length=256)
-        self.edge.client.policy(self.id, cache_policy=str(new), key=self.key if new.sealed else None)
+        self.client.policy(self.id, cache_policy=str(new), key=self.key if new.sealed else None)
         self.policy = new
         if new.retention == 0:
             self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
@@ -204,6 +235,10 @@ class EdgeSession:
         """
         self.settle(keep)
         limit = self.max_step_tokens
+        per_forward = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
+        if per_forward and mask is None:  # re-sent context rows count too
+            room = max(1, per_forward - self._context_rows())
+            limit = room if limit is None else min(limit, room)
         if limit is not None and len(ids) > limit and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
@@ -214,13 +249,14 @@ class EdgeSession:
                 logits = self._forward(ids[a:a + limit], None, None, part)
                 self.settle()
                 out.append(logits)
+            self.stats.prefill_round_trips = -(-len(ids) // limit)
             return torch.cat(out)
         if limit is not None and len(ids) > limit:
             raise SplitLMError(f"a step of {len(ids)} tokens exceeds the cache window of {limit}")
         return self._forward(ids, positions, mask, rows)
 
     def _forward(self, ids, positions, mask, rows) -> torch.Tensor:
-        model, client = self.edge.model, self.edge.client
+        model, client = self.edge.model, self.client
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         pos = torch.tensor(positions)
@@ -256,16 +292,46 @@ class EdgeSession:
         return logits
 
     def close(self) -> None:
-        self.edge.client.close_session(self.id)
+        """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""
+        try:
+            self.client.close_session(self.id)
+        except CloudError as e:
+            log.warning("dropping a cloud connection: %s", e)
+            self.edge._drop_client(self.client)
+        else:
+            self.edge._clients.give(self.client)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ([{"role", "content"}, ...]) in the tokenizer's chat template,
+    ready for the assistant's next turn."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Token ids of a prompt: raw text, or one user turn in the tokenizer's chat template."""
     if not chat:
         return tokenizer(prompt).input_ids
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` may not be shown yet: an incomplete UTF-8 sequence
+    (decoded as U+FFFD) or the beginning of a stop string."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
 
 
 def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
@@ -284,6 +350,10 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
+
+    def close(self) -> None:
+        """Stop generating (the cloud session is closed)."""
+        self._pieces.close()
 
 
 class Edge:
@@ -313,9 +383,42 @@ class Edge:
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
         self._corpus: NgramModel | None = None
-        self._budgets: dict[tuple, StepBudget] = {}
-        self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
-                                  cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
+        self._budgets: dict[tuple, Pool] = {}
+        self._lock = threading.Lock()  # the pools' table, the corpus model, the tokenizer
+        self._connect_args = dict(url=cloud_url, fingerprint=self.model.manifest.fingerprint, timeout_s=timeout_s,
+                                  identity=identity, cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca,
+                                  rekey=rekey)
+        self._connections: set[CloudClient] = set()
+        self._clients = Pool(self._connect)
+        self.client = self._connect()  # the first connection: fail early if the cloud cannot be reached
+        self._clients.give(self.client)
+
+    def _connect(self) -> CloudClient:
+        client = CloudClient(**self._connect_args)
+        with self._lock:
+            self._connections.add(client)
+        return client
+
+    def _drop_client(self, client: CloudClient) -> None:
+        with self._lock:
+            self._connections.discard(client)
+        client.close()
+
+    def _open_cloud_session(self, cache_policy: str) -> tuple[CloudClient, int]:
+        """A connection of this thread's own and a new cloud session on it."""
+        client, pooled = self._clients.take()
+        try:
+            return client, client.open_session(self.wire_dtype, cache_policy)
+        except CloudError:
+            self._drop_client(client)
+            if not pooled:
+                raise
+        client = self._connect()  # the idle connection had gone stale (e.g. the cloud's idle timeout)
+        try:
+            return client, client.open_session(self.wire_dtype, cache_policy)
+        except BaseException:
+            self._drop_client(client)
+            raise
 
     def _load_tokenizer(self):
         if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():
@@ -331,36 +434,58 @@ class Edge:
         self.close()
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            connections, self._connections = list(self._connections), set()
+        for client in connections:
+            client.close()
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + generated) a request may hold: the model's and the cloud's limit."""
+        cloud = self.client.server_info.get("limits", {}).get("max_tokens_per_session")
+        return min(self.cfg.max_position_embeddings, cloud or self.cfg.max_position_embeddings)
 
     def corpus_model(self) -> NgramModel | None:
         """The n-gram model of local text the `auto` drafter uses (built once, ~2 s; needs the tokenizer)."""
         if self.tokenizer is None:
             return None
-        if self._corpus is None:
-            docs = self.tokenizer(default_corpus_documents()).input_ids
-            self._corpus = NgramModel([tok for doc in docs for tok in doc])
-        return self._corpus
+        with self._lock:
+            if self._corpus is None:
+                docs = self.tokenizer(default_corpus_documents()).input_ids
+                self._corpus = NgramModel([tok for doc in docs for tok in doc])
+            return self._corpus
 
     def open_session(self, cache_policy: str | None = None) -> EdgeSession:
         return EdgeSession(self, cache_policy)
 
     def conversation(self, system: str | None = None, spec: SpecConfig | str | None = None,
-                     cache_policy: str | None = None) -> Conversation:
+                     cache_policy: str | None = None, sampling: SamplingConfig | None = None) -> Conversation:
         """A multi-turn chat that keeps its cloud session (and the authorised cache) across turns."""
         from splitlm.edge.conversation import Conversation
 
-        return Conversation(self, system, as_spec(spec), cache_policy)
+        return Conversation(self, system, as_spec(spec), cache_policy, sampling)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise SplitLMError(f"{self.edge_dir} has no tokenizer; pass token ids instead of text")
         if chat and not self.tokenizer.chat_template:
             raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
-        return encode_prompt(self.tokenizer, prompt, chat)
+        with self._lock:
+            return encode_prompt(self.tokenizer, prompt, chat)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation [{"role": "system"|"user"|"assistant", "content": str}, ...] in the
+        chat template, ending where the assistant's next answer begins."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise SplitLMError("this model's tokenizer has no chat template")
+        with self._lock:
+            return encode_messages(self.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.tokenizer is None:
+            return ""
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list | tuple) else self.encode(prompt, chat)
@@ -368,80 +493,124 @@ class Edge:
             raise SplitLMError("the prompt is empty")
         return ids
 
+    def _budget_pool(self, spec: SpecConfig) -> Pool:
+        with self._lock:
+            key = (spec.mode, spec.max_nodes)
+            if key not in self._budgets:
+                self._budgets[key] = Pool(lambda: StepBudget(fixed_nodes=spec.max_nodes))
+            return self._budgets[key]
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
-                     spec: SpecConfig | None = None, session: EdgeSession | None = None,
+                     spec: SpecConfig | None = None, sampling: SamplingConfig | None = None,
+                     session: EdgeSession | None = None,
                      cached: int = 0) -> Iterator[tuple[list[int], GenerationStats]]:
-        """Decode greedily; yields (new tokens of one step, live stats). With `spec` mode `none`
-        every step is one round trip and one token; other modes verify a drafted tree per step.
+        """Decode; yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
+        `spec` mode `none` every step is one round trip and one token, other modes verify a drafted
+        tree per step. With a temperature > 0 decoding samples one token per step (spec `none`).
+        Safe to call from several threads at once: each call has its own cloud connection.
 
         With `session` (kept open by the caller), the first `cached` prompt tokens are already in
         its caches; otherwise a session is opened and closed for this request."""
         if max_new_tokens < 1:
             raise SplitLMError("max_new_tokens must be at least 1")
+        sampling = sampling or SamplingConfig()
         spec = spec or SpecConfig()
+        if not sampling.greedy or len(prompt_ids) + max_new_tokens + SPEC_HEADROOM > self.context_length:
+            spec = SpecConfig("none")  # sampling is sequential; so is the end of the context (no room for trees)
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
+        # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
+        # requests running at the same time each take their own
+        budgets = self._budget_pool(spec)
+        budget, _ = budgets.take()
         own = session is None
         if own:
             session = self.open_session()
         session.stats = s = GenerationStats()
         s.prompt_tokens, s.cached_tokens = len(prompt_ids), cached
-        s.spec_mode = spec.mode
-        # what the budget learns (link, compute cost, drafters' calibration) carries over between requests
-        budget = self._budgets.setdefault((spec.mode, spec.max_nodes), StepBudget(fixed_nodes=spec.max_nodes))
+        s.spec_mode = spec.mode if sampling.greedy else "none (sampling)"
         spec_stats = SpecStats()
         try:
             corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
             start = time.perf_counter()
-            steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus), budget,
-                                       spec_stats, adaptive=spec.mode == "auto", cached=cached)
+            if sampling.greedy:
+                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus),
+                                           budget, spec_stats, adaptive=spec.mode == "auto", cached=cached)
+            else:
+                steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
             for new in steps:
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start
                 s.new_tokens += len(new)
                 s.decode_s = time.perf_counter() - start - s.prefill_s
-                s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
-                          "compute_c0_s": round(budget.compute.c0, 5), "compute_c1_s": round(budget.compute.c1, 6)}
+                if sampling.greedy:
+                    s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
+                              "compute_c0_s": round(budget.compute.c0, 5),
+                              "compute_c1_s": round(budget.compute.c1, 6)}
                 yield new, s
         finally:
+            budgets.give(budget)
             if own:
                 session.close()
 
-    def _run(self, prompt, max_new_tokens, chat, stop_at_eos, spec) -> Iterator[tuple[str, GenerationResult]]:
-        return self.run_ids(self._prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, spec)
+    def _run(self, prompt, max_new_tokens, chat, stop_at_eos, spec, sampling,
+             stop) -> Iterator[tuple[str, GenerationResult | None]]:
+        """Yields (new text, None) while decoding, then (last text, result). Text that could be the
+        start of a stop string is held back until it is not; at a stop string the text is cut."""
+        return self.run_ids(self._prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, spec, sampling, stop)
 
     def run_ids(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, spec: SpecConfig,
+                sampling: SamplingConfig | None = None, stop: str | list[str] | None = None,
                 session: EdgeSession | None = None, cached: int = 0) -> Iterator[tuple[str, GenerationResult | None]]:
-        """Yield (text delta, None) as tokens arrive, then (last delta, the full result)."""
+        """Yields (new text, None) while decoding, then (last text, result); see `_run`."""
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
         ids: list[int] = []
-        text = ""
+        text, sent = "", 0  # decoded text; how much of it was yielded
         stats = GenerationStats()
-        for tokens, live_stats in self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, session, cached):
-            ids.extend(tokens)
-            stats = live_stats
-            new_text = self.decode(ids)
-            if not new_text.endswith("\ufffd"):  # hold back incomplete UTF-8 sequences
-                delta, text = new_text[len(text):], new_text
-                yield delta, None
-        eos = set(self.cfg.eos_token_ids)
-        finish = "stop" if stop_at_eos and ids and ids[-1] in eos else "length"
-        final = self.decode(ids)
-        yield final[len(text):], GenerationResult(final, ids, stats, finish, prompt_ids)
+        finish = "length"
+        steps = self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached)
+        try:
+            for tokens, live_stats in steps:
+                ids.extend(tokens)
+                stats = live_stats
+                text = self.decode(ids)
+                cut = find_stop(text, stops)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                safe = len(text) - held_back(text, stops)
+                if safe > sent:
+                    yield text[sent:safe], None
+                    sent = safe
+        finally:
+            steps.close()
+        if finish != "stop" and stop_at_eos and ids and ids[-1] in self.cfg.eos_token_ids:
+            finish = "stop"
+        yield text[sent:], GenerationResult(text, ids, stats, finish, prompt_ids)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True, spec: SpecConfig | str | None = None) -> GenerationResult:
-        *_, (_, result) = self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec))
+                 stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
+                 sampling: SamplingConfig | None = None, stop: str | list[str] | None = None) -> GenerationResult:
+        """Generate from a prompt (text, or token ids). `stop`: stop strings (the text ends before the
+        first one); `sampling`: temperature / top-p / top-k / seed (default greedy)."""
+        *_, (_, result) = self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec), sampling, stop)
         return result
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-               stop_at_eos: bool = True, spec: SpecConfig | str | None = None) -> Stream:
+               stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
+               sampling: SamplingConfig | None = None, stop: str | list[str] | None = None) -> Stream:
+        """Like `generate`, as text pieces; the pieces join to the text `generate` returns."""
         stream = Stream(iter(()))
+        run = self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec), sampling, stop)
 
         def pieces() -> Iterator[str]:
-            for delta, result in self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec)):
-                if result is not None:
-                    stream.result = result
-                if delta:
-                    yield delta
+            try:
+                for delta, result in run:
+                    if result is not None:
+                        stream.result = result
+                    if delta:
+                        yield delta
+            finally:
+                run.close()
 
         stream._pieces = pieces()
         return stream

@@ -1,0 +1,323 @@
+"""An OpenAI-compatible HTTP API on the edge: apps talk to localhost, text never leaves the machine.
+
+    GET  /v1/models               the served model
+    POST /v1/chat/completions     chat (messages in the model's chat template)
+    POST /v1/completions          raw text or token ids
+    GET  /metrics                 Prometheus text format
+    GET  /healthz                 ok
+
+Both POST routes stream with `"stream": true` (server-sent events, `data: [DONE]` at the end).
+Each request runs in a worker thread with its own cloud connection and session, so concurrent
+requests never share a cloud session. Greedy requests (temperature 0) use speculative decoding;
+sampled ones decode one token per round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from splitlm import SplitLMError
+from splitlm import metrics as m
+from splitlm.edge.api_requests import APIError, GenerationRequest, invalid, parse_chat, parse_completion
+from splitlm.edge.runtime import Edge, GenerationResult
+from splitlm.transport.client import CloudError
+
+log = logging.getLogger("splitlm.api")
+
+
+@dataclass
+class APIConfig:
+    model_name: str = "splitlm"
+    api_key: str | None = None  # None = no authentication (loopback use)
+    spec: str = "auto"  # speculative mode for greedy requests
+    max_concurrent: int = 4  # requests generating at once; more wait
+    default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
+    default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves
+
+
+class EdgeMetrics:
+    def __init__(self):
+        r = self.registry = m.Registry()
+        self.requests = r.counter("splitlm_edge_requests_total", "HTTP API requests by route and status.",
+                                  ["endpoint", "status"])
+        self.in_flight = r.gauge("splitlm_edge_requests_in_flight", "Generation requests in progress.")
+        self.prompt_tokens = r.counter("splitlm_edge_prompt_tokens_total", "Prompt tokens of generation requests.")
+        self.completion_tokens = r.counter("splitlm_edge_completion_tokens_total", "Generated tokens.")
+        self.round_trips = r.counter("splitlm_edge_round_trips_total", "Cloud round trips (prefill included).")
+        self.tokens_per_round_trip = r.histogram("splitlm_edge_tokens_per_round_trip",
+                                                 "Per request: generated tokens per decoding round trip.",
+                                                 buckets=m.TOKENS_PER_ROUND_TRIP)
+        self.bytes = r.counter("splitlm_edge_bytes_total", "Bytes exchanged with the cloud.", ["direction"])
+        self.errors = r.counter("splitlm_edge_errors_total", "Failed requests by error type.", ["type"])
+        self.latency = r.histogram("splitlm_edge_request_seconds", "Generation request duration.", ["endpoint"])
+        self.ttft = r.histogram("splitlm_edge_time_to_first_token_seconds", "Prompt in to first token out.")
+
+    def finished(self, endpoint: str, result: GenerationResult, seconds: float) -> None:
+        s = result.stats
+        self.prompt_tokens.inc(len(result.prompt_ids))
+        self.completion_tokens.inc(len(result.token_ids))
+        self.round_trips.inc(s.round_trips)
+        if s.decode_round_trips:
+            self.tokens_per_round_trip.observe(s.tokens_per_round_trip)
+        self.bytes.inc(s.bytes_up, direction="up")
+        self.bytes.inc(s.bytes_down, direction="down")
+        self.latency.observe(seconds, endpoint=endpoint)
+        self.ttft.observe(s.prefill_s)
+
+
+def usage(result: GenerationResult) -> dict:
+    n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class EdgeAPI:
+    """The routes over one `Edge`; `app` is the ASGI application."""
+
+    def __init__(self, edge: Edge, config: APIConfig | None = None):
+        self.edge, self.config = edge, config or APIConfig()
+        self.metrics = EdgeMetrics()
+        self.executor = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="splitlm-generate")
+        self.created = int(time.time())
+        self.fingerprint = f"splitlm-{edge.model.manifest.fingerprint[:16]}"
+        routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/metrics", self.metrics_text, methods=["GET"]),
+                  Route("/healthz", self.healthz, methods=["GET"])]
+        self.app = Starlette(routes=routes, exception_handlers={APIError: self.api_error,
+                                                                HTTPException: self.http_error,
+                                                                Exception: self.internal_error})
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- errors and auth ---------------------------------------------------------------------------
+    async def api_error(self, request: Request, exc: APIError) -> JSONResponse:
+        self.metrics.errors.inc(type=exc.type)
+        self.metrics.requests.inc(endpoint=request.url.path, status=str(exc.status))
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        message = {404: f"unknown URL {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return await self.api_error(request, APIError(exc.status_code, message, code="not_found"
+                                                      if exc.status_code == 404 else None))
+
+    async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error on %s", request.url.path, exc_info=exc)
+        return await self.api_error(request, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "no API key given: send 'Authorization: Bearer KEY'", "invalid_request_error",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key", "invalid_request_error", code="invalid_api_key")
+
+    async def body(self, request: Request):
+        self.authorize(request)
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.config.model_name}'",
+                           param="model", code="model_not_found")
+
+    # -- routes ------------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "splitlm"}
+
+    async def models(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        self.metrics.requests.inc(endpoint="/v1/models", status="200")
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self.model_card())
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.registry.render(), media_type=m.CONTENT_TYPE)
+
+    async def healthz(self, request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_chat(await self.body(request), self.config.default_temperature)
+        self.check_model(req.model)
+        try:
+            prompt_ids = await asyncio.to_thread(self.edge.encode_messages, req.messages)
+        except SplitLMError as e:
+            raise invalid("messages", str(e)) from None
+        return await self.respond("/v1/chat/completions", req, prompt_ids, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion(await self.body(request), self.edge.cfg.vocab_size, self.config.default_temperature)
+        self.check_model(req.model)
+        if isinstance(req.prompt, str):
+            try:
+                prompt_ids = await asyncio.to_thread(self.edge.encode, req.prompt)
+            except SplitLMError as e:
+                raise invalid("prompt", str(e)) from None
+        else:
+            prompt_ids = req.prompt
+        return await self.respond("/v1/completions", req, prompt_ids, chat=False)
+
+    # -- generation --------------------------------------------------------------------------------
+    def max_tokens(self, req: GenerationRequest, prompt_ids: list[int], param: str) -> int:
+        room = self.edge.context_length - len(prompt_ids)
+        if req.max_tokens is None:
+            if room < 1:
+                raise invalid(param, f"the prompt has {len(prompt_ids)} tokens; the context holds "
+                              f"{self.edge.context_length}", "context_length_exceeded")
+            return min(room, self.config.default_max_tokens)
+        if req.max_tokens > room:
+            raise invalid(param, f"this model's context holds {self.edge.context_length} tokens; the prompt has "
+                          f"{len(prompt_ids)} and max_tokens asks for {req.max_tokens} more",
+                          "context_length_exceeded")
+        return req.max_tokens
+
+    def generate(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int,
+                 cancel: threading.Event, emit) -> GenerationResult | None:
+        """In a worker thread: generate, calling emit(text) per piece; None if cancelled."""
+        if cancel.is_set():
+            return None
+        self.metrics.in_flight.inc()
+        try:
+            stream = self.edge.stream(prompt_ids, max_tokens, spec=self.config.spec, sampling=req.sampling,
+                                      stop=req.stop)
+            for piece in stream:
+                if cancel.is_set():
+                    stream.close()
+                    return None
+                emit(piece)
+            return stream.result
+        finally:
+            self.metrics.in_flight.dec()
+
+    async def respond(self, endpoint: str, req: GenerationRequest, prompt_ids: list[int], chat: bool) -> Response:
+        max_tokens = self.max_tokens(req, prompt_ids, "messages" if chat else "prompt")
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(piece: str) -> None:
+            if req.stream:
+                loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        start = time.perf_counter()
+        job = loop.run_in_executor(self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        if not req.stream:
+            try:
+                result = await job
+            except (CloudError, SplitLMError) as e:
+                raise APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error") from None
+            finally:
+                cancel.set()
+            self.metrics.finished(endpoint, result, time.perf_counter() - start)
+            self.metrics.requests.inc(endpoint=endpoint, status="200")
+            return JSONResponse(self.completion_body(rid, chat, result))
+        first = await queue.get()  # a failure before the first token still gets an error status
+        if first is None and isinstance(job.exception(), CloudError | SplitLMError):
+            raise APIError(502, f"the cloud failed: {job.exception()}", "server_error", code="cloud_error")
+        self.metrics.requests.inc(endpoint=endpoint, status="200")
+        return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, start),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def completion_body(self, rid: str, chat: bool, result: GenerationResult) -> dict:
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "finish_reason": result.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.config.model_name, "system_fingerprint": self.fingerprint, "choices": [choice],
+                "usage": usage(result), "splitlm": result.stats.to_dict()}
+
+    def chunk(self, rid: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.config.model_name,
+                "system_fingerprint": self.fingerprint, "choices": [choice]}
+
+    async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, start) -> AsyncIterator[str]:
+        """SSE chunks: the role (chat), the text pieces from `first` on, the finish reason, usage, [DONE]."""
+        try:
+            if chat:
+                yield sse(self.chunk(rid, chat, None, role=True))
+            piece = first
+            while piece is not None:
+                yield sse(self.chunk(rid, chat, piece))
+                piece = await queue.get()
+            try:
+                result = job.result()
+            except (CloudError, SplitLMError) as e:
+                err = APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
+            except Exception as e:  # a bug: the stream ends with an error event, the server goes on
+                log.exception("internal error while streaming")
+                err = APIError(500, f"internal error: {type(e).__name__}", "server_error")
+            else:
+                err = None
+            if err is not None:
+                self.metrics.errors.inc(type=err.type)
+                yield sse(err.body())
+                return
+            if result is None:
+                return
+            self.metrics.finished(endpoint, result, time.perf_counter() - start)
+            yield sse(self.chunk(rid, chat, None if chat else "", finish=result.finish_reason))
+            if req.include_usage:
+                last = self.chunk(rid, chat, None)
+                last["choices"], last["usage"], last["splitlm"] = [], usage(result), result.stats.to_dict()
+                yield sse(last)
+            yield sse("[DONE]")
+        finally:
+            cancel.set()  # the client went away (or we are done): stop generating
+
+
+def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the API with uvicorn until interrupted."""
+    import uvicorn
+
+    api = EdgeAPI(edge, config)
+    if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        log.warning("listening on %s without an API key: anyone who can reach it can use the model", host)
+    log.info("serving model '%s' on http://%s:%d/v1", config.model_name, host, port)
+    try:
+        uvicorn.run(api.app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        api.close()
