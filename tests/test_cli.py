@@ -34,7 +34,8 @@ def test_generate_with_sampling_and_a_stop_string(bundled_split, bundled_server,
         return json.loads(capsys.readouterr().out)
 
     a = generate("--temperature", "1.2", "--seed", "3")
-    assert a["stats"]["spec_mode"] == "none (sampling)" and len(a["token_ids"]) == 10
+    assert a["stats"]["spec_mode"] == "auto (sampling)" and len(a["token_ids"]) == 10
+    assert generate("--temperature", "1.2", "--seed", "3", "--spec", "none")["token_ids"] == a["token_ids"]
     assert generate("--temperature", "1.2", "--seed", "3")["token_ids"] == a["token_ids"]
     stop = a["text"][len(a["text"]) // 2:][:2]
     cut = generate("--temperature", "1.2", "--seed", "3", "--stop", stop)

@@ -189,7 +189,10 @@ WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy, with speculative decoding (default); > 0 samples one token per round trip")
+                   help="0 = greedy (default); > 0 samples, still several tokens per round trip with --spec "
+                        "(exact speculative sampling: the output is distributed as plain sampling)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the context (default 1: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=None, help="same seed, same sampled output")
@@ -198,7 +201,11 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 def sampling_config(args):
     from splitlm.decoding.sampling import SamplingConfig
 
-    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    try:
+        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        raise SplitLMError(str(e)) from None
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
@@ -276,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", metavar="FILE", default=None,
                    help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
-                   help="speculative decoding for greedy (temperature 0) requests (default auto)")
+                   help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature of requests that give none (default 1.0, as OpenAI's API)")
@@ -292,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
     add_sampling_options(p)
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
-                   help="speculative decoding for greedy answers (default auto)")
+                   help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     add_edge_options(p)
     p.set_defaults(func=cmd_chat)
 

@@ -5,7 +5,7 @@ import torch
 
 from conftest import make_tiny_llama
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.sampling import SamplingConfig, sample_decode, sample_token, token_distribution
+from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_decode, sample_token, token_distribution
 from splitlm.model.loading import load_model
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -71,13 +71,13 @@ def test_sampling_loop_matches_a_cacheless_reference(tmp_path):
     cfg = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, seed=11)
     prompt = [5, 9, 13, 3]
     out = [t for step in sample_decode(LocalSession(model), prompt, 12, set(), cfg) for t in step]
-    gen = cfg.generator()  # the reference recomputes the whole sequence each step, no KV cache
+    sampler = Sampler(cfg)  # the reference recomputes the whole sequence each step, no KV cache
     ref: list[int] = []
     with torch.inference_mode():
         for _ in range(12):
             ids = torch.tensor([prompt + ref])
             logits = model(ids, torch.arange(ids.shape[1]), None, model.stack.new_cache())[0, -1]
-            ref.append(sample_token(logits, cfg, gen))
+            ref.append(sampler.token(logits, prompt + ref))
     assert out == ref
     eos = {ref[3]}
     stopped = [t for step in sample_decode(LocalSession(model), prompt, 12, eos, cfg) for t in step]

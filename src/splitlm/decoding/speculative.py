@@ -12,7 +12,8 @@ import torch
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import CorpusDrafter, NgramModel
 from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter, Window
-from splitlm.decoding.tree import TokenTree, accept_greedy
+from splitlm.decoding.sampling import Sampler, SamplingConfig
+from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 SPEC_MODES = ("none", "ngram", "lookahead", "auto")
 
@@ -95,7 +96,8 @@ def build_step(tree: TokenTree, window: Window | None, base: int):
 
 def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                        drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                       adaptive: bool = False, cached: int = 0) -> Iterator[list[int]]:
+                       adaptive: bool = False, cached: int = 0,
+                       sampling: SamplingConfig | None = None) -> Iterator[list[int]]:
     """Yield the new tokens of each step (the first chunk comes from the prefill). With `adaptive`,
     a lookahead window is resized every step to what the measured link and compute afford.
 
@@ -107,7 +109,8 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(session.last_step["network_s"])
-    root = int(logits[-1].argmax())
+    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
+    root = sampler.token(logits[-1], prompt_ids) if sampler else int(logits[-1].argmax())
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -133,7 +136,10 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         logits = session.forward(tokens, positions, mask, rows=rows)
         argmax = logits.argmax(-1).tolist()
-        path, new = accept_greedy(tree, argmax[: len(tree)])
+        if sampler:
+            path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
+        else:
+            path, new = accept_greedy(tree, argmax[: len(tree)])
         drafter.accepted(new[:-1])
         if window is not None:
             drafter.observe(argmax[len(tree):])

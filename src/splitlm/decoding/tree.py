@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitlm.decoding.sampling import Sampler
+
 
 @dataclass
 class TokenTree:
@@ -98,3 +100,24 @@ def accept_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], list[i
         path.append(nxt)
     tokens = [tree.tokens[i] for i in path[1:]] + [argmax[path[-1]]]
     return path, tokens
+
+
+def accept_sampled(tree: TokenTree, logits: torch.Tensor, sampler: Sampler,
+                   context: list[int]) -> tuple[list[int], list[int]]:
+    """Exact speculative sampling over a tree of drafts.
+
+    logits[i] [V]: the target's logits after node i's path; `context`: the tokens so far, the root
+    last. At each accepted node the sampler draws the next token from the target distribution
+    (with the uniform number of that position); the child holding it, if any, is accepted and the
+    walk goes on, otherwise the drawn token is the bonus. Every token is thus drawn exactly as in
+    sequential sampling with the same seed (a child x is accepted with probability p(x): the
+    multi-candidate rejection scheme for one-hot drafts, with its randomness fixed per position).
+    Returns (path, tokens) like `accept_greedy`."""
+    path, ctx = [0], list(context)
+    while True:
+        token = sampler.token(logits[path[-1]], ctx)
+        nxt = tree.child(path[-1], token)
+        if nxt is None:
+            return path, [tree.tokens[i] for i in path[1:]] + [token]
+        path.append(nxt)
+        ctx.append(token)

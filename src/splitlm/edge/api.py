@@ -8,8 +8,8 @@
 
 Both POST routes stream with `"stream": true` (server-sent events, `data: [DONE]` at the end).
 Each request runs in a worker thread with its own cloud connection and session, so concurrent
-requests never share a cloud session. Greedy requests (temperature 0) use speculative decoding;
-sampled ones decode one token per round trip.
+requests never share a cloud session. All requests use speculative decoding: greedy ones by
+argmax acceptance, sampled ones by exact speculative sampling (distributed as plain sampling).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ log = logging.getLogger("splitlm.api")
 class APIConfig:
     model_name: str = "splitlm"
     api_key: str | None = None  # None = no authentication (loopback use)
-    spec: str = "auto"  # speculative mode for greedy requests
+    spec: str = "auto"  # speculative mode (greedy and sampled requests)
     max_concurrent: int = 4  # requests generating at once; more wait
     default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
     default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves

@@ -506,8 +506,10 @@ class Edge:
                      cached: int = 0) -> Iterator[tuple[list[int], GenerationStats]]:
         """Decode; yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
         `spec` mode `none` every step is one round trip and one token, other modes verify a drafted
-        tree per step. With a temperature > 0 decoding samples one token per step (spec `none`).
-        Safe to call from several threads at once: each call has its own cloud connection.
+        tree per step. With a temperature > 0 (or a repetition penalty) trees are verified by exact
+        speculative sampling: the output is distributed as plain sampling; the same seed gives the
+        same output for the same spec mode. Safe to call from several threads at once: each call
+        has its own cloud connection.
 
         With `session` (kept open by the caller), the first `cached` prompt tokens are already in
         its caches; otherwise a session is opened and closed for this request."""
@@ -515,8 +517,8 @@ class Edge:
             raise SplitLMError("max_new_tokens must be at least 1")
         sampling = sampling or SamplingConfig()
         spec = spec or SpecConfig()
-        if not sampling.greedy or len(prompt_ids) + max_new_tokens + SPEC_HEADROOM > self.context_length:
-            spec = SpecConfig("none")  # sampling is sequential; so is the end of the context (no room for trees)
+        if len(prompt_ids) + max_new_tokens + SPEC_HEADROOM > self.context_length:
+            spec = SpecConfig("none")  # the end of the context leaves no room for trees
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
         # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
         # requests running at the same time each take their own
@@ -527,22 +529,23 @@ class Edge:
             session = self.open_session()
         session.stats = s = GenerationStats()
         s.prompt_tokens, s.cached_tokens = len(prompt_ids), cached
-        s.spec_mode = spec.mode if sampling.greedy else "none (sampling)"
+        s.spec_mode = spec.mode if sampling.plain_greedy else f"{spec.mode} (sampling)"
         spec_stats = SpecStats()
         try:
             corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
             start = time.perf_counter()
-            if sampling.greedy:
-                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus),
-                                           budget, spec_stats, adaptive=spec.mode == "auto", cached=cached)
-            else:
+            if spec.mode == "none" and not sampling.plain_greedy:
                 steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
+            else:
+                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus),
+                                           budget, spec_stats, adaptive=spec.mode == "auto", cached=cached,
+                                           sampling=sampling)
             for new in steps:
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start
                 s.new_tokens += len(new)
                 s.decode_s = time.perf_counter() - start - s.prefill_s
-                if sampling.greedy:
+                if spec.mode != "none":
                     s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
                               "compute_c0_s": round(budget.compute.c0, 5),
                               "compute_c1_s": round(budget.compute.c1, 6)}
