@@ -22,7 +22,9 @@ from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.shards import load_edge
+from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient
 from splitlm.transport.codecs import check_wire_dtype
 
@@ -90,7 +92,8 @@ class EdgeSession:
             raise SplitLMError(str(e)) from None
         self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
         self.wire_dtype = edge.wire_dtype
-        self.id = edge.client.open_session(edge.wire_dtype, str(self.policy))
+        authorised = edge.vocab.packed() if edge.split_head and not edge.vocab.everything else None
+        self.id = edge.client.open_session(edge.wire_dtype, str(self.policy), vocab=authorised)
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
         self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
@@ -231,15 +234,25 @@ class EdgeSession:
         sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
         sent_pos = self.history_pos[n - c:] + positions if c else positions
         up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
-        out, meta = client.forward(self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep,
-                                   crop=self.cloud_crop, context=c, control=self.control())
+        split_head = self.edge.split_head
+        n_rows = len(ids) if rows is None else len(rows)
+        out, meta = client.forward_tensors(
+            self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
+            context=c, control=self.control(), rows=rows if split_head else None,
+            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
         t2 = time.perf_counter()
         self.pending = (h, list(positions))
         retained = self.policy.retention > 0
         self.cloud_keep = self.cloud_crop = None
         self.cloud_pending = len(ids) if retained else 0
         self.cloud_committed = meta["cache_len"] - self.cloud_pending if retained else 0
-        logits = model.tail_and_logits(out[None].to(self.edge.dtype), pos, mask, self.tail_cache, rows)[0]
+        if split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
+            logits = self.edge.split_head_logits(out, n_rows)
+            self.tail_cache.begin(len(ids))  # the (empty) tail cache stays in step with the head cache
+        else:
+            logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, mask, self.tail_cache,
+                                           rows)[0]
+            logits = self.edge.vocab.mask_logits(logits)
         t3 = time.perf_counter()
         serialize_s = client.serialize_s - ser
         network_s = max(0.0, meta["round_trip_s"] - meta["compute_s"] - serialize_s)
@@ -291,12 +304,14 @@ class Edge:
 
     def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None):
+                 rekey=None, vocab: str | VocabSubset | None = "all"):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
         cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
-        session, window:N or sealed; each session may choose its own."""
+        session, window:N or sealed; each session may choose its own.
+        vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
+        file; a split-head cloud computes partial logits for these only."""
         try:
             self.cache_policy = str(CachePolicy.parse(cache_policy or "session"))
         except ValueError as e:
@@ -312,10 +327,24 @@ class Edge:
         self.dtype = next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
+        self.split_head = self.model.split_head
+        self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        if self.split_head:  # W[ids, :d], kept for the session's life (a view when every id is allowed)
+            self._vocab_ids = None if self.vocab.everything else self.vocab.ids
+            w = self.model.end_weight
+            self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
         self._corpus: NgramModel | None = None
         self._budgets: dict[tuple, StepBudget] = {}
         self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
                                   cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
+
+    def split_head_logits(self, out: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
+        """Logits [R, V] from a split-head RESULT: h[:d] [R, d] and partial logits [R, S]."""
+        h_end, z = out["hidden"], out.get("logits")
+        d, s = self.model.manifest.d_end, self.vocab.size
+        if z is None or h_end.shape != (n_rows, d) or z.shape != (n_rows, s):
+            raise SplitLMError(f"the cloud's split-head RESULT does not hold {n_rows} rows of h[:{d}] and {s} logits")
+        return edge_logits(self.model, h_end, z, self._vocab_ids, self._w_end)
 
     def _load_tokenizer(self):
         if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():
