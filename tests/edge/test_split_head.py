@@ -126,7 +126,7 @@ def test_bundled_model_split_head(bundled_dir, bundled_hf, tmp_path_factory):
             for prompt in BUNDLED_PROMPTS:
                 ids = tok(prompt).input_ids
                 got, want = edge.generate(prompt, max_new_tokens=24).token_ids, hf_greedy(hf, ids, 24)
-                n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
                 same, total = same + n, total + len(want)
                 assert all(edge.vocab.allowed[t] for t in got)
     print(f"\nsplit-head, vocab en, fp16 wire: greedy prefix agreement {same}/{total} = {same / total:.3f}")
