@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from test_cli import assert_clean_failure, run_cli
 
 from splitlm.cli import main
+from test_cli import assert_clean_failure, run_cli
 
 
 def test_split_head_split_and_generate(tiny_llama, tmp_path, capsys):

@@ -131,3 +131,22 @@ def test_bundled_model_split_head(bundled_dir, bundled_hf, tmp_path_factory):
                 assert all(edge.vocab.allowed[t] for t in got)
     print(f"\nsplit-head, vocab en, fp16 wire: greedy prefix agreement {same}/{total} = {same / total:.3f}")
     assert same / total >= 0.9
+
+
+def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head, tiny_hf):
+    from splitlm.cloud.server import BackgroundServer
+    from splitlm.cloud.sessions import ServerLimits
+
+    ids = list(range(3, 19))  # 16 tokens; a RESULT of 16 KiB holds 10 rows of 24 + 256 fp32 values
+    with BackgroundServer(tiny_split_head / "cloud", limits=ServerLimits(max_frame_bytes=16 * 1024)) as server, \
+            Edge(tiny_split_head / "edge", server.url, wire_dtype="fp32") as edge:
+        assert edge.max_logit_rows == 10
+        session = edge.open_session()
+        try:
+            logits = session.forward(ids)
+            assert session.stats.round_trips == 2
+        finally:
+            session.close()
+    with torch.no_grad():
+        expected = tiny_hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -26,7 +26,7 @@ from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient
-from splitlm.transport.codecs import check_wire_dtype
+from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
 
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
@@ -112,8 +112,10 @@ class EdgeSession:
 
     @property
     def max_step_tokens(self) -> int | None:
-        """The most new tokens one step may carry (a window policy caps it at N)."""
-        return self.policy.window
+        """The most new tokens one step may carry (a window policy caps it at N; in split-head the
+        frame limit caps the rows of logits a RESULT may hold)."""
+        caps = [c for c in (self.policy.window, self.edge.max_logit_rows) if c is not None]
+        return min(caps) if caps else None
 
     def settle(self, keep: list[int] | None = None) -> None:
         """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache."""
@@ -206,11 +208,14 @@ class EdgeSession:
         window policy allows is sent in chunks.
         """
         self.settle(keep)
-        limit = self.max_step_tokens
-        if limit is not None and len(ids) > limit and mask is None:
+        window, rows_cap = self.policy.window, self.edge.max_logit_rows
+        want = list(range(len(ids))) if rows is None else rows
+        limit = window if window is not None and len(ids) > window else None
+        if rows_cap is not None and len(want) > rows_cap:
+            limit = min(limit or rows_cap, rows_cap)
+        if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
-            want = list(range(len(ids))) if rows is None else rows
             out = []
             for a in range(0, len(ids), limit):
                 part = [r - a for r in want if a <= r < a + limit]
@@ -218,8 +223,9 @@ class EdgeSession:
                 self.settle()
                 out.append(logits)
             return torch.cat(out)
-        if limit is not None and len(ids) > limit:
-            raise SplitLMError(f"a step of {len(ids)} tokens exceeds the cache window of {limit}")
+        if limit is not None:
+            raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
+                               f"({window}) or the rows of logits one reply may hold ({rows_cap})")
         return self._forward(ids, positions, mask, rows)
 
     def _forward(self, ids, positions, mask, rows) -> torch.Tensor:
@@ -329,6 +335,7 @@ class Edge:
         self.tokenizer = self._load_tokenizer()
         self.split_head = self.model.split_head
         self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.max_logit_rows: int | None = None  # split-head: rows of logits one RESULT may hold
         if self.split_head:  # W[ids, :d], kept for the session's life (a view when every id is allowed)
             self._vocab_ids = None if self.vocab.everything else self.vocab.ids
             w = self.model.end_weight
@@ -337,6 +344,12 @@ class Edge:
         self._budgets: dict[tuple, StepBudget] = {}
         self.client = CloudClient(cloud_url, self.model.manifest.fingerprint, timeout_s, identity=identity,
                                   cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca, rekey=rekey)
+        if self.split_head:
+            frame = min(self.client.max_frame_bytes,
+                        self.client.server_info.get("limits", {}).get("max_frame_bytes", self.client.max_frame_bytes))
+            per_row = wire_nbytes(self.wire_dtype, [1, self.vocab.size]) + \
+                wire_nbytes(self.wire_dtype, [1, self.model.manifest.d_end])
+            self.max_logit_rows = max(1, (frame - 4096) // per_row)  # the cloud keeps 4 KiB for metadata and framing
 
     def split_head_logits(self, out: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
         """Logits [R, V] from a split-head RESULT: h[:d] [R, d] and partial logits [R, S]."""

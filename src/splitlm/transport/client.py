@@ -84,7 +84,7 @@ class CloudClient:
                  identity: Identity | str | Path | None = None, cloud_key: str | bytes | None = None,
                  known_hosts: str | Path | None = None, tls_ca: str | Path | None = None,
                  rekey: RekeyPolicy | None = None):
-        self.url, self.timeout_s = url, timeout_s
+        self.url, self.timeout_s, self.max_frame_bytes = url, timeout_s, max_frame_bytes
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
