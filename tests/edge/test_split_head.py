@@ -106,14 +106,19 @@ def test_reduced_wire_codecs_decode(tiny_split_head, split_head_server, tiny_hf,
     assert logits.shape == expected.shape and agree >= 0.75
 
 
+@pytest.fixture(scope="module")
+def bundled_split_head(bundled_dir, tmp_path_factory):
+    return split_model("default", head=2, tail=0, out=tmp_path_factory.mktemp("bundled-split-head"),
+                       topology="split-head")
+
+
 @pytest.mark.slow
-def test_bundled_model_split_head(bundled_dir, bundled_hf, tmp_path_factory):
+def test_bundled_model_split_head(bundled_split_head, bundled_hf):
     """fp32 wire, vocabulary `all`: token-identical to transformers; `en`: agreement on English prompts."""
     from splitlm.cloud.server import BackgroundServer
 
     hf, tok = bundled_hf
-    split = split_model("default", head=2, tail=0, out=tmp_path_factory.mktemp("bundled-split-head"),
-                        topology="split-head")
+    split = bundled_split_head
     with BackgroundServer(split / "cloud") as server:
         with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
             for prompt in BUNDLED_PROMPTS:
@@ -150,3 +155,24 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
     with torch.no_grad():
         expected = tiny_hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_bundled_conversation_in_split_head(bundled_split_head, bundled_hf):
+    """A second chat turn reuses the sealed cache and equals the full model run from scratch."""
+    from splitlm.cloud.server import BackgroundServer
+
+    hf, tok = bundled_hf
+    turns = ["Name one planet of the solar system.", "What colour is it?"]
+    with BackgroundServer(bundled_split_head / "cloud") as server, \
+            Edge(bundled_split_head / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as edge:
+        chat = edge.conversation(spec="auto")
+        first = chat.say(turns[0], max_new_tokens=16)
+        second = chat.say(turns[1], max_new_tokens=16)
+        chat.close()
+    messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": turns[1]}]
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False).input_ids
+    assert second.prompt_ids == ids and second.stats.cached_tokens > 0
+    assert second.token_ids == hf_greedy(hf, ids, 16)
