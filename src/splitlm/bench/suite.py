@@ -211,7 +211,7 @@ def run_bench(config: BenchConfig) -> dict:
 
             def make_edge(codec: str):
                 return Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=codec,
-                            cloud_key=default_identity("cloud").fingerprint)
+                            cloud_key=default_identity("cloud").fingerprint, vocab=config.vocab)
 
             progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
             codec_results = codec_rows(make_edge, prompts, reference, config.codecs, config.max_new_tokens, progress)
