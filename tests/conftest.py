@@ -59,6 +59,23 @@ def tiny_split(tmp_path_factory, tiny_llama) -> Path:
     return split_model(str(tiny_llama), head=2, tail=2, out=tmp_path_factory.mktemp("tiny-split"))
 
 
+@pytest.fixture(scope="session")
+def tiny_split_head(tmp_path_factory, tiny_llama) -> Path:
+    """The tiny model in the split-head topology: edge layers [0, 2) + LM-head columns [0, 24)."""
+    from splitlm.model.shards import split_model
+
+    return split_model(str(tiny_llama), head=2, tail=0, out=tmp_path_factory.mktemp("tiny-split-head"),
+                       topology="split-head", d_end=24)
+
+
+@pytest.fixture(scope="module")
+def split_head_server(tiny_split_head):
+    from splitlm.cloud.server import BackgroundServer
+
+    with BackgroundServer(tiny_split_head / "cloud") as server:
+        yield server
+
+
 @pytest.fixture()
 def tiny_server(tiny_split):
     from splitlm.cloud.server import BackgroundServer

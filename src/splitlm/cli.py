@@ -41,7 +41,8 @@ def set_threads(n: int | None) -> None:
 def cmd_split(args) -> int:
     from splitlm.model.shards import split_model
 
-    out = split_model(args.model, args.head, args.tail, args.out, args.dtype)
+    tail = args.tail if args.tail is not None else (0 if args.topology == "split-head" else 2)
+    out = split_model(args.model, args.head, tail, args.out, args.dtype, args.topology, args.d_end)
     print(f"wrote {out / 'edge'} and {out / 'cloud'}")
     return 0
 
@@ -170,9 +171,11 @@ def add_edge_security_options(p: argparse.ArgumentParser) -> None:
 
 
 def edge_security_kwargs(args) -> dict:
-    """Keyword arguments for `Edge(...)` from the options of `add_edge_security_options`."""
-    return {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
-                                                           "cache_policy")}
+    """Keyword arguments for `Edge(...)` from the options of `add_edge_options` (keys, trust, what the
+    cloud may keep and which tokens may be emitted)."""
+    kwargs = {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
+                                                             "cache_policy")}
+    return {**kwargs, "vocab": getattr(args, "vocab", None) or "all"}
 
 
 def cache_policy_arg(text: str) -> str:
@@ -215,7 +218,15 @@ def add_edge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-policy", type=cache_policy_arg, default="session", metavar="{none,session,window:N,sealed}",
                    help="what the cloud may keep between requests (default session; see README, cache policies)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
+    add_vocab_option(p)
     add_edge_security_options(p)
+
+
+def add_vocab_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vocab", default="all", metavar="{all,en,zh,FILE}",
+                   help="the token ids the model may emit: all (default), en (Latin script, digits, punctuation, "
+                        "code symbols), zh (en + Chinese), or a file of allowed ids; a split-head cloud computes "
+                        "logits for these only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("split", help="split a model into an edge shard and a cloud shard")
     p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
     p.add_argument("--head", type=positive_int, default=2, help="layers [0, K) stay on the edge (default 2)")
-    p.add_argument("--tail", type=non_negative_int, default=2, help="layers [L-M, L) stay on the edge (default 2)")
+    p.add_argument("--tail", type=non_negative_int, default=None,
+                   help="layers [L-M, L) stay on the edge (default 2; split-head: 0)")
+    p.add_argument("--topology", default="tail-local", choices=["tail-local", "split-head"],
+                   help="tail-local (default): the edge keeps the last layers and the LM head; split-head: the cloud "
+                        "runs every layer from K on and part of the LM head, the edge completes the logits")
+    p.add_argument("--d-end", type=positive_int, default=None, metavar="D",
+                   help="split-head: the LM head's columns [0, D) stay on the edge (default: half the hidden size)")
     p.add_argument("--out", required=True, help="output directory (gets edge/ and cloud/)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype (default fp32)")
     p.set_defaults(func=cmd_split)

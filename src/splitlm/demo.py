@@ -8,13 +8,14 @@ from splitlm.model.loading import cache_root, log
 DEMO_PROMPT = "In three short sentences, explain why sending text to a cloud model can leak private data."
 
 
-def cached_split(model: str, head: int = 2, tail: int = 2):
+def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail-local", d_end: int | None = None):
     from splitlm.model.shards import split_model
 
     name = model.replace("/", "_").strip("_.") or "model"
-    out = cache_root() / "splits" / f"{name}-k{head}-m{tail}-fp32"
+    kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"
+    out = cache_root() / "splits" / f"{name}-k{head}{kind}-fp32"
     if not (out / "edge" / "manifest.json").is_file() or not (out / "cloud" / "manifest.json").is_file():
-        split_model(model, head, tail, out)
+        split_model(model, head, tail, out, topology=topology, d_end=d_end)
     return out
 
 

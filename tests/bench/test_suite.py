@@ -180,3 +180,28 @@ def test_codec_list_parsing():
     assert parse_codecs("") == []
     with pytest.raises(SplitLMError, match="unknown codec"):
         parse_codecs("fp16,int4")
+
+
+def test_report_shows_measured_and_computed_downlink():
+    from splitlm.bench.report import markdown_report
+
+    rows = _synthetic_rows()
+    results = aggregate(rows)
+    split = {"topology": "split-head", "d_end": 288, "vocab": "en", "vocab_size": 48585,
+             "full_logits_bytes_per_token": 98304}
+    for r in results:
+        r.update(split if r["mode"] == "split-seq" else {"topology": None, "vocab": None})
+    doc = {"created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
+           "config": {"rtts_ms": [80.0], "modes": ["local-hf", "split-seq"], "prompts": "x.json",
+                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": False},
+           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
+                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "vocab_size": 49152,
+                                     "weights_dtype": "fp32"},
+                           "split": {"head": 2, "tail": 0, "cloud_layers": [2, 30], "topology": "split-head",
+                                     "d_end": 288, "vocab": "en"}},
+           "prompts": [{"id": "p0"}], "memory": {}, "results": results, "step_model": {}, "runs": []}
+    md = markdown_report(doc)
+    assert "split-head: edge layers [0,2) + LM-head columns [0,288)" in md and "vocabulary subset en" in md
+    line = next(x for x in md.splitlines() if x.startswith("| split-seq | 20 | split-head d=288 | en | 48585 |"))
+    assert "| 1300 | 98304 | 1.3 % |" in line  # measured 4 × 1300 bytes over 4 tokens, computed V × 2
+    assert "(computed)" in md and "(measured)" in md

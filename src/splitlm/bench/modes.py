@@ -93,9 +93,9 @@ class BenchContext:
     """
 
     def __init__(self, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
-                 wire_dtype: str = "fp16"):
+                 wire_dtype: str = "fp16", vocab: str = "all"):
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
-        self.cloud_url, self.wire_dtype = cloud_url, wire_dtype
+        self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -126,7 +126,7 @@ class BenchContext:
             raise SplitLMError("this benchmark mode needs a cloud server, but none was started")
         # the bench's own cloud process runs with the default cloud identity: pin it
         return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype,
-                    cloud_key=default_identity("cloud").fingerprint)
+                    cloud_key=default_identity("cloud").fingerprint, vocab=self.vocab)
 
     def set_cloud_url(self, url: str | None) -> None:
         """Point the edge at another address (another emulated RTT); it reconnects on next use."""

@@ -27,6 +27,10 @@ def _pct(value) -> str:
     return "–" if value is None else f"{value * 100:.1f} %"
 
 
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
@@ -39,9 +43,15 @@ def _setup(doc: dict) -> str:
     if c["jitter_ms"]:
         link += f", jitter ±{c['jitter_ms']:g} ms"
     link += ", bandwidth " + ("unlimited" if c["mbps"] is None else f"{c['mbps']:g} Mbit/s")
-    return (f"- model: {m['name']} ({m['layers']} layers, hidden {m['hidden_size']}, {m['weights_dtype']} weights);"
-            f" split: edge layers [0,{s['head']}) + [{s['cloud_layers'][1]},{m['layers']}),"
-            f" cloud [{s['cloud_layers'][0]},{s['cloud_layers'][1]}); wire {c['wire_dtype']}\n"
+    if s.get("topology") == "split-head":
+        split = (f"split-head: edge layers [0,{s['head']}) + LM-head columns [0,{s['d_end']}), cloud layers"
+                 f" [{s['head']},{m['layers']}) + final norm + LM-head columns [{s['d_end']},{m['hidden_size']})")
+    else:
+        split = (f"tail-local: edge layers [0,{s['head']}) + [{s['cloud_layers'][1]},{m['layers']}),"
+                 f" cloud [{s['cloud_layers'][0]},{s['cloud_layers'][1]})")
+    vocab = f"; vocabulary subset {s['vocab']}" if s.get("vocab") else ""
+    return (f"- model: {m['name']} ({m['layers']} layers, hidden {m['hidden_size']}, vocabulary {m.get('vocab_size', '?')},"
+            f" {m['weights_dtype']} weights); split {split}{vocab}; wire {c['wire_dtype']}\n"
             f"- network: emulated WAN (user-space TCP proxy on loopback), {link}\n"
             f"- {len(doc['prompts'])} prompts ({c['prompts']}), up to {c['max_new_tokens']} new tokens, greedy\n"
             f"- machine: {env['cpu'] or 'unknown CPU'}, {env['cpu_count']} cores; torch {env['torch']},"
@@ -78,6 +88,19 @@ def markdown_report(doc: dict) -> str:
                         _tau(r), _f(r["tok_s"]), _f(r["tok_s_vs_split_seq"], ".2f"),
                         _f(r["ttft_s"], ".0f", 1e3), _pct(r["agreement"]), _pct(r["exact_match"])]
                        for r in res if r["category"] != "all"]))
+    downlink = [r for r in overall if r.get("topology")]
+    if downlink:
+        out += ["", "## Downlink", "", _table(
+            ["mode", "RTT ms", "topology", "vocab", "ids allowed", "B down/tok (measured)",
+             "full logits B/tok (computed)", "measured ÷ full logits"],
+            [[r["mode"], f"{r['rtt_ms']:g}", r["topology"] + (f" d={r['d_end']}" if r.get("d_end") else ""),
+              r["vocab"], str(r["vocab_size"]), _f(r["bytes_down_per_token"], ".0f"),
+              str(r["full_logits_bytes_per_token"]),
+              _pct(_div(r["bytes_down_per_token"], r["full_logits_bytes_per_token"]))] for r in downlink]),
+            "", "Measured: bytes the edge received per decoding token (frames, metadata, AES-GCM tags included;"
+            " tail-local: one hidden vector per token in the pass; split-head: h[:d] and partial logits over the"
+            " allowed ids for each row the edge asks for). Computed: what a cloud returning the full logits of one"
+            " token would send (V values of the wire codec, no framing), the seed paper's baseline."]
     if doc["memory"]:
         out += ["", "## Memory", "", _table(
             ["mode", "peak RSS MiB", "runtime baseline MiB", "added by the mode MiB", "weights MiB"],
@@ -200,6 +223,7 @@ def _sweep(doc: dict, path: Path, plt) -> Path:
 
 def _title(doc: dict) -> str:
     env, c = doc["environment"], doc["config"]
-    return (f"{env['model']['name']}, split k={env['split']['head']} m={env['split']['tail']}, wire {c['wire_dtype']},"
+    return (f"{env['model']['name']}, {env['split'].get('topology') or 'tail-local'} split k={env['split']['head']}"
+            f" m={env['split']['tail']}, wire {c['wire_dtype']},"
             f" {len(doc['prompts'])} prompts x ≤{c['max_new_tokens']} tokens, 1 thread edge + 1 thread cloud,"
             f" {env['cpu_count']}-core {env['cpu'] or 'CPU'}")

@@ -47,8 +47,12 @@ class BenchConfig:
     out: str = str(DEFAULT_OUT)
     model: str = "default"
     head: int = 2
-    tail: int = 2
+    tail: int | None = None  # None: 2 for tail-local, 0 for split-head
     wire_dtype: str = "auto"
+    edge: str = ""  # a pre-split edge shard (its cloud shard is the sibling `cloud/`); "" = split `model` here
+    topology: str = "tail-local"  # when splitting here: tail-local or split-head
+    d_end: int | None = None  # split-head: LM-head columns on the edge (None = half the hidden size)
+    vocab: str = "all"  # the edge's vocabulary subset: all, en, zh or an allow-list file
     jitter_ms: float = 0.0
     mbps: float | None = None
     limit: int | None = None
@@ -89,6 +93,40 @@ def link(port: int, rtt_ms: float, config: BenchConfig) -> Iterator[str]:
         yield wan.url_for("ws")
 
 
+def resolve_split(config: BenchConfig, model_dir: Path):
+    """(split directory, edge manifest) of the run: `--edge DIR`'s split, or one made (and cached) here."""
+    from splitlm.demo import cached_split
+    from splitlm.model.loading import file_sha256, safetensors_files
+    from splitlm.model.shards import Manifest
+
+    if config.edge:
+        edge_dir = Path(config.edge)
+        if not edge_dir.is_dir():
+            raise SplitLMError(f"--edge {edge_dir}: no such directory")
+        manifest = Manifest.read(edge_dir, "edge")
+        cloud = Manifest.read(edge_dir.parent / "cloud", "cloud") if (edge_dir.parent / "cloud").is_dir() else None
+        if cloud is None or cloud.fingerprint != manifest.fingerprint:
+            raise SplitLMError(f"--edge {edge_dir}: its cloud shard must be the sibling directory "
+                               f"{edge_dir.parent / 'cloud'} of the same split")
+        if manifest.model_hash != file_sha256(safetensors_files(model_dir))[:32]:
+            raise SplitLMError(f"--edge {edge_dir} was split from another model than --model {config.model} "
+                               "(the reference)")
+        return edge_dir.parent, manifest
+    tail = config.tail if config.tail is not None else (0 if config.topology == "split-head" else 2)
+    split_dir = cached_split(config.model, config.head, tail, config.topology, config.d_end)
+    return split_dir, Manifest.read(split_dir / "edge", "edge")
+
+
+def split_fields(manifest, config: BenchConfig, edge) -> dict:
+    """What each result row says about the split: topology, vocabulary subset, and the downlink a
+    cloud returning full logits would need (computed, not measured: V values of the wire codec per token)."""
+    from splitlm.transport.codecs import wire_nbytes
+
+    return {"topology": manifest.topology, "d_end": manifest.d_end or None, "vocab": config.vocab,
+            "vocab_size": edge.vocab.size,
+            "full_logits_bytes_per_token": wire_nbytes(edge.wire_dtype, [1, edge.cfg.vocab_size])}
+
+
 def environment(model_dir: Path, config: BenchConfig) -> dict:
     import torch
     import transformers
@@ -109,8 +147,8 @@ def environment(model_dir: Path, config: BenchConfig) -> dict:
         "model": {"name": re.sub(r"-[0-9a-f]{16}$", "", model_dir.name),  # drop the cache's hash suffix
                   "path": str(model_dir), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                   "vocab_size": cfg.vocab_size, "weights_dtype": "fp32"},
-        "split": {"head": config.head, "tail": config.tail,
-                  "cloud_layers": [config.head, cfg.num_layers - config.tail]},
+        "split": {"head": config.head, "tail": config.tail or 0,
+                  "cloud_layers": [config.head, cfg.num_layers - (config.tail or 0)]},
     }
 
 
@@ -127,19 +165,23 @@ def run_bench(config: BenchConfig) -> dict:
 
     import torch
 
-    from splitlm.demo import cached_split
     from splitlm.model.loading import resolve_model
 
     torch.set_num_threads(1)
     model_dir = resolve_model(config.model)
-    split_dir = cached_split(config.model, config.head, config.tail) if network else None
+    split_dir, manifest = resolve_split(config, model_dir) if network else (None, None)
+    if manifest is not None:  # the split decides: a pre-split edge's own K, M and topology
+        config.head, config.tail, config.topology = manifest.head, manifest.tail, manifest.topology
+        config.d_end = manifest.d_end or None
     tok = load_tokenizer(model_dir)
     tokenize(prompts, tok)
     started = time.time()
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     rtts = config.rtts_ms if network else config.rtts_ms[:1]
     progress(f"{len(prompts)} prompts x {len(modes)} modes x {len(rtts)} RTT(s), up to {config.max_new_tokens} tokens;"
-             f" model {re.sub(r'-[0-9a-f]{16}$', '', model_dir.name)}, split k={config.head} m={config.tail}, wire {config.wire_dtype};"
+             f" model {re.sub(r'-[0-9a-f]{16}$', '', model_dir.name)}, {config.topology} split k={config.head}"
+             f" m={config.tail or 0}{f' d={config.d_end}' if config.d_end else ''}, vocab {config.vocab},"
+             f" wire {config.wire_dtype};"
              " edge and cloud pinned to 1 torch thread each")
 
     edge_dir = split_dir / "edge" if split_dir else Path()
@@ -150,7 +192,7 @@ def run_bench(config: BenchConfig) -> dict:
         contexts: dict[float, BenchContext] = {}  # one edge per RTT, each behind its own emulator
         for rtt in rtts:
             url = stack.enter_context(link(port, rtt, config)) if network else None
-            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype)  # the HF model is shared
+            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype, config.vocab)  # HF model shared
             stack.callback(contexts[rtt].close)
         first = contexts[rtts[0]]
         # The reference: the full transformers model's greedy continuation (local-hf's own code path).
@@ -169,7 +211,7 @@ def run_bench(config: BenchConfig) -> dict:
 
             def make_edge(codec: str):
                 return Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=codec,
-                            cloud_key=default_identity("cloud").fingerprint)
+                            cloud_key=default_identity("cloud").fingerprint, vocab=config.vocab)
 
             progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
             codec_results = codec_rows(make_edge, prompts, reference, config.codecs, config.max_new_tokens, progress)
@@ -195,10 +237,15 @@ def run_bench(config: BenchConfig) -> dict:
             for m in modes:
                 progress(f"memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
                 memory[m.name] = probe_memory(m.name, model_dir, edge_dir, f"ws://127.0.0.1:{port}" if port else None,
-                                              config.wire_dtype, longest.ids, config.max_new_tokens)
+                                              config.wire_dtype, longest.ids, config.max_new_tokens,
+                                              vocab=config.vocab)
+        split = split_fields(manifest, config, first.edge) if network else {}
 
     results = aggregate(rows, memory)
+    for r in [*results, *rows]:  # local modes run the full model: no topology, no downlink
+        r.update(split if MODES[r["mode"]].network else {"topology": None, "vocab": None})
     env = environment(model_dir, config)
+    env["split"].update({"topology": config.topology, "d_end": config.d_end, "vocab": config.vocab})
     env["load_avg_at_start"] = load_at_start  # other work on the machine skews absolute figures; ratios hold better
     return {
         "schema": SCHEMA,
@@ -251,7 +298,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
     p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
-    p.add_argument("--tail", type=int, default=2, help="edge tail layers M (default 2)")
+    p.add_argument("--tail", type=int, default=None, help="edge tail layers M (default 2; split-head: 0)")
+    p.add_argument("--edge", default="", metavar="DIR",
+                   help="benchmark this pre-split edge shard (its cloud shard is DIR/../cloud) instead of splitting "
+                        "--model here; its topology, K, M and D come from its manifest")
+    p.add_argument("--topology", default="tail-local", choices=["tail-local", "split-head"],
+                   help="when splitting here: the topology (default tail-local)")
+    p.add_argument("--d-end", type=int, default=None, metavar="D",
+                   help="split-head: LM-head columns kept on the edge (default half the hidden size)")
+    p.add_argument("--vocab", default="all", metavar="{all,en,zh,FILE}",
+                   help="the edge's vocabulary subset (default all); split-head clouds compute logits for it only")
     from splitlm.transport.codecs import WIRE_DTYPES
 
     p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
@@ -272,12 +328,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SplitLMError("--rtt-ms and --jitter-ms must be >= 0 and --mbps > 0")
     if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         raise SplitLMError("--max-new-tokens and --limit must be at least 1")
-    if args.head < 1 or args.tail < 0:
+    if args.head < 1 or (args.tail is not None and args.tail < 0):
         raise SplitLMError("--head must be >= 1 and --tail >= 0")
+    if args.edge and (args.topology != "tail-local" or args.d_end is not None or args.tail is not None):
+        raise SplitLMError("--edge benchmarks an existing split: its topology, --tail and --d-end come from it")
+    if args.topology == "split-head" and args.tail:
+        raise SplitLMError("the split-head topology keeps no tail layers on the edge: drop --tail")
+    if args.d_end is not None and args.topology != "split-head":
+        raise SplitLMError("--d-end only applies to --topology split-head")
     return BenchConfig(
         rtts_ms=parse_rtt_list(args.sweep) if args.sweep else [args.rtt_ms], modes=parse_modes(args.modes),
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
-        head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, jitter_ms=args.jitter_ms, mbps=args.mbps,
+        head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
+        d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
         limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs))
 
 
@@ -297,6 +360,8 @@ def bench_main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
+    if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():
+        raise SplitLMError(f"--vocab {config.vocab!r}: not all, en, zh or an allow-list file")
     doc = run_bench(config)
     paths = write_results(doc, config.out, plots=config.plots)
     print(markdown_report(doc))

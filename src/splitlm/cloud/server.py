@@ -25,7 +25,15 @@ from websockets.exceptions import ConnectionClosed
 from splitlm import SplitLMError, __version__
 from splitlm import metrics as m
 from splitlm.cloud.policy import CachePolicy
-from splitlm.cloud.sessions import Control, ForwardRequest, ServerLimits, SessionTable, run_forward, validate
+from splitlm.cloud.sessions import (
+    Control,
+    ForwardRequest,
+    ServerLimits,
+    SessionTable,
+    run_forward,
+    run_split_head,
+    validate,
+)
 from splitlm.model.shards import load_cloud
 from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
@@ -43,6 +51,7 @@ from splitlm.transport.frames import (
     pack_tensors,
     unpack_mask,
     unpack_tensors,
+    unpack_vocab,
 )
 from splitlm.transport.handshake import hello_keys, server_handshake
 from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolve_identity
@@ -281,8 +290,13 @@ class CloudServer:
             if not isinstance(wire, str) or wire not in WIRE_DTYPES:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
             policy = self.parse_policy(frame.meta.get("cache_policy", "session"))
+            vocab = self.parse_vocab(frame.meta.get("vocab"))
             s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id, policy)
-            return Frame(MsgType.OPENED, s.id, meta={"wire_dtype": wire, "cache_policy": str(policy)})
+            s.vocab = vocab
+            meta = {"wire_dtype": wire, "cache_policy": str(policy), "topology": self.manifest.topology}
+            if self.model.split_head:
+                meta["vocab_size"] = self.model.cfg.vocab_size if vocab is None else vocab.numel()
+            return Frame(MsgType.OPENED, s.id, meta=meta)
         if frame.type == MsgType.FORWARD:
             return await self.forward(conn, frame)
         if frame.type == MsgType.POLICY:
@@ -298,6 +312,15 @@ class CloudServer:
             return CachePolicy.parse(value)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+
+    def parse_vocab(self, value) -> torch.Tensor | None:
+        """OPEN's `vocab` (packed bits of the authorised ids): split-head clouds only; None = every id."""
+        if value is None:
+            return None
+        if not self.model.split_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab only applies to a split-head cloud (this one holds no "
+                                                       "part of the LM head)")
+        return unpack_vocab(value, self.model.cfg.vocab_size)
 
     def policy(self, conn: Connection, frame: Frame) -> Frame:
         """Tighten a session's cache policy and/or revoke (wipe) its cache now."""
@@ -354,10 +377,17 @@ class CloudServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "context must be an integer below the number of rows")
         control = Control.from_meta(meta.get("control"))
         mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t - context)
-        req = ForwardRequest(hidden, positions, mask, keep, crop, context, control)
+        rows = None if meta.get("rows") is None else int_list(meta["rows"], "rows")
+        req = ForwardRequest(hidden, positions, mask, keep, crop, context, control, rows)
         validate(req, session, self.model, self.limits)
+        loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(self.executor, run_forward, self.model, session, req)
+        if self.model.split_head:
+            self.check_reply_size(session, t - context if rows is None else len(rows), control.dtype)
+            h_end, logits = await loop.run_in_executor(self.executor, run_split_head, self.model, session, req)
+            out = {"hidden": h_end, "logits": logits}
+        else:
+            out = {"hidden": await loop.run_in_executor(self.executor, run_forward, self.model, session, req)}
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
         self.stats["tokens"] += t - context
@@ -366,11 +396,22 @@ class CloudServer:
         self.metrics.tokens_per_round_trip.observe(t - context)
         self.metrics.compute_seconds.observe(compute_s)
         try:
-            specs, payload = pack_tensors({"hidden": out}, control.dtype or session.wire_dtype)
+            specs, payload = pack_tensors(out, control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         return Frame(MsgType.RESULT, session.id, meta={"tensors": specs, "compute_s": compute_s,
                                                        "cache_len": session.cache_shape[0]}, payload=payload)
+
+    def check_reply_size(self, session, rows: int, dtype: str | None) -> None:
+        """A split-head RESULT holds `rows` × (d + S) values: refuse one over max_frame_bytes before computing."""
+        from splitlm.transport.codecs import wire_nbytes
+
+        s = self.model.cfg.vocab_size if session.vocab is None else session.vocab.numel()
+        dtype = dtype or session.wire_dtype
+        size = wire_nbytes(dtype, [rows, s]) + wire_nbytes(dtype, [rows, self.manifest.d_end])
+        if size + 4096 > self.limits.max_frame_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"logits for {rows} rows ({size} bytes) exceed the frame limit of "
+                                                     f"{self.limits.max_frame_bytes} bytes; ask for fewer rows")
 
     async def expire_loop(self) -> None:
         while True:

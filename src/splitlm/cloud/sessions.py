@@ -41,6 +41,7 @@ class Session:
     sealed: bytes | None = None  # the cache, encrypted (policy "sealed"); `cache` is then empty
     sealed_shape: tuple[int, int] = (0, 0)  # (length, pending_start) of the sealed cache
     seal_counter: int = 0
+    vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending (None = all)
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -108,6 +109,7 @@ class ForwardRequest:
     crop: int | None  # truncate the cache to this length (applied before keep)
     context: int = 0  # C
     control: Control = field(default_factory=Control)
+    rows: list[int] | None = None  # split-head: the new tokens whose logits the edge wants (None = all)
 
 
 class SessionTable:
@@ -167,6 +169,12 @@ def validate(req: ForwardRequest, session: Session, model: CloudModel, limits: S
     t = rows - req.context
     if req.positions.shape != (rows,):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{rows} rows need {rows} positions, got {req.positions.numel()}")
+    if req.rows is not None:
+        if not model.split_head:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "rows only apply to a split-head cloud (this one returns hidden "
+                                                       "states for every new token)")
+        if any(not 0 <= r < t for r in req.rows) or len(set(req.rows)) != len(req.rows):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"rows must be distinct and in [0, {t}) (the new tokens)")
     if req.mask is not None and req.mask.shape != (t, t):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mask covers the {t} new tokens, not {list(req.mask.shape)}")
     max_pos = min(cfg.max_position_embeddings, limits.max_tokens_per_session)
@@ -242,3 +250,15 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
     elif policy.sealed:
         session.seal(ctl.key)
     return out
+
+
+@torch.inference_mode()
+def run_split_head(model: CloudModel, session: Session, req: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-head request: the layers, then the cloud's part of the LM head for the asked rows:
+    (normed h[:, :d] [R, d], partial logits [R, S] over the session's authorised ids)."""
+    from splitlm.model.splithead import cloud_head
+
+    out = run_forward(model, session, req)  # [T, D]
+    if req.rows is not None:
+        out = out[req.rows]
+    return cloud_head(model, out, session.vocab)

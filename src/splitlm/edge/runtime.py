@@ -25,9 +25,11 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.shards import load_edge
+from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient, CloudError
-from splitlm.transport.codecs import check_wire_dtype
+from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
 
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
@@ -121,7 +123,8 @@ class EdgeSession:
             raise SplitLMError(str(e)) from None
         self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
         self.wire_dtype = edge.wire_dtype
-        self.client, self.id = edge._open_cloud_session(str(self.policy))
+        authorised = edge.vocab.packed() if edge.split_head and not edge.vocab.everything else None
+        self.client, self.id = edge._open_cloud_session(str(self.policy), authorised)
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
         self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
@@ -140,8 +143,10 @@ class EdgeSession:
 
     @property
     def max_step_tokens(self) -> int | None:
-        """The most new tokens one step may carry (a window policy caps it at N)."""
-        return self.policy.window
+        """The most new tokens one step may carry (a window policy caps it at N; in split-head the
+        frame limit caps the rows of logits a RESULT may hold)."""
+        caps = [c for c in (self.policy.window, self.edge.max_logit_rows) if c is not None]
+        return min(caps) if caps else None
 
     def settle(self, keep: list[int] | None = None) -> None:
         """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache."""
@@ -234,15 +239,18 @@ class EdgeSession:
         window policy allows is sent in chunks.
         """
         self.settle(keep)
-        limit = self.max_step_tokens
+        window, rows_cap = self.policy.window, self.edge.max_logit_rows
+        want = list(range(len(ids))) if rows is None else rows
+        limit = window if window is not None and len(ids) > window else None
+        if rows_cap is not None and len(want) > rows_cap:
+            limit = min(limit or rows_cap, rows_cap)
         per_forward = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
-        if per_forward and mask is None:  # re-sent context rows count too
-            room = max(1, per_forward - self._context_rows())
-            limit = room if limit is None else min(limit, room)
-        if limit is not None and len(ids) > limit and mask is None:
+        room = max(1, per_forward - self._context_rows()) if per_forward else None  # re-sent context rows count
+        if room is not None and len(ids) > room:
+            limit = min(limit or room, room)
+        if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
-            want = list(range(len(ids))) if rows is None else rows
             out = []
             for a in range(0, len(ids), limit):
                 part = [r - a for r in want if a <= r < a + limit]
@@ -251,8 +259,9 @@ class EdgeSession:
                 out.append(logits)
             self.stats.prefill_round_trips = -(-len(ids) // limit)
             return torch.cat(out)
-        if limit is not None and len(ids) > limit:
-            raise SplitLMError(f"a step of {len(ids)} tokens exceeds the cache window of {limit}")
+        if limit is not None:
+            raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
+                               f"({window}) or the rows of logits one reply may hold ({rows_cap})")
         return self._forward(ids, positions, mask, rows)
 
     def _forward(self, ids, positions, mask, rows) -> torch.Tensor:
@@ -267,15 +276,25 @@ class EdgeSession:
         sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
         sent_pos = self.history_pos[n - c:] + positions if c else positions
         up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
-        out, meta = client.forward(self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep,
-                                   crop=self.cloud_crop, context=c, control=self.control())
+        split_head = self.edge.split_head
+        n_rows = len(ids) if rows is None else len(rows)
+        out, meta = client.forward_tensors(
+            self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
+            context=c, control=self.control(), rows=rows if split_head else None,
+            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
         t2 = time.perf_counter()
         self.pending = (h, list(positions))
         retained = self.policy.retention > 0
         self.cloud_keep = self.cloud_crop = None
         self.cloud_pending = len(ids) if retained else 0
         self.cloud_committed = meta["cache_len"] - self.cloud_pending if retained else 0
-        logits = model.tail_and_logits(out[None].to(self.edge.dtype), pos, mask, self.tail_cache, rows)[0]
+        if split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
+            logits = self.edge.split_head_logits(out, n_rows)
+            self.tail_cache.begin(len(ids))  # the (empty) tail cache stays in step with the head cache
+        else:
+            logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, mask, self.tail_cache,
+                                           rows)[0]
+            logits = self.edge.vocab.mask_logits(logits)
         t3 = time.perf_counter()
         serialize_s = client.serialize_s - ser
         network_s = max(0.0, meta["round_trip_s"] - meta["compute_s"] - serialize_s)
@@ -361,12 +380,14 @@ class Edge:
 
     def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None):
+                 rekey=None, vocab: str | VocabSubset | None = "all"):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
         cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
-        session, window:N or sealed; each session may choose its own."""
+        session, window:N or sealed; each session may choose its own.
+        vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
+        file; a split-head cloud computes partial logits for these only."""
         try:
             self.cache_policy = str(CachePolicy.parse(cache_policy or "session"))
         except ValueError as e:
@@ -382,6 +403,13 @@ class Edge:
         self.dtype = next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
+        self.split_head = self.model.split_head
+        self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.max_logit_rows: int | None = None  # split-head: rows of logits one RESULT may hold
+        if self.split_head:  # W[ids, :d], kept for the session's life (a view when every id is allowed)
+            self._vocab_ids = None if self.vocab.everything else self.vocab.ids
+            w = self.model.end_weight
+            self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
         self._corpus: NgramModel | None = None
         self._budgets: dict[tuple, Pool] = {}
         self._lock = threading.Lock()  # the pools' table, the corpus model, the tokenizer
@@ -392,6 +420,12 @@ class Edge:
         self._clients = Pool(self._connect)
         self.client = self._connect()  # the first connection: fail early if the cloud cannot be reached
         self._clients.give(self.client)
+        if self.split_head:
+            frame = min(self.client.max_frame_bytes,
+                        self.client.server_info.get("limits", {}).get("max_frame_bytes", self.client.max_frame_bytes))
+            per_row = wire_nbytes(self.wire_dtype, [1, self.vocab.size]) + \
+                wire_nbytes(self.wire_dtype, [1, self.model.manifest.d_end])
+            self.max_logit_rows = max(1, (frame - 4096) // per_row)  # the cloud keeps 4 KiB for metadata and framing
 
     def _connect(self) -> CloudClient:
         client = CloudClient(**self._connect_args)
@@ -404,21 +438,29 @@ class Edge:
             self._connections.discard(client)
         client.close()
 
-    def _open_cloud_session(self, cache_policy: str) -> tuple[CloudClient, int]:
+    def _open_cloud_session(self, cache_policy: str, vocab: bytes | None = None) -> tuple[CloudClient, int]:
         """A connection of this thread's own and a new cloud session on it."""
         client, pooled = self._clients.take()
         try:
-            return client, client.open_session(self.wire_dtype, cache_policy)
+            return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
         except CloudError:
             self._drop_client(client)
             if not pooled:
                 raise
         client = self._connect()  # the idle connection had gone stale (e.g. the cloud's idle timeout)
         try:
-            return client, client.open_session(self.wire_dtype, cache_policy)
+            return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
         except BaseException:
             self._drop_client(client)
             raise
+
+    def split_head_logits(self, out: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
+        """Logits [R, V] from a split-head RESULT: h[:d] [R, d] and partial logits [R, S]."""
+        h_end, z = out["hidden"], out.get("logits")
+        d, s = self.model.manifest.d_end, self.vocab.size
+        if z is None or h_end.shape != (n_rows, d) or z.shape != (n_rows, s):
+            raise SplitLMError(f"the cloud's split-head RESULT does not hold {n_rows} rows of h[:{d}] and {s} logits")
+        return edge_logits(self.model, h_end, z, self._vocab_ids, self._w_end)
 
     def _load_tokenizer(self):
         if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():

@@ -1,8 +1,12 @@
 """Split a model into an edge shard and a cloud shard, and load each one.
 
+Topology `tail-local` (default):
 `DIR/edge/`:  config, tokenizer, embedding, layers [0, K), layers [L-M, L), final norm, LM head.
-`DIR/cloud/`: config and layers [K, L-M) only. Both carry `manifest.json` with the split's
-fingerprint, which the edge and the cloud compare in the handshake.
+`DIR/cloud/`: config and layers [K, L-M) only.
+Topology `split-head` (`splitlm.model.splithead`): the edge keeps the embedding, layers [0, K)
+and the LM head's first D columns; the cloud holds layers [K, L), the final norm and the other
+columns. Both shards carry `manifest.json` with the split's fingerprint, which the edge and the
+cloud compare in the handshake.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ class Manifest:
     head: int  # K: layers [0, K) on the edge
     tail: int  # M: layers [L-M, L) on the edge
     dtype: str
-    topology: str = "tail-local"
+    topology: str = "tail-local"  # or "split-head"
     fingerprint: str = ""
     format: str = SHARD_FORMAT
+    d_end: int = 0  # split-head: the edge holds the LM head's columns [0, d_end)
 
     def compute_fingerprint(self) -> str:
         key = {k: getattr(self, k) for k in ("model_hash", "num_layers", "head", "tail", "dtype", "topology")}
+        if self.topology == "split-head":
+            key["d_end"] = self.d_end
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
     @property
@@ -78,18 +85,39 @@ def check_split(num_layers: int, head: int, tail: int) -> None:
         raise SplitLMError(f"head + tail = {head + tail} leaves no layer for the cloud (the model has {num_layers})")
 
 
-def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "split", dtype: str = "fp32") -> Path:
-    """Write `out/edge` and `out/cloud`; return `out`."""
+TOPOLOGIES = ("tail-local", "split-head")
+
+
+def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "split", dtype: str = "fp32",
+                topology: str = "tail-local", d_end: int | None = None) -> Path:
+    """Write `out/edge` and `out/cloud`; return `out`.
+
+    topology `split-head`: `tail` must be 0; `d_end` = the LM-head columns the edge keeps
+    (default: half the hidden size)."""
+    from splitlm.model.splithead import check_d_end, split_head_state
+
     if dtype not in DTYPES:
         raise SplitLMError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if topology not in TOPOLOGIES:
+        raise SplitLMError(f"unknown topology {topology!r} (choose from {', '.join(TOPOLOGIES)})")
+    if topology == "split-head" and tail:
+        raise SplitLMError("the split-head topology keeps no tail layers on the edge: use --tail 0 (or omit it)")
+    if topology == "tail-local" and d_end is not None:
+        raise SplitLMError("--d-end only applies to --topology split-head")
     model_dir = resolve_model(model)
     hf = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf)
     check_split(cfg.num_layers, head, tail)
-    log(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
-        f" cloud layers [{head},{cfg.num_layers - tail})")
+    if topology == "split-head":
+        d_end = check_d_end(cfg, d_end)
+        log(f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
+            f" cloud layers [{head},{cfg.num_layers}) + final norm + LM-head columns [{d_end},{cfg.hidden_size})")
+    else:
+        log(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
+            f" cloud layers [{head},{cfg.num_layers - tail})")
     state = load_state(model_dir, DTYPES[dtype])
-    base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail, dtype)
+    base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail, dtype,
+                    topology=topology, d_end=d_end or 0)
     base.fingerprint = base.compute_fingerprint()
 
     lo, hi = base.cloud_layers
@@ -98,6 +126,8 @@ def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "spl
 
     cloud = {k: v for k, v in state.items() if (i := layer_of(k)) is not None and lo <= i < hi}
     edge = {k: v for k, v in state.items() if k not in cloud}
+    if topology == "split-head":
+        edge, cloud = split_head_state(cfg, edge, cloud, d_end)
     out = Path(out)
     for role, tensors in (("edge", edge), ("cloud", cloud)):
         d = out / role
@@ -114,16 +144,26 @@ def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "spl
 
 
 class EdgeModel(nn.Module):
-    """What stays on the user's machine: embedding, head layers, tail layers, final norm, LM head."""
+    """What stays on the user's machine: embedding, head layers, tail layers, final norm, LM head.
+
+    In the split-head topology there are no tail layers and no final norm, and the LM head is
+    only its first `d_end` columns (`end_weight`)."""
 
     def __init__(self, cfg: ModelConfig, manifest: Manifest):
         super().__init__()
         self.cfg, self.manifest = cfg, manifest
+        self.split_head = manifest.topology == "split-head"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.head = LayerStack(cfg, 0, manifest.head)
         self.tail = LayerStack(cfg, cfg.num_layers - manifest.tail, cfg.num_layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = None if self.split_head else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        head_in = manifest.d_end if self.split_head else cfg.hidden_size
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(head_in, cfg.vocab_size, bias=False)
+
+    @property
+    def end_weight(self) -> torch.Tensor:
+        """Split-head: the edge's LM-head columns W[:, :d_end], [V, d_end]."""
+        return self.embed_tokens.weight[:, : self.manifest.d_end] if self.lm_head is None else self.lm_head.weight
 
     def embed_and_head(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
         return self.head(embed(self.embed_tokens, ids, self.cfg), positions, new_mask, cache)  # [B, T, D]
@@ -137,12 +177,17 @@ class EdgeModel(nn.Module):
 
 
 class CloudModel(nn.Module):
-    """What the cloud runs: the middle layers [K, L-M)."""
+    """What the cloud runs: the middle layers [K, L-M); in the split-head topology layers [K, L),
+    the final norm and the LM head's columns W[:, d_end:] (`splitlm.model.splithead.cloud_head`)."""
 
     def __init__(self, cfg: ModelConfig, manifest: Manifest):
         super().__init__()
         self.cfg, self.manifest = cfg, manifest
         self.middle = LayerStack(cfg, *manifest.cloud_layers)
+        self.split_head = manifest.topology == "split-head"
+        if self.split_head:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+            self.lm_head = nn.Linear(cfg.hidden_size - manifest.d_end, cfg.vocab_size, bias=False)
 
     def forward(self, h, positions, new_mask=None, cache=None) -> torch.Tensor:
         return self.middle(h, positions, new_mask, cache)
@@ -164,7 +209,8 @@ def load_edge(shard_dir: str | Path) -> EdgeModel:
     model.head.load_global_state(state)
     model.tail.load_global_state(state)
     model.embed_tokens.weight.data.copy_(state["model.embed_tokens.weight"])
-    model.norm.weight.data.copy_(state["model.norm.weight"])
+    if model.norm is not None:
+        model.norm.weight.data.copy_(state["model.norm.weight"])
     if model.lm_head is not None:
         model.lm_head.weight.data.copy_(state["lm_head.weight"])
     return model.eval()
@@ -174,4 +220,7 @@ def load_cloud(shard_dir: str | Path) -> CloudModel:
     cfg, manifest, state = _read_shard(shard_dir, "cloud")
     model = CloudModel(cfg, manifest).to(DTYPES[manifest.dtype])
     model.middle.load_global_state(state)
+    if model.split_head:
+        model.norm.weight.data.copy_(state["model.norm.weight"])
+        model.lm_head.weight.data.copy_(state["lm_head.weight"])
     return model.eval()

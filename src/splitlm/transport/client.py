@@ -84,7 +84,7 @@ class CloudClient:
                  identity: Identity | str | Path | None = None, cloud_key: str | bytes | None = None,
                  known_hosts: str | Path | None = None, tls_ca: str | Path | None = None,
                  rekey: RekeyPolicy | None = None):
-        self.url, self.timeout_s = url, timeout_s
+        self.url, self.timeout_s, self.max_frame_bytes = url, timeout_s, max_frame_bytes
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
@@ -180,8 +180,12 @@ class CloudClient:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply
 
-    def open_session(self, wire_dtype: str, cache_policy: str = "session") -> int:
-        return self.request(Frame(MsgType.OPEN, meta={"wire_dtype": wire_dtype, "cache_policy": cache_policy})).session
+    def open_session(self, wire_dtype: str, cache_policy: str = "session", vocab: bytes | None = None) -> int:
+        """A new session; `vocab`: the authorised token ids as packed bits (split-head clouds only)."""
+        meta: dict[str, Any] = {"wire_dtype": wire_dtype, "cache_policy": cache_policy}
+        if vocab is not None:
+            meta["vocab"] = vocab
+        return self.request(Frame(MsgType.OPEN, meta=meta)).session
 
     def policy(self, session: int, cache_policy: str | None = None, revoke: bool = False,
                key: bytes | None = None) -> dict[str, Any]:
@@ -199,6 +203,17 @@ class CloudClient:
                 control: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Send hidden [C + T, D] (C re-sent context rows, then T new tokens) through the cloud's layers;
         returns hidden [T, D] of the new tokens and the reply metadata."""
+        out, meta = self.forward_tensors(session, hidden, positions, wire_dtype, mask, keep, crop, context, control,
+                                         max_reply_elements=hidden.numel())
+        return out["hidden"], meta
+
+    def forward_tensors(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
+                        mask: torch.Tensor | None = None, keep: list[int] | None = None,
+                        crop: int | None = None, context: int = 0, control: dict[str, Any] | None = None,
+                        rows: list[int] | None = None,
+                        max_reply_elements: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """`forward`, returning every tensor of the RESULT (a split-head cloud's `hidden` and `logits`
+        for the new tokens `rows`), each of at most `max_reply_elements` elements."""
         t0 = time.perf_counter()
         try:
             specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
@@ -216,12 +231,19 @@ class CloudClient:
             meta["context"] = context
         if control is not None:
             meta["control"] = control
+        if rows is not None:
+            meta["rows"] = rows
         start = time.perf_counter()
         reply = self.request(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
         reply.meta["round_trip_s"] = time.perf_counter() - start
         t0 = time.perf_counter()
-        out = unpack_tensors(reply, hidden.numel())["hidden"]
+        try:
+            out = unpack_tensors(reply, max_reply_elements)
+        except ProtocolError as e:
+            raise CloudError(f"bad RESULT from the cloud: {e}", e.code) from None
         self.serialize_s += time.perf_counter() - t0
+        if "hidden" not in out:
+            raise CloudError("the cloud's RESULT carries no hidden tensor")
         return out, reply.meta
 
     def close_session(self, session: int) -> None:

@@ -164,6 +164,25 @@ def unpack_mask(data: bytes, t: int) -> torch.Tensor:
     return torch.from_numpy(bits.reshape(t, t).astype(bool))
 
 
+def pack_vocab(allowed: torch.Tensor) -> bytes:
+    """[V] bool allow-list -> packed bits (ceil(V/8) bytes; bit i = token id i)."""
+    return np.packbits(allowed.bool().numpy()).tobytes()
+
+
+def unpack_vocab(data: bytes, vocab_size: int) -> torch.Tensor:
+    """Packed allow-list bits -> the allowed ids [S], ascending (at least one)."""
+    if not isinstance(data, bytes) or len(data) != (vocab_size + 7) // 8:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"vocab must be {(vocab_size + 7) // 8} bytes of packed bits for {vocab_size} token ids")
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if bits[vocab_size:].any():
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab has bits set beyond the vocabulary")
+    ids = torch.from_numpy(np.flatnonzero(bits[:vocab_size]))
+    if ids.numel() == 0:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab allows no token")
+    return ids
+
+
 def error_frame(err: ProtocolError, session: int = 0, seq: int = 0, ref: int | None = None) -> Frame:
     meta: dict[str, Any] = {"code": int(err.code), "name": err.code.name, "message": err.message}
     if ref is not None:
