@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
     sampling = sampling_config(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         stop_at_eos = not args.ignore_eos
-        options = dict(chat=args.chat, stop_at_eos=stop_at_eos, spec=args.spec, sampling=sampling, stop=args.stop)
+        options = dict(chat=args.chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop)
         if args.json:
             result = edge.generate(args.prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
@@ -112,7 +112,7 @@ def cmd_serve_edge(args) -> int:
     if not 0.0 <= args.default_temperature <= 2.0:
         raise SplitLMError(f"--default-temperature must be between 0 and 2, got {args.default_temperature}")
     config = APIConfig(model_name=args.model_name or Path(args.edge).resolve().parent.name, api_key=api_key(args),
-                       spec=args.spec, max_concurrent=args.max_concurrent,
+                       spec=spec_arg(args), max_concurrent=args.max_concurrent,
                        default_temperature=args.default_temperature, default_max_tokens=args.default_max_tokens)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         if args.spec == "auto":
@@ -131,13 +131,27 @@ def cmd_chat(args) -> int:
     sampling = sampling_config(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                        spec=args.spec)
+                        spec=spec_arg(args))
 
 
 def print_stats(s) -> None:
     print(f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
           f"TTFT {s.prefill_s * 1000:.0f} ms, {s.tokens_per_s:.1f} tok/s, "
           f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]", file=sys.stderr)
+
+
+def cmd_train_draft(args) -> int:
+    from pathlib import Path
+
+    from splitlm.decoding.train_draft import train_draft
+
+    set_threads(args.threads)
+    if not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    report = train_draft(args.model, args.edge, max_tokens=args.max_tokens,
+                         progress=lambda msg: print(f"[train-draft] {msg}", file=sys.stderr, flush=True))
+    print(json.dumps(report))
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -188,6 +202,16 @@ def cache_policy_arg(text: str) -> str:
 
 
 WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
+
+
+def add_draft_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="self", metavar="self|self-raw|PATH",
+                   help="--spec draft: the edge's own layers (self: with the adapter of `train-draft` if there is "
+                        "one; self-raw: without), or a small model of the same vocabulary (default self)")
+
+
+def spec_arg(args) -> str:
+    return f"draft:{args.draft}" if args.spec == "draft" else args.spec
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -282,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+    add_draft_option(p)
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this string (repeatable)")
@@ -299,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients ask for (default: the name of the split directory)")
     p.add_argument("--api-key-file", metavar="FILE", default=None,
                    help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+    add_draft_option(p)
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
     p.add_argument("--default-temperature", type=float, default=1.0,
@@ -315,10 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
     add_sampling_options(p)
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto"],
+    add_draft_option(p)
+    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     add_edge_options(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("train-draft", help="fit the self-draft's adapter from the full model on local text")
+    p.add_argument("--model", default="default", help="the model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory; the adapter is written into it")
+    p.add_argument("--max-tokens", type=positive_int, default=8000, help="training tokens (default 8000)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
     p.add_argument("--model", default="default")

@@ -96,6 +96,7 @@ class BenchContext:
                  wire_dtype: str = "fp16", vocab: str = "all"):
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
+        self.draft = "self"  # the `draft` mode's draft model
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -201,6 +202,33 @@ def run_auto(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> M
     from splitlm.decoding.speculative import SpecConfig
 
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto"))
+
+
+@mode("self-draft", network=True, help="speculative: the edge's own layers as a draft model, no adapter")
+def run_self_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft="self-raw"))
+
+
+@mode("self-draft-trained", network=True,
+      help="speculative: self-draft with the adapter of `splitlm train-draft` (trained on the fly if missing)")
+def run_self_draft_trained(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.draft import ADAPTER_FILE
+    from splitlm.decoding.speculative import SpecConfig
+
+    if not (ctx.edge_dir / ADAPTER_FILE).is_file():
+        from splitlm.decoding.train_draft import train_draft
+
+        train_draft(str(ctx.model_dir), ctx.edge_dir)
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft="self"))
+
+
+@mode("draft", network=True, help="speculative: the draft model given by --draft (a path, self or self-raw)")
+def run_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft=ctx.draft))
 
 
 @mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")

@@ -58,6 +58,7 @@ class BenchConfig:
     limit: int | None = None
     memory: bool = True
     plots: bool = True
+    draft: str = "self"  # the `draft` mode's draft model (self, self-raw or a model path)
     codecs: list[str] = field(default_factory=list)  # codec study: bytes/token and agreement per wire codec
 
     @property
@@ -193,6 +194,7 @@ def run_bench(config: BenchConfig) -> dict:
         for rtt in rtts:
             url = stack.enter_context(link(port, rtt, config)) if network else None
             contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype, config.vocab)  # HF model shared
+            contexts[rtt].draft = config.draft
             stack.callback(contexts[rtt].close)
         first = contexts[rtts[0]]
         # The reference: the full transformers model's greedy continuation (local-hf's own code path).
@@ -312,6 +314,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
                    help="activation codec of the modes (default auto: fp16, bf16 for Gemma)")
+    p.add_argument("--draft", default="self", metavar="self|self-raw|PATH",
+                   help="the draft model of mode `draft` (default self: the edge's layers with the trained adapter)")
     p.add_argument("--codecs", default="", metavar="C1,C2,...",
                    help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
                         "token and agreement with the full model's greedy tokens")
@@ -341,7 +345,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
         d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
-        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs))
+        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs), draft=args.draft)
 
 
 def parse_codecs(text: str) -> list[str]:

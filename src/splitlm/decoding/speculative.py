@@ -15,7 +15,7 @@ from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
-SPEC_MODES = ("none", "ngram", "lookahead", "auto")
+SPEC_MODES = ("none", "ngram", "lookahead", "auto", "draft")
 
 
 @dataclass
@@ -25,14 +25,22 @@ class SpecConfig:
     window: int = 5  # lookahead: columns W
     ngram: int = 4  # lookahead: N (window levels = N - 1)
     max_depth: int = 8  # n-gram drafter: longest continuation
+    draft: str = "self"  # mode draft: `self` (the edge's own layers), `self-raw` (no adapter) or a model path
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
             raise ValueError(f"unknown speculative mode {self.mode!r} (choose from {', '.join(SPEC_MODES)})")
 
 
-def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None) -> Drafter:
-    """The drafter of a mode; `auto` also drafts from a local-text n-gram model when one is given."""
+def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=None) -> Drafter:
+    """The drafter of a mode; `auto` also drafts from a local-text n-gram model when one is given;
+    `draft` needs the draft model (`splitlm.decoding.draft.make_draft_lm`)."""
+    if cfg.mode == "draft":
+        from splitlm.decoding.draft import ModelDrafter
+
+        if draft_lm is None:
+            raise ValueError("speculative mode draft needs a draft model")
+        return ModelDrafter(draft_lm)
     if cfg.mode == "ngram":
         return NgramDrafter(max_depth=cfg.max_depth)
     if cfg.mode == "lookahead":

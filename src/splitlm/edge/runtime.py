@@ -354,8 +354,12 @@ def held_back(text: str, stops: list[str]) -> int:
 
 
 def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
+    """A SpecConfig from a mode name, or `draft:SOURCE` (SOURCE: self, self-raw or a model path)."""
     try:
-        return SpecConfig(spec) if isinstance(spec, str) else (spec or SpecConfig())
+        if isinstance(spec, str):
+            mode, _, draft = spec.partition(":")
+            return SpecConfig(mode, draft=draft or "self") if mode == "draft" else SpecConfig(spec)
+        return spec or SpecConfig()
     except ValueError as e:
         raise SplitLMError(str(e)) from None
 
@@ -411,6 +415,7 @@ class Edge:
             w = self.model.end_weight
             self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
         self._corpus: NgramModel | None = None
+        self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
         self._lock = threading.Lock()  # the pools' table, the corpus model, the tokenizer
         self._connect_args = dict(url=cloud_url, fingerprint=self.model.manifest.fingerprint, timeout_s=timeout_s,
@@ -497,6 +502,15 @@ class Edge:
                 self._corpus = NgramModel([tok for doc in docs for tok in doc])
             return self._corpus
 
+    def draft_lm(self, draft: str):
+        """The draft model of `--spec draft` (loaded once per edge; its caches are per request)."""
+        from splitlm.decoding.draft import make_draft_lm
+
+        with self._lock:
+            if draft not in self._drafts:
+                self._drafts[draft] = make_draft_lm(draft, self.model, self.edge_dir)
+            return self._drafts[draft]
+
     def open_session(self, cache_policy: str | None = None) -> EdgeSession:
         return EdgeSession(self, cache_policy)
 
@@ -575,11 +589,12 @@ class Edge:
         spec_stats = SpecStats()
         try:
             corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
+            draft_lm = self.draft_lm(spec.draft) if spec.mode == "draft" else None
             start = time.perf_counter()
             if spec.mode == "none" and not sampling.plain_greedy:
                 steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
             else:
-                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus),
+                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus, draft_lm),
                                            budget, spec_stats, adaptive=spec.mode == "auto", cached=cached,
                                            sampling=sampling)
             for new in steps:
