@@ -191,8 +191,8 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
                     ranked = whitebox(view.down_prefix, view.embed, down[:n_dwb],
                                       cands.view(n_dwb, config.seq_len, -1))
                     add("down", "down-whitebox", ranked, ids[:n_dwb])
-            summary = ", ".join(f"{r['attack']} {r['top1']:.2f}" for r in rows[-len(up_ranks) - 2:]
-                                if r["head"] == k and r["defence"] == defence.name)
+            summary = ", ".join(f"{r['attack']} {r['top1']:.2f}" for r in rows
+                                if r["head"] == k and r["defence"] == defence.name and r["attack"] != "freq")
             log(f"K={k} {defence.name}: agreement {qual['agreement']:.3f}, ppl {qual['ppl']:.2f}; top-1 {summary} "
                 f"({time.perf_counter() - t0:.0f} s)")
     return {
