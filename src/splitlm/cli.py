@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from splitlm import SplitLMError, __version__
 
@@ -149,6 +148,8 @@ def cmd_audit(args) -> int:
 
 
 def cmd_harden(args) -> int:
+    from pathlib import Path
+
     from splitlm.audit.harden import HardenConfig, harden_split
 
     set_threads(args.threads)
