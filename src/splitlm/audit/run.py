@@ -129,6 +129,7 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     n_wb = max(1, min(ids.shape[0], config.whitebox_tokens // config.seq_len))
     n_dwb = max(1, min(ids.shape[0], config.down_whitebox_tokens // config.seq_len))
     ncand = config.candidates
+    undefended_down = None  # the downlink white-box result without a defence (the same for every K)
     for k in config.heads:
         view = SplitView(model, k, config.tail)
         depth_rows.append(depth_cost(model, view, ids, config.tail))
@@ -186,11 +187,12 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
                 ranked = whitebox(view.public_head, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1))
                 add("up", "whitebox", ranked, ids[:n_wb])
                 if defence.kind == "none":
-                    cands = merge_candidates([r[:n_dwb].flatten(0, 1) for r in down_ranks.values()], frequent,
-                                             ncand, n_dwb * config.seq_len)
-                    ranked = whitebox(view.down_prefix, view.embed, down[:n_dwb],
-                                      cands.view(n_dwb, config.seq_len, -1))
-                    add("down", "down-whitebox", ranked, ids[:n_dwb])
+                    if undefended_down is None:  # layers [0, L-M) whatever K is: searched once
+                        cands = merge_candidates([r[:n_dwb].flatten(0, 1) for r in down_ranks.values()], frequent,
+                                                 ncand, n_dwb * config.seq_len)
+                        undefended_down = whitebox(view.down_prefix, view.embed, down[:n_dwb],
+                                                   cands.view(n_dwb, config.seq_len, -1))
+                    add("down", "down-whitebox", undefended_down, ids[:n_dwb])
             summary = ", ".join(f"{r['attack']} {r['top1']:.2f}" for r in rows
                                 if r["head"] == k and r["defence"] == defence.name and r["attack"] != "freq")
             log(f"K={k} {defence.name}: agreement {qual['agreement']:.3f}, ppl {qual['ppl']:.2f}; top-1 {summary} "
