@@ -120,3 +120,38 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
     return out[0, len(ids):].tolist()
+
+
+# --- privacy audit: a tiny random model with a byte-level tokenizer (token i = byte i) -----------
+
+def save_byte_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def audit_model_dir(tmp_path_factory) -> Path:
+    path = make_tiny_llama(tmp_path_factory.mktemp("audit-tiny"), seed=3)
+    save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def audit_model(audit_model_dir):
+    from splitlm.audit.run import load_for_audit
+
+    model, encode, _ = load_for_audit(str(audit_model_dir))
+    return model, encode
+
+
+@pytest.fixture(scope="session")
+def audit_docs() -> list[str]:
+    from splitlm.audit.data import default_documents
+
+    return default_documents()[:24]

@@ -1,0 +1,50 @@
+"""A full model seen as the split sees it: head layers [0, K) on the edge, middle layers
+[K, L-M) in the cloud, tail layers [L-M, L) + norm + LM head back on the edge."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitlm.model.llama import LayerStack, Transformer, embed
+
+
+def sub_stack(model: Transformer, start: int, end: int) -> LayerStack:
+    """Layers [start, end) of `model`, sharing its weights."""
+    stack = LayerStack(model.cfg, start, start)
+    stack.end = end
+    stack.layers = nn.ModuleList(model.stack.layers[start:end])
+    stack.windows = model.stack.windows[start:end]
+    stack.local_rope = model.stack.local_rope[start:end]
+    return stack
+
+
+class SplitView:
+    """`up`: what the cloud receives (layer K's output); `down`: what it sends back (layer L-M's)."""
+
+    def __init__(self, model: Transformer, head: int, tail: int, private_head: LayerStack | None = None):
+        n = model.cfg.num_layers
+        self.model, self.k, self.tail_layers = model, head, tail
+        self.head = private_head if private_head is not None else sub_stack(model, 0, head)
+        self.public_head = sub_stack(model, 0, head)
+        self.middle = sub_stack(model, head, n - tail)
+        self.tail = sub_stack(model, n - tail, n)
+        self.down_prefix = sub_stack(model, 0, n - tail)  # the public layers that produce `down`
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return embed(self.model.embed_tokens, ids, self.model.cfg)  # [B, T, D]
+
+    def up(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids), torch.arange(ids.shape[1]))  # [B, T, D]
+
+    def down(self, up: torch.Tensor) -> torch.Tensor:
+        return self.middle(up, torch.arange(up.shape[1]))  # [B, T, D]
+
+    def logits(self, down: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(self.tail(down, torch.arange(down.shape[1])))  # [B, T, V]
+
+
+def batched(fn, x: torch.Tensor, batch: int = 16) -> torch.Tensor:
+    """fn over the first dimension of x in batches, without gradients."""
+    with torch.no_grad():
+        return torch.cat([fn(x[i:i + batch]) for i in range(0, x.shape[0], batch)])
