@@ -9,43 +9,33 @@ the first difference, the usual way split systems drift), and decoding bytes per
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
+from splitlm.bench.modes import BenchContext, run_edge, teacher_forced_agreement
 from splitlm.decoding.speculative import SpecConfig
 
 
-def codec_rows(make_edge: Callable[[str], object], prompts: list, reference: dict[str, list[int]], codecs: list[str],
-               max_new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
+def codec_rows(make_context: Callable[[str], BenchContext], prompts: list, reference: dict[str, list[int]],
+               codecs: list[str], max_new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
+    """`make_context(codec)`: a bench context whose edge reaches the cloud with that wire codec."""
     rows = []
     for codec in codecs:
-        edge = make_edge(codec)
+        ctx = make_context(codec)
         hits = positions = exact = prefix = generated = up = down = decode_tokens = 0
         try:
             for p in prompts:
                 ref = reference[p.id]
-                if ref:
-                    session = edge.open_session()
-                    try:
-                        logits = session.forward(p.ids + ref[:-1])  # [T_prompt + n - 1, V]
-                    finally:
-                        session.close()
-                    predicted = logits[len(p.ids) - 1:].argmax(-1).tolist()
-                    hits += sum(int(a == b) for a, b in zip(predicted, ref, strict=True))
-                    positions += len(ref)
-                ids: list[int] = []
-                first = stats = None
-                for new, stats in edge.generate_ids(p.ids, max_new_tokens, True, SpecConfig("none")):
-                    ids += new
-                    if first is None:
-                        first = replace(stats)
+                h, n = teacher_forced_agreement(ctx, p.ids, ref)
+                hits, positions = hits + h, positions + n
+                run = run_edge(ctx, p.ids, max_new_tokens, SpecConfig("none"))
+                ids = run.token_ids
                 exact += int(ids == ref)
                 prefix += next((i for i, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), min(len(ids), len(ref)))
                 generated += len(ref)
-                up += stats.bytes_up - first.bytes_up
-                down += stats.bytes_down - first.bytes_down
-                decode_tokens += len(ids) - 1
+                up += run.bytes_up
+                down += run.bytes_down
+                decode_tokens += len(ids) - run.first_tokens
         finally:
-            edge.close()
+            ctx.close()
         row = {"codec": codec, "prompts": len(prompts),
                "teacher_forced_agreement": round(hits / positions, 4) if positions else None,
                "greedy_prefix_agreement": round(prefix / generated, 4) if generated else None,

@@ -208,15 +208,13 @@ def run_bench(config: BenchConfig) -> dict:
         codec_results = []
         if config.codecs:
             from splitlm.bench.codecs import codec_rows
-            from splitlm.edge import Edge
-            from splitlm.transport.keys import default_identity
 
-            def make_edge(codec: str):
-                return Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=codec,
-                            cloud_key=default_identity("cloud").fingerprint, vocab=config.vocab)
+            def make_context(codec: str) -> BenchContext:
+                return BenchContext(model_dir, edge_dir, f"ws://127.0.0.1:{port}", codec, config.vocab)
 
             progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
-            codec_results = codec_rows(make_edge, prompts, reference, config.codecs, config.max_new_tokens, progress)
+            codec_results = codec_rows(make_context, prompts, reference, config.codecs, config.max_new_tokens,
+                                       progress)
         for ctx in contexts.values():
             for m in modes:  # warm-up (connects, first calls), not counted
                 m.run(ctx, prompts[0].ids, WARMUP_TOKENS)

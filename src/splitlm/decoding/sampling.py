@@ -108,7 +108,7 @@ class Sampler:
     def token(self, logits: torch.Tensor, context: list[int]) -> int:
         """The token following `context` (its position is len(context)); logits [V]."""
         if self.cfg.greedy:
-            return int(penalize(logits, context, self.cfg.repetition_penalty).argmax())
+            return sample_token(logits, self.cfg, None, context)
         probs = token_distribution(logits, self.cfg, context).double()
         cdf = torch.cumsum(probs, 0)
         u = self.uniform(len(context)) * float(cdf[-1])

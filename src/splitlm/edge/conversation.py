@@ -71,17 +71,7 @@ class Conversation:
         return result
 
     def stream(self, user: str, max_new_tokens: int = 256) -> Stream:
-        stream = Stream(iter(()))
-
-        def pieces() -> Iterator[str]:
-            for delta, result in self._turn(user, max_new_tokens):
-                if result is not None:
-                    stream.result = result
-                if delta:
-                    yield delta
-
-        stream._pieces = pieces()
-        return stream
+        return Stream(self._turn(user, max_new_tokens))
 
     def revoke(self) -> None:
         """Wipe the cloud's copy of this conversation now; the next turn re-sends what it needs."""

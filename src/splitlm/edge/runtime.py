@@ -176,16 +176,13 @@ class EdgeSession:
         self.history, self.history_pos = self.history[:n], self.history_pos[:n]
         cloud_n = max(0, n - offset)
         if cloud_n < self.cloud_committed:
-            if self.cloud_keep is not None:  # the cloud applies crop before keep: fold the keep into the crop
-                before = self.cloud_committed - len(self.cloud_keep)
-                if cloud_n >= before:
-                    self.cloud_keep = self.cloud_keep[: cloud_n - before]
-                    cloud_n = None
-                else:
-                    self.cloud_keep = None
-            if cloud_n is not None:
+            before = self.cloud_committed - len(self.cloud_keep or [])  # the cloud applies crop before keep
+            if self.cloud_keep is not None and cloud_n >= before:  # only kept entries go: shorten the keep
+                self.cloud_keep = self.cloud_keep[: cloud_n - before]
+            else:
+                self.cloud_keep = None
                 self.cloud_crop = cloud_n if self.cloud_crop is None else min(self.cloud_crop, cloud_n)
-            self.cloud_committed = max(0, n - offset)
+            self.cloud_committed = cloud_n
 
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
@@ -241,13 +238,11 @@ class EdgeSession:
         self.settle(keep)
         window, rows_cap = self.policy.window, self.edge.max_logit_rows
         want = list(range(len(ids))) if rows is None else rows
-        limit = window if window is not None and len(ids) > window else None
-        if rows_cap is not None and len(want) > rows_cap:
-            limit = min(limit or rows_cap, rows_cap)
         per_forward = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
         room = max(1, per_forward - self._context_rows()) if per_forward else None  # re-sent context rows count
-        if room is not None and len(ids) > room:
-            limit = min(limit or room, room)
+        exceeded = [cap for cap, n in ((window, len(ids)), (rows_cap, len(want)), (room, len(ids)))
+                    if cap is not None and n > cap]
+        limit = min(exceeded) if exceeded else None
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
@@ -365,11 +360,23 @@ def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
 
 
 class Stream:
-    """Iterate for text pieces as they are generated; `.result` holds the full result afterwards."""
+    """Iterate for text pieces as they are generated; `.result` holds the full result afterwards.
 
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
+    Built on a run that yields (text delta, None) and last (delta, the full result)."""
+
+    def __init__(self, run: Iterator[tuple[str, GenerationResult | None]]):
         self.result: GenerationResult | None = None
+        self._pieces = self._text(run)
+
+    def _text(self, run) -> Iterator[str]:
+        try:
+            for delta, result in run:
+                if result is not None:
+                    self.result = result
+                if delta:
+                    yield delta
+        finally:
+            run.close()
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -659,18 +666,4 @@ class Edge:
                stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
                sampling: SamplingConfig | None = None, stop: str | list[str] | None = None) -> Stream:
         """Like `generate`, as text pieces; the pieces join to the text `generate` returns."""
-        stream = Stream(iter(()))
-        run = self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec), sampling, stop)
-
-        def pieces() -> Iterator[str]:
-            try:
-                for delta, result in run:
-                    if result is not None:
-                        stream.result = result
-                    if delta:
-                        yield delta
-            finally:
-                run.close()
-
-        stream._pieces = pieces()
-        return stream
+        return Stream(self._run(prompt, max_new_tokens, chat, stop_at_eos, as_spec(spec), sampling, stop))
