@@ -154,6 +154,23 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    from pathlib import Path
+
+    from splitlm.decoding.warmup import WARMUP_FILE, build_warmup
+
+    set_threads(args.threads)
+    if (args.edge is None) == (args.out is None):
+        raise SplitLMError("give exactly one of --edge DIR (writes DIR/warmup.jsonl.gz) and --out FILE")
+    if args.edge is not None and not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    out = Path(args.edge) / WARMUP_FILE if args.edge is not None else Path(args.out)
+    report = build_warmup(args.model, out, limit=args.limit, batch=args.batch,
+                          progress=lambda msg: print(f"[warmup] {msg}", file=sys.stderr, flush=True))
+    print(json.dumps(report))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from splitlm.demo import run_demo
 
@@ -454,6 +471,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=8000, help="training tokens (default 8000)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_train_draft)
+
+    p = sub.add_parser("warmup", help="generate the model's answers to generic requests, a corpus for the "
+                                      "auto drafter (bundled for the default model)")
+    p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
+    p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
+    p.add_argument("--out", default=None, help="or: write the file here")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 600)")
+    p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
     p.add_argument("--model", default="default")

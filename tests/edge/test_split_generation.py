@@ -86,3 +86,16 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
     s = result.stats
     assert s.round_trips < s.new_tokens  # several tokens per round trip on repetitive code
     assert s.spec["steps"] == s.round_trips - 1
+
+
+@pytest.mark.slow
+def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split, bundled_server):
+    from splitlm.decoding.corpus import default_corpus_documents
+    from splitlm.decoding.warmup import BUNDLED_DIR
+
+    with Edge(bundled_split / "edge", bundled_server.url) as edge:
+        assert (BUNDLED_DIR / f"{edge.model.manifest.model_hash}.jsonl.gz").is_file()
+        docs = edge.corpus_documents()
+        pydoc = default_corpus_documents()
+        assert docs[:len(pydoc)] == pydoc and len(docs) > len(pydoc) + 400
+        assert any("```python" in d for d in docs[len(pydoc):])

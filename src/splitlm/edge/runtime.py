@@ -25,6 +25,7 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
@@ -499,13 +500,20 @@ class Edge:
         cloud = self.client.server_info.get("limits", {}).get("max_tokens_per_session")
         return min(self.cfg.max_position_embeddings, cloud or self.cfg.max_position_embeddings)
 
+    def corpus_documents(self) -> list[str]:
+        """Local text for the `auto` drafter: Python's pydoc topics and, when there is one for this
+        model, a warm-up file of its own answers (`splitlm warmup`; bundled for the default model)."""
+        docs = default_corpus_documents()
+        warmup = find_warmup(self.edge_dir, self.model.manifest.model_hash)
+        return docs + (read_warmup(warmup) if warmup is not None else [])
+
     def corpus_model(self) -> NgramModel | None:
-        """The n-gram model of local text the `auto` drafter uses (built once, ~2 s; needs the tokenizer)."""
+        """The n-gram model of local text the `auto` drafter uses (built once, a few s; needs the tokenizer)."""
         if self.tokenizer is None:
             return None
         with self._lock:
             if self._corpus is None:
-                docs = self.tokenizer(default_corpus_documents()).input_ids
+                docs = self.tokenizer(self.corpus_documents(), add_special_tokens=False).input_ids
                 self._corpus = NgramModel([tok for doc in docs for tok in doc])
             return self._corpus
 

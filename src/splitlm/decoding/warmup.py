@@ -1,0 +1,179 @@
+"""A warm-up corpus for retrieval drafting: the model's own answers to generic requests.
+
+Small models answer in a recognisable house style (how a code block opens, how a list is laid
+out, which phrases start an answer). `splitlm warmup` runs the full model locally over a fixed
+list of generic instructions — programming tasks in several languages, structured-data requests,
+short creative pieces, everyday questions — and over snippets of Python's standard library to
+continue, and stores the greedy answers. The `auto` drafter's n-gram model learns from them next
+to `pydoc_data.topics`. Nothing here comes from a user; a user's own text never enters the file.
+
+File format: gzip'd JSON lines, one {"prompt": ..., "text": ...} object per answer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import random
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from splitlm import SplitLMError
+
+WARMUP_FILE = "warmup.jsonl.gz"
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "warmup"
+
+LANGS = ["Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "Ruby", "bash"]
+CODE_TASKS = [
+    "checks whether a string is a palindrome", "computes the factorial of a number",
+    "finds the largest element in a list", "counts the vowels in a string",
+    "merges two sorted lists", "removes duplicates from a list", "converts Celsius to Fahrenheit",
+    "reads a file and counts its lines", "returns the n-th Fibonacci number",
+    "checks whether a number is prime", "sorts a list of dictionaries by a key",
+    "flattens a nested list", "parses a date string", "validates an email address",
+    "computes the average of a list of numbers", "implements binary search",
+    "capitalizes the first letter of every word", "finds the most common word in a text",
+    "converts a number to binary", "computes the greatest common divisor of two numbers",
+    "generates a random password", "checks whether two strings are anagrams",
+    "sums the digits of a number", "transposes a matrix", "downloads a web page",
+]
+CODE_CLASSES = ["BankAccount", "Rectangle", "Inventory", "TodoList", "Matrix", "Timer", "Library",
+                "ShoppingCart", "Counter", "Temperature"]
+SQL_QUERIES = ["the ten most recent orders", "the number of employees in each department",
+               "all products that cost more than the average price", "customers who never placed an order",
+               "the total sales per month in 2022"]
+FORMATS = ["JSON", "YAML", "CSV", "XML", "a Markdown table"]
+RECORDS = [("cars", "make, model, year"), ("cities", "name, country, population"),
+           ("movies", "title, director, year"), ("students", "name, grade, score"),
+           ("animals", "species, habitat, diet"), ("recipes", "name, cuisine, minutes"),
+           ("employees", "name, role, salary"), ("countries", "name, capital, currency"),
+           ("songs", "title, artist, length"), ("laptops", "brand, memory, price")]
+CREATIVE_KINDS = ["a short poem", "a haiku", "a short story", "a limerick", "a diary entry",
+                  "a song chorus", "a fairy tale", "a short dialogue"]
+SUBJECTS = ["a cat who learns to swim", "a city under the sea", "the first snow of winter",
+            "an old clock that runs backwards", "a detective who is afraid of the dark",
+            "a tree that remembers everything", "a girl who can talk to clouds",
+            "a forgotten island", "a friendly ghost in a library", "a knight who hates horses",
+            "a village where it never stops raining", "a musician who lost his voice"]
+ASKS = ["How can I {}?", "What is the best way to {}?", "Can you give me tips to {}?"]
+GOALS = ["sleep better", "learn a new language", "save money", "stay motivated at work",
+         "eat healthier", "make new friends in a new city", "improve my handwriting",
+         "start running", "reduce stress", "write a good cover letter", "keep my kitchen clean",
+         "learn to play the guitar", "be more productive in the morning", "prepare for an exam"]
+WHYS = ["the sky is blue", "leaves change colour in autumn", "we have seasons", "the sea is salty",
+        "cats purr", "bread rises", "ice floats on water", "we dream", "the moon has phases",
+        "volcanoes erupt"]
+PAIRS = [("a virus", "a bacterium"), ("weather", "climate"), ("RAM", "storage"), ("a lake", "a pond"),
+         ("HTTP", "HTTPS"), ("a crocodile", "an alligator"), ("speed", "velocity"),
+         ("a loan", "a mortgage")]
+
+
+def instructions(seed: int = 0) -> list[str]:
+    """The generic requests (501), in a fixed shuffled order."""
+    out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS)]
+    out += [f"Write a {lang} class {name} with a few useful methods."
+            for name in CODE_CLASSES for lang in ["Python", "Java", "JavaScript"]]
+    out += [f"Write an SQL query that returns {q}." for q in SQL_QUERIES]
+    out += [f"Give {fmt} with three {things}, with the fields {fields}."
+            for fmt, (things, fields) in itertools.product(FORMATS, RECORDS)]
+    out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(CREATIVE_KINDS, SUBJECTS)]
+    out += [ask.format(goal) for ask, goal in itertools.product(ASKS, GOALS)]
+    for w in WHYS:
+        out += [f"Why {w}?", f"Explain to a child why {w}."]
+    out += [f"What is the difference between {a} and {b}?" for a, b in PAIRS]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def stdlib_snippets(rng: random.Random, count: int = 120, lines: int = 15) -> list[str]:
+    """Up to `count` runs of `lines` lines from the standard library's own modules, to be continued."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out = []
+    for f in rng.sample(files, min(count, len(files))):
+        text = f.read_text(errors="ignore").splitlines()
+        if len(text) < 40:
+            continue
+        start = rng.randrange(0, len(text) - 30)
+        out.append("\n".join(text[start:start + lines]) + "\n")
+    return out
+
+
+def warmup_prompts(tokenizer, answer_tokens: int = 128, continue_tokens: int = 96) -> list[tuple[str, int]]:
+    """(prompt text, new tokens) pairs: chat-formatted instructions and stdlib snippets, shuffled."""
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    prompts = []
+    for q in instructions():
+        text = (tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True) if chat else q + "\n")
+        prompts.append((text, answer_tokens))
+    rng = random.Random(1)
+    prompts += [(s, continue_tokens) for s in stdlib_snippets(rng)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, batch: int = 16,
+                 progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Generate the warm-up answers with the full model (transformers, greedy) into `out`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from splitlm.bench.modes import load_hf
+    from splitlm.model.loading import resolve_model
+
+    start = time.perf_counter()
+    model_dir = resolve_model(model_spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:  # left padding is masked out: any token will do
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    model = load_hf(str(model_dir))
+    prompts = warmup_prompts(tokenizer)[:limit]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    tokens = 0
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                gen = model.generate(**enc, max_new_tokens=max(n for _, n in chunk), do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            for (prompt, n), row in zip(chunk, gen[:, enc.input_ids.shape[1]:].tolist(), strict=True):
+                if tokenizer.eos_token_id in row:
+                    row = row[:row.index(tokenizer.eos_token_id)]
+                row = row[:n]
+                tokens += len(row)
+                f.write(json.dumps({"prompt": prompt, "text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
+            done = i + len(chunk)
+            rate = tokens / (time.perf_counter() - start)
+            progress(f"{done}/{len(prompts)} prompts, {tokens} tokens, {rate:.0f} tok/s, "
+                     f"about {(len(prompts) - done) / max(done, 1) * (time.perf_counter() - start) / 60:.1f} min left")
+    tmp.replace(out)
+    return {"out": str(out), "prompts": len(prompts), "tokens": tokens,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def read_warmup(path: str | Path) -> list[str]:
+    """The answers of a warm-up file."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f if line.strip()]
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        raise SplitLMError(f"{path}: not a warm-up file ({e})") from e
+
+
+def find_warmup(edge_dir: str | Path, model_hash: str | None) -> Path | None:
+    """The edge shard's own warm-up file, else the bundled one for this model, else None."""
+    own = Path(edge_dir) / WARMUP_FILE
+    if own.is_file():
+        return own
+    if model_hash:
+        bundled = BUNDLED_DIR / f"{model_hash}.jsonl.gz"
+        if bundled.is_file():
+            return bundled
+    return None

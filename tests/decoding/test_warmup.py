@@ -1,0 +1,60 @@
+"""The warm-up corpus: generic prompts, generation into a gzip'd JSON-lines file, and where the edge finds it."""
+
+import gzip
+import json
+
+import pytest
+
+from splitlm import SplitLMError
+from splitlm.cli import main
+from splitlm.decoding import warmup
+from splitlm.decoding.warmup import WARMUP_FILE, build_warmup, find_warmup, instructions, read_warmup
+
+
+def test_instructions_are_fixed_and_varied():
+    first, again = instructions(), instructions()
+    assert first == again and len(set(first)) == len(first) > 400
+    for word in ("Python", "JSON", "poem", "How can I"):
+        assert any(word in q for q in first)
+
+
+def test_build_warmup_writes_one_answer_per_prompt(audit_model_dir, tmp_path):
+    lines = []
+    out = tmp_path / "w.jsonl.gz"
+    report = build_warmup(str(audit_model_dir), out, limit=5, batch=2, progress=lines.append)
+    assert report["prompts"] == 5 and report["tokens"] > 0 and out.is_file()
+    assert len(lines) == 3 and lines[-1].startswith("5/5 prompts")
+    texts = read_warmup(out)
+    assert len(texts) == 5 and sum(len(t) for t in texts) > 0
+    with gzip.open(out, "rt") as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    assert len(set(prompts)) == 5  # no chat template in this tokenizer: plain requests and code snippets
+    assert not (tmp_path / "w.jsonl.gz.part").exists()
+
+
+def test_find_warmup_prefers_the_edge_file_then_the_bundled_one(tmp_path, monkeypatch):
+    bundled = tmp_path / "bundled"
+    bundled.mkdir()
+    monkeypatch.setattr(warmup, "BUNDLED_DIR", bundled)
+    edge = tmp_path / "edge"
+    edge.mkdir()
+    assert find_warmup(edge, "abc") is None
+    (bundled / "abc.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "p", "text": "t"}\n'))
+    assert find_warmup(edge, "abc") == bundled / "abc.jsonl.gz"
+    assert find_warmup(edge, "other") is None
+    (edge / WARMUP_FILE).write_bytes(gzip.compress(b'{"prompt": "p", "text": "own"}\n'))
+    assert read_warmup(find_warmup(edge, "abc")) == ["own"]
+
+
+def test_a_broken_warmup_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(SplitLMError, match="not a warm-up file"):
+        read_warmup(bad)
+
+
+def test_cli_warmup_needs_one_destination(tmp_path, capsys):
+    assert main(["warmup", "--model", "x"]) != 0
+    assert "exactly one of --edge" in capsys.readouterr().err
+    assert main(["warmup", "--edge", str(tmp_path / "missing")]) != 0
+    assert "not found" in capsys.readouterr().err
