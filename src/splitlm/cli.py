@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
     p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
     p.add_argument("--out", default=None, help="or: write the file here")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 600)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 1150)")
     p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_warmup)

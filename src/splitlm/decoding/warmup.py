@@ -39,9 +39,20 @@ CODE_TASKS = [
     "converts a number to binary", "computes the greatest common divisor of two numbers",
     "generates a random password", "checks whether two strings are anagrams",
     "sums the digits of a number", "transposes a matrix", "downloads a web page",
+    "counts how often each character appears in a string", "splits a list into chunks of size n",
+    "checks whether a year is a leap year", "converts a string to title case", "rotates a list by k places",
+    "finds the second largest number in a list", "computes the median of a list", "reverses a linked list",
+    "checks whether parentheses in a string are balanced", "converts Roman numerals to integers",
+    "finds all pairs in a list that sum to a target", "computes the power set of a set",
+    "writes a dictionary to a JSON file", "retries a function call three times", "measures how long a function takes",
+    "groups words by their first letter", "removes punctuation from a string", "computes compound interest",
+    "generates the first n prime numbers", "finds the longest word in a sentence", "shuffles a deck of cards",
+    "counts the words in a file", "converts a list of tuples into a dictionary", "checks whether a list is sorted",
+    "computes the distance between two points",
 ]
 CODE_CLASSES = ["BankAccount", "Rectangle", "Inventory", "TodoList", "Matrix", "Timer", "Library",
-                "ShoppingCart", "Counter", "Temperature"]
+                "ShoppingCart", "Counter", "Temperature", "Circle", "Student", "Playlist", "Vector2D",
+                "LRUCache", "EventBus", "Logger", "Fraction", "ParkingLot", "Deck"]
 SQL_QUERIES = ["the ten most recent orders", "the number of employees in each department",
                "all products that cost more than the average price", "customers who never placed an order",
                "the total sales per month in 2022"]
@@ -50,29 +61,45 @@ RECORDS = [("cars", "make, model, year"), ("cities", "name, country, population"
            ("movies", "title, director, year"), ("students", "name, grade, score"),
            ("animals", "species, habitat, diet"), ("recipes", "name, cuisine, minutes"),
            ("employees", "name, role, salary"), ("countries", "name, capital, currency"),
-           ("songs", "title, artist, length"), ("laptops", "brand, memory, price")]
+           ("songs", "title, artist, length"), ("laptops", "brand, memory, price"),
+           ("hotels", "name, stars, price per night"), ("flights", "number, origin, destination"),
+           ("courses", "title, teacher, credits"), ("rivers", "name, length, continent"),
+           ("phones", "model, screen size, battery"), ("games", "title, genre, players"),
+           ("orders", "id, customer, total"), ("plants", "name, water needs, sunlight"),
+           ("teams", "name, city, wins"), ("tools", "name, use, weight")]
 CREATIVE_KINDS = ["a short poem", "a haiku", "a short story", "a limerick", "a diary entry",
                   "a song chorus", "a fairy tale", "a short dialogue"]
 SUBJECTS = ["a cat who learns to swim", "a city under the sea", "the first snow of winter",
             "an old clock that runs backwards", "a detective who is afraid of the dark",
             "a tree that remembers everything", "a girl who can talk to clouds",
             "a forgotten island", "a friendly ghost in a library", "a knight who hates horses",
-            "a village where it never stops raining", "a musician who lost his voice"]
+            "a village where it never stops raining", "a musician who lost his voice",
+            "a dog who becomes mayor", "the last bookshop in town", "a robot gardener", "a lost umbrella",
+            "two rival chefs", "a train that only runs at midnight", "a painter who sees sounds",
+            "a grandmother's secret recipe", "a mountain that moves", "a pirate who gets seasick",
+            "the night the stars went out", "a letter that arrives fifty years late"]
 ASKS = ["How can I {}?", "What is the best way to {}?", "Can you give me tips to {}?"]
 GOALS = ["sleep better", "learn a new language", "save money", "stay motivated at work",
          "eat healthier", "make new friends in a new city", "improve my handwriting",
          "start running", "reduce stress", "write a good cover letter", "keep my kitchen clean",
-         "learn to play the guitar", "be more productive in the morning", "prepare for an exam"]
+         "learn to play the guitar", "be more productive in the morning", "prepare for an exam",
+         "organise my closet", "talk to my boss about a raise", "get better at chess", "drink more water",
+         "plan a birthday party", "stop procrastinating", "take better photos with my phone",
+         "care for a new puppy", "cook rice properly", "keep a conversation going", "read more books",
+         "fix a squeaky door", "choose a good laptop", "study for a driving test"]
 WHYS = ["the sky is blue", "leaves change colour in autumn", "we have seasons", "the sea is salty",
         "cats purr", "bread rises", "ice floats on water", "we dream", "the moon has phases",
-        "volcanoes erupt"]
+        "volcanoes erupt", "onions make us cry", "the ocean has tides", "birds migrate", "we yawn",
+        "metal feels cold", "thunder follows lightning", "the sun sets red", "bubbles are round",
+        "our voice sounds different on recordings", "popcorn pops"]
 PAIRS = [("a virus", "a bacterium"), ("weather", "climate"), ("RAM", "storage"), ("a lake", "a pond"),
          ("HTTP", "HTTPS"), ("a crocodile", "an alligator"), ("speed", "velocity"),
-         ("a loan", "a mortgage")]
+         ("a loan", "a mortgage"), ("a list", "a tuple"), ("baking soda", "baking powder"),
+         ("a hurricane", "a tornado"), ("stocks", "bonds"), ("a frog", "a toad"), ("SQL", "NoSQL")]
 
 
 def instructions(seed: int = 0) -> list[str]:
-    """The generic requests (501), in a fixed shuffled order."""
+    """The generic requests (about 1000), in a fixed shuffled order."""
     out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS)]
     out += [f"Write a {lang} class {name} with a few useful methods."
             for name in CODE_CLASSES for lang in ["Python", "Java", "JavaScript"]]
@@ -88,7 +115,7 @@ def instructions(seed: int = 0) -> list[str]:
     return out
 
 
-def stdlib_snippets(rng: random.Random, count: int = 120, lines: int = 15) -> list[str]:
+def stdlib_snippets(rng: random.Random, count: int = 160, lines: int = 15) -> list[str]:
     """Up to `count` runs of `lines` lines from the standard library's own modules, to be continued."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     out = []
