@@ -63,14 +63,14 @@ def sequential(edge, prompt, n, sampling=None):
     return out
 
 
-def pipelined(edge, prompt, n, drafter, sampling=None, max_nodes=None, eos=(), session=None):
+def pipelined(edge, prompt, n, drafter, sampling=None, max_nodes=None, eos=(), session=None, cached=0):
     stats = SpecStats()
     own = session is None
     session = session or edge.open_session()
     out = []
     try:
         for new in pipelined_decode(session, prompt, n, set(eos), drafter, StepBudget(fixed_nodes=max_nodes), stats,
-                                    sampling=sampling, always_bet=True):
+                                    cached=cached, sampling=sampling, always_bet=True):
             out.extend(new)
     finally:
         if own:
@@ -190,8 +190,37 @@ def test_generate_with_pipeline_equals_sequential(edge):
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
     reference = sequential(edge, prompt, 24)
     out = []
-    for new, stats in edge.generate_ids(prompt, 24, stop_at_eos=False, spec=SpecConfig("ngram", pipeline=True)):
+    for new, live in edge.generate_ids(prompt, 24, stop_at_eos=False, spec=SpecConfig("ngram", pipeline=True)):
         out.extend(new)
+        stats = live
     assert out == reference
     assert stats.spec_mode == "ngram pipelined"
     assert "pipelined_steps" in stats.spec
+
+
+@pytest.mark.parametrize("stop_early", [None, 5, 9, 13, 17])
+def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
+    """Turn 1 pipelined (ended by its length limit, or closed by the caller mid-run as a stop string
+    does); turn 2 feeds only its new tokens on the same session and must equal a fresh sequential run."""
+    rng = random.Random(11)
+    prompt = random_prompt(rng, 8)
+    reference = sequential(edge, prompt, 30)
+    session = edge.open_session()
+    try:
+        steps = pipelined_decode(session, prompt, 30, set(), Scripted(prompt + reference, rng, 6, 0.9),
+                                 StepBudget(), SpecStats(), always_bet=True)
+        first = []
+        for new in steps:
+            first.extend(new)
+            if stop_early and len(first) >= stop_early:
+                steps.close()
+                break
+        assert first == reference[: len(first)]
+        follow = prompt + first + [5, 6, 7]
+        expected = sequential(edge, follow, 16)
+        cached = len(prompt) + len(first) - 1  # the caches hold the context except its last token
+        second, _ = pipelined(edge, follow, 16, Scripted(follow + expected, rng, 10, 0.7), session=session,
+                              cached=cached)
+        assert second == expected
+    finally:
+        session.close()

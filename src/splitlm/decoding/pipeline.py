@@ -128,7 +128,8 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     steps in flight. Yields the new tokens of each verified step.
 
     A bet is placed when it is expected to pay: its chance p to hold (the budget's calibrated
-    acceptance) times the round trip it saves exceeds (1 - p) times the compute of a wasted step;
+    acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
+    retry (its compute less the half round trip the retry travels, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
     logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
     budget.observe_network(session.last_step["network_s"])
@@ -175,7 +176,10 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
                     tokens = [prev.tree.tokens[i] for i in path[1:]]
                     done = len(prev.ctx) + len(tokens) - len(prompt_ids)  # generated if the bet holds
                     nodes = len(prev.tree)
-                    pays = always_bet or p * budget.rtt_s > (1 - p) * budget.compute.predict(nodes)
+                    # a stale step costs only the compute that the step sent after it (on the miss) still finds
+                    # running, about its compute minus the half round trip the retry travels
+                    wasted = max(0.0, budget.compute.predict(nodes) - budget.rtt_s / 2)
+                    pays = always_bet or p * budget.rtt_s > (1 - p) * wasted
                     if pays and done + 1 < max_new_tokens and not eos.intersection(tokens):
                         nxt = Step(TokenTree.root_only(tokens[-1]), prev.ctx + tokens, False)
                         nxt.tree = propose(nxt.ctx, True)
@@ -244,6 +248,8 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     except GeneratorExit:  # the caller stopped early: undo the bets, take the replies
         if any(not s.void for s in flight) and last is not None:
             session.rewind(last[0].flight, last[1])
+        elif keep_next is not None:
+            session.settle(keep_next)
         for s in flight:
             session.discard(s.flight)
         raise

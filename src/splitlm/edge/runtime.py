@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from splitlm import SplitLMError
 from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
-from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
+from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.edge.vocab import VocabSubset, resolve_vocab

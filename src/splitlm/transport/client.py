@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from dataclasses import dataclass
 import logging
 import ssl
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
