@@ -44,7 +44,8 @@ class ModeRun:
     prefill_bytes_up: int = 0
     prefill_bytes_down: int = 0
     pipelined: int = 0  # decoding steps sent while the step before was in flight (mode pipelined)
-    discarded: int = 0  # of those, steps whose reply was dropped (the bet failed)
+    discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or the step guessed nothing)
+    missed: int = 0  # of those, steps dropped because the bet failed
 
 
 @dataclass
@@ -206,6 +207,14 @@ def run_auto(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> M
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto"))
 
 
+@mode("auto-nowindow", network=True,
+      help="speculative: auto's drafters without the lookahead window (pipelined's drafts, one step at a time)")
+def run_auto_nowindow(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto", window=0))
+
+
 @mode("self-draft", network=True, help="speculative: the edge's own layers as a draft model, no adapter")
 def run_self_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     from splitlm.decoding.speculative import SpecConfig
@@ -289,6 +298,7 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
     run.first_tokens = first_tokens
     run.pipelined = stats.spec.get("pipelined_steps", 0)
     run.discarded = stats.spec.get("discarded_steps", 0)
+    run.missed = stats.spec.get("missed_bets", 0)
     return run
 
 

@@ -129,7 +129,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
 
     A bet is placed when it is expected to pay: its chance p to hold (the budget's calibrated
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
-    retry (its compute less the half round trip the retry travels, so at a long RTT nothing);
+    retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
     logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
     budget.observe_network(session.last_step["network_s"])
@@ -176,9 +176,10 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
                     tokens = [prev.tree.tokens[i] for i in path[1:]]
                     done = len(prev.ctx) + len(tokens) - len(prompt_ids)  # generated if the bet holds
                     nodes = len(prev.tree)
-                    # a stale step costs only the compute that the step sent after it (on the miss) still finds
-                    # running, about its compute minus the half round trip the retry travels
-                    wasted = max(0.0, budget.compute.predict(nodes) - budget.rtt_s / 2)
+                    # a stale step delays only the retry sent on the miss: the cloud started it half a round
+                    # trip before the miss was seen and the retry arrives half a round trip after, so the
+                    # delay is its compute less a round trip (edge compute counted too: an upper bound)
+                    wasted = max(0.0, budget.compute.predict(nodes) - budget.rtt_s)
                     pays = always_bet or p * budget.rtt_s > (1 - p) * wasted
                     if pays and done + 1 < max_new_tokens and not eos.intersection(tokens):
                         nxt = Step(TokenTree.root_only(tokens[-1]), prev.ctx + tokens, False)
@@ -232,6 +233,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
                 else:
                     session.rewind(step.flight, keep)
                     nxt.void = True
+                    stats.missed += not stop
             else:
                 keep_next = keep
             produced += len(fresh)

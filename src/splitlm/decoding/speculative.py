@@ -77,6 +77,7 @@ class SpecStats:
     choices: list[int] = field(default_factory=list)  # tree size chosen per step
     pipelined: int = 0  # steps sent while the step before was in flight (pipelined mode)
     discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or it guessed nothing)
+    missed: int = 0  # of those, steps dropped because the bet failed
 
     def to_dict(self) -> dict:
         s = max(self.steps, 1)
@@ -84,7 +85,7 @@ class SpecStats:
                 "mean_window_tokens": round(self.window_tokens / s, 2),
                 "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
                 "mean_expected_tokens": round(self.expected_tokens / s, 3),
-                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded}
+                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded, "missed_bets": self.missed}
 
 
 def build_step(tree: TokenTree, window: Window | None, base: int):

@@ -683,7 +683,7 @@ class Edge:
 
     def _budget_pool(self, spec: SpecConfig) -> Pool:
         with self._lock:
-            key = (spec.mode, spec.max_nodes)
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline)
             if key not in self._budgets:
                 self._budgets[key] = Pool(lambda: StepBudget(fixed_nodes=spec.max_nodes))
             return self._budgets[key]
