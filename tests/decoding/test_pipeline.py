@@ -224,3 +224,44 @@ def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
         assert second == expected
     finally:
         session.close()
+
+
+def test_split_head_and_sealed_pipelined_equal_sequential(tiny_split_head, split_head_server, tiny_split):
+    """The split-head topology (no tail layers) and a sealed cache pipeline exactly too."""
+    rng = random.Random(5)
+    with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32") as e:
+        prompt = [rng.randrange(3, 200) for _ in range(9)]
+        reference = sequential(e, prompt, 24)
+        out, stats = pipelined(e, prompt, 24, Scripted(prompt + reference, rng, 8, 0.8))
+        assert out == reference and stats.pipelined > 0
+    with BackgroundServer(tiny_split / "cloud") as server, \
+            Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as e:
+        reference = sequential(e, prompt, 24)
+        session = e.open_session()
+        assert session.pipelines
+        try:
+            out, stats = pipelined(e, prompt, 24, Scripted(prompt + reference, rng, 8, 0.8), session=session)
+        finally:
+            session.close()
+        assert out == reference and stats.discarded > 0
+
+
+def test_window_policies_do_not_pipeline(edge):
+    session = edge.open_session(cache_policy="window:64")
+    try:
+        assert not session.pipelines
+        session.forward([4, 5, 6])
+        session.send([7], [3])
+        with pytest.raises(Exception, match="pipelined"):
+            session.send([8], [4])
+        session.receive(session.flights[0])
+    finally:
+        session.close()
+    prompt = [9, 10, 9, 10, 9, 10, 9]  # generate falls back to one step at a time, same output
+    session = edge.open_session(cache_policy="window:64")
+    try:
+        out = [t for new, _ in edge.generate_ids(prompt, 12, stop_at_eos=False, session=session,
+                                                 spec=SpecConfig("ngram", pipeline=True)) for t in new]
+    finally:
+        session.close()
+    assert out == sequential(edge, prompt, 12)
