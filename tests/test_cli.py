@@ -96,3 +96,13 @@ def test_serve_edge_and_chat_without_a_server(tiny_split, tmp_path):
                          "cannot read the API key file")
     assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--default-temperature", "7"), "between 0 and 2")
     assert_clean_failure(run_cli("chat", "--edge", edge, "--temperature", "-1"), "temperature")
+
+
+def test_pipeline_flag_on_generate_chat_and_serve_edge():
+    from splitlm.cli import build_parser, spec_arg
+
+    parser = build_parser()
+    for argv in (["generate", "--edge", "e", "--prompt", "p"], ["chat", "--edge", "e"], ["serve-edge", "--edge", "e"]):
+        assert not spec_arg(parser.parse_args(argv)).pipeline
+        spec = spec_arg(parser.parse_args([*argv, "--pipeline", "--spec", "draft", "--draft", "self-raw"]))
+        assert spec.pipeline and spec.mode == "draft" and spec.draft == "self-raw"

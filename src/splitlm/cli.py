@@ -328,8 +328,20 @@ def add_draft_option(p: argparse.ArgumentParser) -> None:
                         "one; self-raw: without), or a small model of the same vocabulary (default self)")
 
 
-def spec_arg(args) -> str:
-    return f"draft:{args.draft}" if args.spec == "draft" else args.spec
+def spec_arg(args):
+    """The SpecConfig of --spec, --draft and --pipeline."""
+    from dataclasses import replace
+
+    from splitlm.edge.runtime import as_spec
+
+    spec = as_spec(f"draft:{args.draft}" if args.spec == "draft" else args.spec)
+    return replace(spec, pipeline=args.pipeline)
+
+
+def add_pipeline_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", action="store_true",
+                   help="pipelined speculation: draft and send the next step while one is in flight, betting on "
+                        "its likeliest path (rolled back on a miss; same output). Pays at high RTT")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -425,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     add_draft_option(p)
+    add_pipeline_option(p)
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -443,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", metavar="FILE", default=None,
                    help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
     add_draft_option(p)
+    add_pipeline_option(p)
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
@@ -460,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
     add_sampling_options(p)
     add_draft_option(p)
+    add_pipeline_option(p)
     p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     add_edge_options(p)

@@ -205,3 +205,30 @@ def test_report_shows_measured_and_computed_downlink():
     line = next(x for x in md.splitlines() if x.startswith("| split-seq | 20 | split-head d=288 | en | 48585 |"))
     assert "| 1300 | 98304 | 1.3 % |" in line  # measured 4 × 1300 bytes over 4 tokens, computed V × 2
     assert "(computed)" in md and "(measured)" in md
+
+
+def test_pipelining_fractions_and_report_table():
+    from splitlm.bench.report import markdown_report
+
+    rows = _synthetic_rows()
+    for i, cat in enumerate(("code", "creative")):  # 10 round trips, 4 of them pipelined, 3 dropped, 2 missed
+        p = Prompt(f"p{i}", cat, "x", ids=[1, 2, 3])
+        run = ModeRun([5, 6, 7, 8, 9], ttft_s=0.2, decode_s=0.5, steps=5, round_trips=5, network_s=0.2,
+                      pipelined=2, discarded=2 - i, missed=1)
+        rows.append(prompt_row("pipelined", 80.0, p, run, [5, 6, 7, 8, 9], (5, 5)))
+    results = aggregate(rows)
+    piped = next(r for r in results if r["mode"] == "pipelined" and r["category"] == "all")
+    assert piped["pipelined_fraction"] == pytest.approx(0.4)
+    assert piped["discarded_fraction"] == pytest.approx(0.75) and piped["missed_fraction"] == pytest.approx(0.5)
+    assert next(r for r in results if r["mode"] == "split-seq")["pipelined_fraction"] == 0
+    doc = {"created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
+           "config": {"rtts_ms": [80.0], "modes": ["split-seq", "pipelined"], "prompts": "x.json",
+                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": False},
+           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
+                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
+                           "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]}},
+           "prompts": [{"id": "p0"}], "memory": {}, "results": results, "step_model": {}, "runs": []}
+    md = markdown_report(doc)
+    table = md.split("## Pipelining")[1]
+    assert "| pipelined | 80 |" in table and "| 40.0 % | 75.0 % | 50.0 % |" in table
+    assert "| split-seq |" not in table

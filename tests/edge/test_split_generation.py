@@ -88,7 +88,6 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
     assert s.spec["steps"] == s.round_trips - 1
 
 
-@pytest.mark.slow
 def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split, bundled_server):
     from splitlm.decoding.corpus import default_corpus_documents
     from splitlm.decoding.warmup import BUNDLED_DIR
@@ -99,3 +98,32 @@ def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split,
         pydoc = default_corpus_documents()
         assert docs[:len(pydoc)] == pydoc and len(docs) > len(pydoc) + 400
         assert any("```python" in d for d in docs[len(pydoc):])
+
+
+def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server, bundled_hf, capsys):
+    """Bets forced on every step (loopback has no RTT to pay for them), then `generate --pipeline`."""
+    import json
+
+    from splitlm.cli import main
+    from splitlm.decoding.budget import StepBudget
+    from splitlm.decoding.pipeline import pipelined_decode
+    from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter
+
+    hf, tok = bundled_hf
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    ids = tok(prompt).input_ids
+    expected = hf_greedy(hf, ids, 48)
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        session, stats = edge.open_session(), SpecStats()
+        try:
+            drafter = make_drafter(SpecConfig("auto"), edge.corpus_model())
+            out = [t for new in pipelined_decode(session, ids, 48, set(edge.cfg.eos_token_ids), drafter,
+                                                 StepBudget(fixed_nodes=10), stats, always_bet=True) for t in new]
+        finally:
+            session.close()
+    assert out == expected
+    assert stats.pipelined > 0 and stats.missed > 0  # bets placed, and rolled back on a miss
+    assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt", prompt,
+                 "--max-new-tokens", "48", "--json", "--wire-dtype", "fp32", "--pipeline"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["token_ids"] == expected and result["stats"]["spec_mode"] == "auto pipelined"

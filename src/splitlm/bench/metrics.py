@@ -14,6 +14,9 @@ Definitions (see DESIGN.md, "Measuring"):
 - bound_tok_s = tokens_per_round_trip / (RTT + measured compute per step): what a stack with
   no overhead of its own would reach; efficiency = tok_s / bound_tok_s.
 - tok_s_vs_split_seq: tok_s / split-seq's tok_s at the same RTT and category, in the same run.
+- pipelined_fraction: decoding round trips sent while another was in flight / decoding round trips;
+  discarded_fraction: of those, the ones whose reply was dropped; missed_fraction: dropped because
+  the bet failed (the rest held but guessed none of the bonus token's candidates).
 Pooled rows sum numerators and denominators over prompts (time-weighted), except TTFT (mean).
 """
 
@@ -44,6 +47,7 @@ def prompt_row(mode: str, rtt_ms: float, prompt: Prompt, run: ModeRun, reference
         "network_s": run.network_s, "cloud_s": run.cloud_s, "edge_s": run.edge_s, "serialize_s": run.serialize_s,
         "bytes_up": run.bytes_up, "bytes_down": run.bytes_down,
         "prefill_bytes_up": run.prefill_bytes_up, "prefill_bytes_down": run.prefill_bytes_down,
+        "pipelined_steps": run.pipelined, "discarded_steps": run.discarded, "missed_bets": run.missed,
         "exact_match": run.token_ids == reference,
         "agreement_matches": agreement[0], "agreement_positions": agreement[1],
         "token_ids": run.token_ids, "text": text,
@@ -88,6 +92,13 @@ def pool(rows: list[dict], memory: dict | None = None) -> dict:
         "exact_match": sum(r["exact_match"] for r in rows) / len(rows),
         "bound_tok_s": bound, "efficiency": efficiency,
         "edge_peak_rss_mb": mem.get("peak_rss_mb"),
+        # pipelined mode: the share of decoding round trips sent while another was in flight, and of those
+        # the share whose reply was dropped (the bet on the step before failed)
+        "pipelined_fraction": _ratio(sum(r.get("pipelined_steps", 0) for r in rows), s["round_trips"]),
+        "discarded_fraction": _ratio(sum(r.get("discarded_steps", 0) for r in rows),
+                                     sum(r.get("pipelined_steps", 0) for r in rows)),
+        "missed_fraction": _ratio(sum(r.get("missed_bets", 0) for r in rows),
+                                  sum(r.get("pipelined_steps", 0) for r in rows)),
     }
 
 

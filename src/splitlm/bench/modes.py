@@ -43,6 +43,9 @@ class ModeRun:
     bytes_down: int = 0
     prefill_bytes_up: int = 0
     prefill_bytes_down: int = 0
+    pipelined: int = 0  # decoding steps sent while the step before was in flight (mode pipelined)
+    discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or the step guessed nothing)
+    missed: int = 0  # of those, steps dropped because the bet failed
 
 
 @dataclass
@@ -96,7 +99,7 @@ class BenchContext:
                  wire_dtype: str = "fp16", vocab: str = "all"):
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
-        self.draft = "self"  # the `draft` mode's draft model
+        self.draft: str | None = None  # --draft: the `draft` mode's draft model (default self), `pipelined`'s drafter
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -204,6 +207,14 @@ def run_auto(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> M
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto"))
 
 
+@mode("auto-nowindow", network=True,
+      help="speculative: auto's drafters without the lookahead window (pipelined's drafts, one step at a time)")
+def run_auto_nowindow(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto", window=0))
+
+
 @mode("self-draft", network=True, help="speculative: the edge's own layers as a draft model, no adapter")
 def run_self_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     from splitlm.decoding.speculative import SpecConfig
@@ -228,7 +239,17 @@ def run_self_draft_trained(ctx: BenchContext, prompt_ids: list[int], max_new_tok
 def run_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     from splitlm.decoding.speculative import SpecConfig
 
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft=ctx.draft))
+    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft=ctx.draft or "self"))
+
+
+@mode("pipelined", network=True,
+      help="speculative, pipelined: the next step is drafted and sent while one is in flight (drafter as auto, "
+           "or the draft model when --draft is given)")
+def run_pipelined(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.speculative import SpecConfig
+
+    spec = SpecConfig("auto" if ctx.draft is None else "draft", draft=ctx.draft or "self", pipeline=True)
+    return run_edge(ctx, prompt_ids, max_new_tokens, spec)
 
 
 @mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")
@@ -275,6 +296,9 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
             first_tokens = len(ids)
     run = decode_phase(ids, prefill, stats)
     run.first_tokens = first_tokens
+    run.pipelined = stats.spec.get("pipelined_steps", 0)
+    run.discarded = stats.spec.get("discarded_steps", 0)
+    run.missed = stats.spec.get("missed_bets", 0)
     return run
 
 

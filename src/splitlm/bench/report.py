@@ -88,6 +88,18 @@ def markdown_report(doc: dict) -> str:
                         _tau(r), _f(r["tok_s"]), _f(r["tok_s_vs_split_seq"], ".2f"),
                         _f(r["ttft_s"], ".0f", 1e3), _pct(r["agreement"]), _pct(r["exact_match"])]
                        for r in res if r["category"] != "all"]))
+    piped = [r for r in overall if r.get("pipelined_fraction")]
+    if piped:
+        out += ["", "## Pipelining", "", _table(
+            ["mode", "RTT ms", "tok/s", "× seq", "round trips", "pipelined", "discarded of those", "bet missed"],
+            [[r["mode"], f"{r['rtt_ms']:g}", _f(r["tok_s"]), _f(r["tok_s_vs_split_seq"], ".2f"),
+              str(r["round_trips"]), _pct(r["pipelined_fraction"]), _pct(r["discarded_fraction"]),
+              _pct(r.get("missed_fraction"))] for r in piped]),
+            "", "pipelined: decoding round trips sent while the step before was still in flight (a bet that the"
+            " step before accepts its likeliest path); discarded: of those, the ones whose reply was dropped;"
+            " bet missed: dropped because the step before accepted another path (the others held the bet but"
+            " guessed none of the candidates for the next token). Round trips and steps count dropped ones too;"
+            " the step breakdown's network column is the time the edge waited for replies."]
     downlink = [r for r in overall if r.get("topology")]
     if downlink:
         out += ["", "## Downlink", "", _table(

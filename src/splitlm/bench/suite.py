@@ -58,7 +58,7 @@ class BenchConfig:
     limit: int | None = None
     memory: bool = True
     plots: bool = True
-    draft: str = "self"  # the `draft` mode's draft model (self, self-raw or a model path)
+    draft: str | None = None  # --draft (self, self-raw or a model path): mode draft's (default self), pipelined's
     codecs: list[str] = field(default_factory=list)  # codec study: bytes/token and agreement per wire codec
 
     @property
@@ -312,8 +312,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
                    help="activation codec of the modes (default auto: fp16, bf16 for Gemma)")
-    p.add_argument("--draft", default="self", metavar="self|self-raw|PATH",
-                   help="the draft model of mode `draft` (default self: the edge's layers with the trained adapter)")
+    p.add_argument("--draft", default=None, metavar="self|self-raw|PATH",
+                   help="the draft model of mode `draft` (default self: the edge's layers with the trained adapter); "
+                        "given, mode `pipelined` drafts with it too (else with auto's drafters)")
     p.add_argument("--codecs", default="", metavar="C1,C2,...",
                    help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
                         "token and agreement with the full model's greedy tokens")

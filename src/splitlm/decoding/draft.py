@@ -123,6 +123,13 @@ class ModelDrafter(Drafter):
     def accepted(self, drafted: list[int]) -> None:
         self.hits += len(drafted)
 
+    def truncate(self, n: int) -> None:
+        """Cut the context back to its first n tokens (pipelined speculation's rollback)."""
+        self.context = self.context[:n]
+        if self.fed > n - 1:
+            self.lm.crop(self.state, n - 1)
+            self.fed = n - 1
+
 
 def make_draft_lm(draft: str, edge_model=None, edge_dir: str | Path | None = None) -> DraftLM:
     """`self` (the edge's own layers, with the adapter in the edge shard if `train-draft` made one),

@@ -26,6 +26,7 @@ class SpecConfig:
     ngram: int = 4  # lookahead: N (window levels = N - 1)
     max_depth: int = 8  # n-gram drafter: longest continuation
     draft: str = "self"  # mode draft: `self` (the edge's own layers), `self-raw` (no adapter) or a model path
+    pipeline: bool = False  # send the next step while one is in flight (`splitlm.decoding.pipeline`)
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
@@ -74,13 +75,17 @@ class SpecStats:
     accepted_drafts: int = 0  # drafted tokens accepted (bonus tokens excluded)
     expected_tokens: float = 0.0
     choices: list[int] = field(default_factory=list)  # tree size chosen per step
+    pipelined: int = 0  # steps sent while the step before was in flight (pipelined mode)
+    discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or it guessed nothing)
+    missed: int = 0  # of those, steps dropped because the bet failed
 
     def to_dict(self) -> dict:
         s = max(self.steps, 1)
         return {"steps": self.steps, "mean_tree_nodes": round(self.tree_nodes / s, 2),
                 "mean_window_tokens": round(self.window_tokens / s, 2),
                 "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
-                "mean_expected_tokens": round(self.expected_tokens / s, 3)}
+                "mean_expected_tokens": round(self.expected_tokens / s, 3),
+                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded, "missed_bets": self.missed}
 
 
 def build_step(tree: TokenTree, window: Window | None, base: int):

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from splitlm import SplitLMError
 from splitlm import metrics as m
+from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.api_requests import APIError, GenerationRequest, invalid, parse_chat, parse_completion
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
@@ -44,7 +45,7 @@ log = logging.getLogger("splitlm.api")
 class APIConfig:
     model_name: str = "splitlm"
     api_key: str | None = None  # None = no authentication (loopback use)
-    spec: str = "auto"  # speculative mode (greedy and sampled requests)
+    spec: str | SpecConfig = "auto"  # speculative mode (greedy and sampled requests)
     max_concurrent: int = 4  # requests generating at once; more wait
     default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
     default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves

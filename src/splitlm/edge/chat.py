@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.runtime import Edge, GenerationStats
 
 PROMPT = "you> "
@@ -36,13 +37,13 @@ def read_line() -> str | None:
 
 
 def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
-             sampling: SamplingConfig | None = None, spec: str = "auto", out=None) -> int:
+             sampling: SamplingConfig | None = None, spec: str | SpecConfig = "auto", out=None) -> int:
     out = out or sys.stdout
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    if spec == "auto" and (sampling is None or sampling.greedy):
+    if getattr(spec, "mode", spec) == "auto" and (sampling is None or sampling.greedy):
         edge.corpus_model()  # built once, before the first answer
     print(f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
           "/revoke wipes the cloud's copy, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=out, flush=True)

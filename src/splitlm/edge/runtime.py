@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,13 +24,14 @@ from splitlm import SplitLMError
 from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
+from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
-from splitlm.transport.client import CloudClient, CloudError
+from splitlm.transport.client import CloudClient, CloudError, PendingForward
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
 
 if TYPE_CHECKING:
@@ -85,6 +87,24 @@ class GenerationResult:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Flight:
+    """One forward's block of new tokens, from its send until its keep is applied everywhere."""
+    ids: list[int]
+    h: torch.Tensor  # [T, D] head outputs of the new tokens
+    positions: list[int]
+    mask: torch.Tensor | None
+    rows: list[int] | None
+    start: int  # committed entries before the block (edge)
+    sent: PendingForward | None = None
+    edge_s: float = 0.0  # head (and later tail) compute
+    serialize_s: float = 0.0
+    overlapped: bool = False  # sent while an earlier forward was still in flight
+    keep: list[int] | None = None  # which of its entries stay (None: all); set when the block is settled
+    settled: bool = False
+    void: bool = False  # rolled back before its reply came: the reply is discarded
+
+
 class Pool:
     """Objects that serve one request at a time: take an idle one, or make a new one."""
 
@@ -130,7 +150,9 @@ class EdgeSession:
         self.tail_cache = edge.model.tail.new_cache()
         self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
         self.history_pos: list[int] = []
-        self.pending: tuple[torch.Tensor, list[int]] | None = None  # the last forward's new rows, unresolved
+        self.pending: Flight | None = None  # the last forward's block, not yet settled
+        self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
+        self.flights: deque[Flight] = deque()  # sent, reply not yet taken (oldest first)
         self.cloud_committed = 0  # committed entries the cloud holds (a prefix; a suffix under window:N)
         self.cloud_pending = 0  # size of the cloud's pending block
         self.cloud_keep: list[int] | None = None  # to piggy-back on the next FORWARD
@@ -150,25 +172,48 @@ class EdgeSession:
         return min(caps) if caps else None
 
     def settle(self, keep: list[int] | None = None) -> None:
-        """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache."""
-        if self.pending is None:
+        """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache. The tail
+        cache applies it once it has run the block (a pipelined block's reply may still be in flight)."""
+        f = self.pending
+        if f is None:
             return
-        h, pos = self.pending
         self.pending = None
+        f.keep, f.settled = (None if keep is None else list(keep)), True
+        h, pos = f.h, f.positions
         if keep is not None:
             self.head_cache.keep(keep)
-            self.tail_cache.keep(keep)
             h, pos = h[keep], [pos[i] for i in keep]
             if self.cloud_pending:
                 self.cloud_keep = list(keep)
+        if self.tail_block is f:
+            self._settle_tail()
         self.history = torch.cat([self.history, h])
         self.history_pos += pos
         self.cloud_committed += len(pos) if self.cloud_pending else 0
         self.cloud_pending = 0
 
+    def _settle_tail(self) -> None:
+        f, self.tail_block = self.tail_block, None
+        if f.keep is not None:
+            self.tail_cache.keep(f.keep)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether several forwards may be in flight: the cloud must hold the whole context (a
+        `session` or `sealed` policy), so that a rolled-back step is undone with a crop."""
+        return self.policy.retention > 0 and self.policy.window is None
+
+    def _idle(self) -> None:
+        """Require no step in flight, and settle the last one everywhere."""
+        if self.flights:
+            raise SplitLMError("a forward is still in flight on this session")
+        self.settle()
+        if self.tail_block is not None:
+            self._settle_tail()
+
     def crop(self, n: int) -> None:
         """Truncate the conversation to its first n committed tokens (edge and cloud)."""
-        self.settle()
+        self._idle()
         if not 0 <= n <= self.length:
             raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
         offset = self.length - self.cloud_committed  # oldest committed entries the cloud does not hold
@@ -187,7 +232,7 @@ class EdgeSession:
 
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
-        self.settle()
+        self._idle()
         self.client.policy(self.id, revoke=True)
         self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
 
@@ -236,6 +281,8 @@ class EdgeSession:
         edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
         window policy allows is sent in chunks.
         """
+        if self.flights:
+            raise SplitLMError("a forward is still in flight on this session")
         self.settle(keep)
         window, rows_cap = self.policy.window, self.edge.max_logit_rows
         want = list(range(len(ids))) if rows is None else rows
@@ -250,7 +297,7 @@ class EdgeSession:
             out = []
             for a in range(0, len(ids), limit):
                 part = [r - a for r in want if a <= r < a + limit]
-                logits = self._forward(ids[a:a + limit], None, None, part)
+                logits = self._finish(self._send(ids[a:a + limit], None, None, part))
                 self.settle()
                 out.append(logits)
             self.stats.prefill_round_trips = -(-len(ids) // limit)
@@ -258,52 +305,130 @@ class EdgeSession:
         if limit is not None:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
-        return self._forward(ids, positions, mask, rows)
+        return self._finish(self._send(ids, positions, mask, rows))
 
-    def _forward(self, ids, positions, mask, rows) -> torch.Tensor:
+    # -- pipelined steps: up to two forwards in flight ------------------------------------------
+    @torch.inference_mode()
+    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
+             rows: list[int] | None = None, keep: list[int] | None = None) -> Flight:
+        """Settle the last block with `keep` and send a step without waiting for its reply (take it
+        with `receive`, oldest first). The step's tokens see the context as it is once `keep` applies."""
+        if len(self.flights) >= 2:
+            raise SplitLMError("at most two forwards may be in flight")
+        if self.flights and not self.pipelines:
+            raise SplitLMError(f"cache policy {self.policy} does not allow pipelined steps")
+        self.settle(keep)
+        return self._send(ids, positions, mask, rows)
+
+    @torch.inference_mode()
+    def receive(self, f: Flight) -> torch.Tensor:
+        """The logits of step `f` (the oldest in flight)."""
+        return self._finish(f)
+
+    def discard(self, f: Flight) -> None:
+        """Take the reply of a rolled-back step `f` (the oldest in flight) and drop it."""
+        f.void = True
+        self._finish(f)
+
+    @torch.inference_mode()
+    def rewind(self, f: Flight, keep: list[int]) -> None:
+        """Step `f` (received) was settled with a guess; really keep `keep` of its block, and drop
+        every step sent after it (their replies must still be taken with `discard`).
+
+        Entries of `keep` that the guess dropped are recomputed by the head and re-sent to the cloud
+        as context rows with the next request; the tail ran the whole block and keeps them."""
+        if self.tail_block is not f or not f.settled or self.pending is f:
+            raise SplitLMError("rewind needs the received, settled step before the in-flight ones")
+        guess = list(range(len(f.ids))) if f.keep is None else f.keep
+        common = 0
+        while common < min(len(guess), len(keep)) and guess[common] == keep[common]:
+            common += 1
+        f.keep = list(keep)
+        self._settle_tail()
+        for later in self.flights:
+            later.void = True
+        self.pending = None
+        n = f.start + common
+        self.head_cache.crop(n)
+        self.history, self.history_pos = self.history[:n], self.history_pos[:n]
+        redo = keep[common:]
+        if redo:
+            pos = [f.positions[i] for i in redo]
+            t0 = time.perf_counter()
+            h = self.edge.model.embed_and_head(torch.tensor([[f.ids[i] for i in redo]]), torch.tensor(pos), None,
+                                               self.head_cache)[0]  # [R, D]
+            self.stats.edge_compute_s += time.perf_counter() - t0
+            self.history = torch.cat([self.history, h])
+            self.history_pos += pos
+        self.cloud_keep, self.cloud_pending = None, 0
+        self.cloud_crop = n if self.cloud_crop is None else min(self.cloud_crop, n)
+        self.cloud_committed = n  # the re-computed entries go up as context rows with the next request
+
+    def _send(self, ids, positions, mask, rows) -> Flight:
         model, client = self.edge.model, self.client
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
-        pos = torch.tensor(positions)
         n, c = self.length, self._context_rows()
         t0 = time.perf_counter()
-        h = model.embed_and_head(torch.tensor([ids]), pos, mask, self.head_cache)[0]  # [T, D]
+        h = model.embed_and_head(torch.tensor([ids]), torch.tensor(positions), mask, self.head_cache)[0]  # [T, D]
         t1 = time.perf_counter()
         sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
         sent_pos = self.history_pos[n - c:] + positions if c else positions
-        up, down, ser = client.bytes_up, client.bytes_down, client.serialize_s
+        up, ser = client.bytes_up, client.serialize_s
         split_head = self.edge.split_head
         n_rows = len(ids) if rows is None else len(rows)
-        out, meta = client.forward_tensors(
+        f = Flight(list(ids), h, list(positions), mask, rows, n, edge_s=t1 - t0, overlapped=bool(self.flights))
+        f.sent = client.send_forward(
             self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
             context=c, control=self.control(), rows=rows if split_head else None,
             max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
-        t2 = time.perf_counter()
-        self.pending = (h, list(positions))
+        f.serialize_s = client.serialize_s - ser
+        self.stats.bytes_up += client.bytes_up - up
+        self.flights.append(f)
+        self.pending = f
         retained = self.policy.retention > 0
         self.cloud_keep = self.cloud_crop = None
         self.cloud_pending = len(ids) if retained else 0
-        self.cloud_committed = meta["cache_len"] - self.cloud_pending if retained else 0
-        if split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
-            logits = self.edge.split_head_logits(out, n_rows)
-            self.tail_cache.begin(len(ids))  # the (empty) tail cache stays in step with the head cache
-        else:
-            logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, mask, self.tail_cache,
-                                           rows)[0]
-            logits = self.edge.vocab.mask_logits(logits)
+        self.cloud_committed = self.cloud_committed + c if retained else 0
+        return f
+
+    def _finish(self, f: Flight) -> torch.Tensor | None:
+        if not self.flights or self.flights[0] is not f:
+            raise SplitLMError("replies are taken in the order the steps were sent")
+        self.flights.popleft()
+        model, client = self.edge.model, self.client
+        down, ser = client.bytes_down, client.serialize_s
+        out, meta = client.receive_forward(f.sent)
+        t2 = time.perf_counter()
+        if f is self.pending and self.policy.retention > 0:  # the cloud's own count (a window trims it)
+            self.cloud_committed = meta["cache_len"] - self.cloud_pending
+        logits = None
+        if not f.void:
+            if self.tail_block is not None:  # the block before this one, settled since
+                self._settle_tail()
+            n_rows = len(f.ids) if f.rows is None else len(f.rows)
+            if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
+                logits = self.edge.split_head_logits(out, n_rows)
+                self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
+            else:
+                pos = torch.tensor(f.positions)
+                logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, f.mask, self.tail_cache,
+                                               f.rows)[0]
+                logits = self.edge.vocab.mask_logits(logits)
+            self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
-        serialize_s = client.serialize_s - ser
-        network_s = max(0.0, meta["round_trip_s"] - meta["compute_s"] - serialize_s)
-        edge_s = (t1 - t0) + (t3 - t2)
+        serialize_s = f.serialize_s + client.serialize_s - ser
+        network_s = max(0.0, meta["wait_s"] - meta["compute_s"] - (client.serialize_s - ser))
+        edge_s = f.edge_s + (t3 - t2)
         s = self.stats
         s.round_trips += 1
-        s.bytes_up += client.bytes_up - up
         s.bytes_down += client.bytes_down - down
         s.cloud_compute_s += meta["compute_s"]
         s.serialize_s += serialize_s
         s.network_s += network_s
         s.edge_compute_s += edge_s
-        self.last_step = {"tokens": len(ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"]}
+        self.last_step = {"tokens": len(f.ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"],
+                          "overlapped": f.overlapped}
         return logits
 
     def close(self) -> None:
@@ -566,7 +691,7 @@ class Edge:
 
     def _budget_pool(self, spec: SpecConfig) -> Pool:
         with self._lock:
-            key = (spec.mode, spec.max_nodes)
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline)
             if key not in self._budgets:
                 self._budgets[key] = Pool(lambda: StepBudget(fixed_nodes=spec.max_nodes))
             return self._budgets[key]
@@ -600,7 +725,8 @@ class Edge:
             session = self.open_session()
         session.stats = s = GenerationStats()
         s.prompt_tokens, s.cached_tokens = len(prompt_ids), cached
-        s.spec_mode = spec.mode if sampling.plain_greedy else f"{spec.mode} (sampling)"
+        s.spec_mode = spec.mode + (" pipelined" if spec.pipeline and spec.mode != "none" else "") + \
+            ("" if sampling.plain_greedy else " (sampling)")
         spec_stats = SpecStats()
         try:
             corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
@@ -608,6 +734,9 @@ class Edge:
             start = time.perf_counter()
             if spec.mode == "none" and not sampling.plain_greedy:
                 steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
+            elif spec.pipeline and spec.mode != "none" and session.pipelines:
+                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus, draft_lm),
+                                         budget, spec_stats, cached=cached, sampling=sampling)
             else:
                 steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus, draft_lm),
                                            budget, spec_stats, adaptive=spec.mode == "auto", cached=cached,

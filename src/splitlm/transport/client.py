@@ -6,6 +6,8 @@ import itertools
 import logging
 import ssl
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,14 @@ log = logging.getLogger("splitlm.client")
 
 REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
               MsgType.CLOSE: MsgType.CLOSED, MsgType.POLICY: MsgType.POLICY_OK}
+
+
+@dataclass
+class PendingForward:
+    """A FORWARD sent and not yet answered."""
+    frame: Frame
+    sent_at: float
+    max_reply_elements: int
 
 
 class CloudError(SplitLMError):
@@ -88,6 +98,7 @@ class CloudClient:
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
+        self.in_flight: deque[int] = deque()  # sequence numbers of requests sent and not yet answered
         self.identity = resolve_identity(identity, "client")
         pinned = None if cloud_key is None else parse_key_spec(cloud_key)
         context = tls_context(url, tls_ca)
@@ -104,9 +115,18 @@ class CloudClient:
             raise
 
     def _exchange(self, data: bytes) -> bytes:
+        self._send(data)
+        return self._recv()
+
+    def _send(self, data: bytes) -> None:
         try:
             self.ws.send(data)
-            self.bytes_up += len(data)
+        except ConnectionClosed as e:
+            raise CloudError(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
+        self.bytes_up += len(data)
+
+    def _recv(self) -> bytes:
+        try:
             reply_data = self.ws.recv(timeout=self.timeout_s)
         except ConnectionClosed as e:
             raise CloudError(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
@@ -160,11 +180,24 @@ class CloudClient:
         return self.channel.open(data)
 
     def request(self, frame: Frame) -> Frame:
+        return self._reply(self._submit(frame))
+
+    def _submit(self, frame: Frame) -> Frame:
+        """Seal and send a request without waiting for its reply (replies come back in request order)."""
         frame.seq = next(self.seq)
         t0 = time.perf_counter()
         data = self.channel.seal(frame)
         self.serialize_s += time.perf_counter() - t0
-        reply_data = self._exchange(data)
+        self._send(data)
+        self.in_flight.append(frame.seq)
+        return frame
+
+    def _reply(self, frame: Frame) -> Frame:
+        """The reply to `frame`, which must be the oldest request still unanswered."""
+        if not self.in_flight or self.in_flight[0] != frame.seq:
+            raise CloudError("replies arrive in request order: receive the oldest request's reply first")
+        self.in_flight.popleft()
+        reply_data = self._recv()
         t0 = time.perf_counter()
         try:
             reply = self._open(reply_data)
@@ -214,6 +247,15 @@ class CloudClient:
                         max_reply_elements: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """`forward`, returning every tensor of the RESULT (a split-head cloud's `hidden` and `logits`
         for the new tokens `rows`), each of at most `max_reply_elements` elements."""
+        return self.receive_forward(self.send_forward(session, hidden, positions, wire_dtype, mask, keep, crop,
+                                                      context, control, rows, max_reply_elements))
+
+    def send_forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
+                     mask: torch.Tensor | None = None, keep: list[int] | None = None,
+                     crop: int | None = None, context: int = 0, control: dict[str, Any] | None = None,
+                     rows: list[int] | None = None, max_reply_elements: int = 0) -> PendingForward:
+        """Send a FORWARD (arguments as `forward_tensors`) and return at once; `receive_forward` gets
+        its reply. Several may be in flight on one connection: the cloud answers them in order."""
         t0 = time.perf_counter()
         try:
             specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
@@ -234,11 +276,20 @@ class CloudClient:
         if rows is not None:
             meta["rows"] = rows
         start = time.perf_counter()
-        reply = self.request(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
-        reply.meta["round_trip_s"] = time.perf_counter() - start
+        frame = self._submit(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
+        return PendingForward(frame, start, max_reply_elements)
+
+    def receive_forward(self, pending: PendingForward) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The RESULT of a `send_forward` (the oldest one unanswered). Its meta adds `round_trip_s`
+        (send to reply) and `wait_s` (how long this call waited for it)."""
+        waited = time.perf_counter()
+        reply = self._reply(pending.frame)
+        now = time.perf_counter()
+        reply.meta["round_trip_s"] = now - pending.sent_at
+        reply.meta["wait_s"] = now - waited
         t0 = time.perf_counter()
         try:
-            out = unpack_tensors(reply, max_reply_elements)
+            out = unpack_tensors(reply, pending.max_reply_elements)
         except ProtocolError as e:
             raise CloudError(f"bad RESULT from the cloud: {e}", e.code) from None
         self.serialize_s += time.perf_counter() - t0
