@@ -35,7 +35,7 @@ from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 
 class PipeSession(Protocol):
-    """What pipelining needs from a session (`splitlm.edge.runtime.EdgeSession`)."""
+    """What pipelining needs from a session (`splitlm.edge.session.EdgeSession`)."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor: ...

@@ -1,0 +1,398 @@
+"""An edge session: one cloud session plus the edge's own head and tail caches.
+
+It runs the head layers, sends hidden states, runs the tail and LM head on what comes back, and
+keeps track of what the cloud holds (committed entries, piggy-backed keep and crop, context rows
+re-sent under cache policies that keep nothing), one request or two in flight."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from splitlm import SplitLMError
+from splitlm.cloud.policy import CachePolicy
+from splitlm.transport.client import CloudError, PendingForward
+
+if TYPE_CHECKING:
+    from splitlm.edge.runtime import Edge
+
+log = logging.getLogger("splitlm.edge")
+
+SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, already in the session's caches (later turns of a conversation)
+    new_tokens: int = 0
+    round_trips: int = 0  # all cloud round trips, prefill included
+    prefill_round_trips: int = 1  # more when the prompt exceeds the cloud's tokens per forward
+    prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
+    decode_s: float = 0.0  # after the first token
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_s: float = 0.0  # round-trip time minus the cloud's compute
+    cloud_compute_s: float = 0.0
+    edge_compute_s: float = 0.0
+    serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
+    spec_mode: str = "none"
+    spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
+
+    @property
+    def decode_round_trips(self) -> int:
+        return max(0, self.round_trips - self.prefill_round_trips)
+
+    @property
+    def tokens_per_round_trip(self) -> float:
+        """Tokens produced by decoding steps per decoding round trip (prefill excluded)."""
+        return (self.new_tokens - 1) / self.decode_round_trips if self.decode_round_trips else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3)}
+
+
+@dataclass
+class Flight:
+    """One forward's block of new tokens, from its send until its keep is applied everywhere."""
+    ids: list[int]
+    h: torch.Tensor  # [T, D] head outputs of the new tokens
+    positions: list[int]
+    mask: torch.Tensor | None
+    rows: list[int] | None
+    start: int  # committed entries before the block (edge)
+    sent: PendingForward | None = None
+    edge_s: float = 0.0  # head (and later tail) compute
+    serialize_s: float = 0.0
+    overlapped: bool = False  # sent while an earlier forward was still in flight
+    keep: list[int] | None = None  # which of its entries stay (None: all); set when the block is settled
+    settled: bool = False
+    void: bool = False  # rolled back before its reply came: the reply is discarded
+
+
+class EdgeSession:
+    """One cloud session together with the edge's own KV caches for its head and tail layers.
+
+    The session has a cloud connection to itself for its lifetime (taken from the edge's pool), so
+    sessions in different threads never share a connection.
+
+    The edge also keeps its head layers' outputs for every committed token (`history`, [L, D]), so
+    that whatever the cloud does not hold under the cache policy (`none`, after `revoke`) is re-sent
+    as context rows instead of being recomputed.
+    """
+
+    def __init__(self, edge: Edge, cache_policy: str | CachePolicy | None = None):
+        self.edge = edge
+        try:
+            self.policy = CachePolicy.parse(cache_policy or edge.cache_policy)
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
+        self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
+        self.wire_dtype = edge.wire_dtype
+        authorised = edge.vocab.packed() if edge.split_head and not edge.vocab.everything else None
+        self.client, self.id = edge._open_cloud_session(str(self.policy), authorised)
+        self.head_cache = edge.model.head.new_cache()
+        self.tail_cache = edge.model.tail.new_cache()
+        self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
+        self.history_pos: list[int] = []
+        self.pending: Flight | None = None  # the last forward's block, not yet settled
+        self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
+        self.flights: deque[Flight] = deque()  # sent, reply not yet taken (oldest first)
+        self.cloud_committed = 0  # committed entries the cloud holds (a prefix; a suffix under window:N)
+        self.cloud_pending = 0  # size of the cloud's pending block
+        self.cloud_keep: list[int] | None = None  # to piggy-back on the next FORWARD
+        self.cloud_crop: int | None = None
+        self.stats = GenerationStats()
+        self.last_step: dict = {}
+
+    @property
+    def length(self) -> int:
+        return self.head_cache.length
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may carry (a window policy caps it at N; in split-head the
+        frame limit caps the rows of logits a RESULT may hold)."""
+        caps = [c for c in (self.policy.window, self.edge.max_logit_rows) if c is not None]
+        return min(caps) if caps else None
+
+    def settle(self, keep: list[int] | None = None) -> None:
+        """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache. The tail
+        cache applies it once it has run the block (a pipelined block's reply may still be in flight)."""
+        f = self.pending
+        if f is None:
+            return
+        self.pending = None
+        f.keep, f.settled = (None if keep is None else list(keep)), True
+        h, pos = f.h, f.positions
+        if keep is not None:
+            self.head_cache.keep(keep)
+            h, pos = h[keep], [pos[i] for i in keep]
+            if self.cloud_pending:
+                self.cloud_keep = list(keep)
+        if self.tail_block is f:
+            self._settle_tail()
+        self.history = torch.cat([self.history, h])
+        self.history_pos += pos
+        self.cloud_committed += len(pos) if self.cloud_pending else 0
+        self.cloud_pending = 0
+
+    def _settle_tail(self) -> None:
+        f, self.tail_block = self.tail_block, None
+        if f.keep is not None:
+            self.tail_cache.keep(f.keep)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether several forwards may be in flight: the cloud must hold the whole context (a
+        `session` or `sealed` policy), so that a rolled-back step is undone with a crop."""
+        return self.policy.retention > 0 and self.policy.window is None
+
+    def _idle(self) -> None:
+        """Require no step in flight, and settle the last one everywhere."""
+        if self.flights:
+            raise SplitLMError("a forward is still in flight on this session")
+        self.settle()
+        if self.tail_block is not None:
+            self._settle_tail()
+
+    def crop(self, n: int) -> None:
+        """Truncate the conversation to its first n committed tokens (edge and cloud)."""
+        self._idle()
+        if not 0 <= n <= self.length:
+            raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
+        offset = self.length - self.cloud_committed  # oldest committed entries the cloud does not hold
+        self.head_cache.crop(n)
+        self.tail_cache.crop(n)
+        self.history, self.history_pos = self.history[:n], self.history_pos[:n]
+        cloud_n = max(0, n - offset)
+        if cloud_n < self.cloud_committed:
+            before = self.cloud_committed - len(self.cloud_keep or [])  # the cloud applies crop before keep
+            if self.cloud_keep is not None and cloud_n >= before:  # only kept entries go: shorten the keep
+                self.cloud_keep = self.cloud_keep[: cloud_n - before]
+            else:
+                self.cloud_keep = None
+                self.cloud_crop = cloud_n if self.cloud_crop is None else min(self.cloud_crop, cloud_n)
+            self.cloud_committed = cloud_n
+
+    def revoke(self) -> None:
+        """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
+        self._idle()
+        self.client.policy(self.id, revoke=True)
+        self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
+
+    def tighten(self, cache_policy: str | CachePolicy) -> None:
+        """Switch to a tighter cache policy for the rest of the session (the cloud refuses a looser one).
+
+        `none` and `sealed` take effect on the cloud now; `window:N` with the next request's
+        control tuple (after that request's keep, so the pending block stays intact)."""
+        try:
+            new = CachePolicy.parse(cache_policy)
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None
+        if not self.policy.allows(new):
+            raise SplitLMError(f"cache policy {self.policy} cannot be loosened to {new}")
+        if new.mode == "window":
+            self.policy = new
+            return
+        if new.sealed and self.key is None:
+            self.key = AESGCM.generate_key(bit_length=256)
+        self.client.policy(self.id, cache_policy=str(new), key=self.key if new.sealed else None)
+        self.policy = new
+        if new.retention == 0:
+            self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
+
+    def _context_rows(self) -> int:
+        """How many committed rows, counted from the end of the history, the cloud lacks."""
+        held = self.cloud_committed
+        if self.policy.window is not None:
+            return 0 if held else min(self.length, self.policy.window)
+        return self.length - held
+
+    def control(self) -> dict:
+        ctl = {"cache": self.policy.retention > 0, "dtype": self.wire_dtype, "split": self.edge.model.manifest.head}
+        if self.policy.window is not None:
+            ctl["window"] = self.policy.window
+        if self.key is not None:
+            ctl["key"] = self.key
+        return ctl
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
+                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
+        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V].
+
+        `keep` first retains only those entries of the previous call's new tokens, in both the
+        edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
+        window policy allows is sent in chunks.
+        """
+        if self.flights:
+            raise SplitLMError("a forward is still in flight on this session")
+        self.settle(keep)
+        window, rows_cap = self.policy.window, self.edge.max_logit_rows
+        want = list(range(len(ids))) if rows is None else rows
+        per_forward = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
+        room = max(1, per_forward - self._context_rows()) if per_forward else None  # re-sent context rows count
+        exceeded = [cap for cap, n in ((window, len(ids)), (rows_cap, len(want)), (room, len(ids)))
+                    if cap is not None and n > cap]
+        limit = min(exceeded) if exceeded else None
+        if limit is not None and mask is None:
+            if positions is not None:
+                raise SplitLMError("a chunked forward takes default positions")
+            out = []
+            for a in range(0, len(ids), limit):
+                part = [r - a for r in want if a <= r < a + limit]
+                logits = self._finish(self._send(ids[a:a + limit], None, None, part))
+                self.settle()
+                out.append(logits)
+            self.stats.prefill_round_trips = -(-len(ids) // limit)
+            return torch.cat(out)
+        if limit is not None:
+            raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
+                               f"({window}) or the rows of logits one reply may hold ({rows_cap})")
+        return self._finish(self._send(ids, positions, mask, rows))
+
+    # -- pipelined steps: up to two forwards in flight ------------------------------------------
+    @torch.inference_mode()
+    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
+             rows: list[int] | None = None, keep: list[int] | None = None) -> Flight:
+        """Settle the last block with `keep` and send a step without waiting for its reply (take it
+        with `receive`, oldest first). The step's tokens see the context as it is once `keep` applies."""
+        if len(self.flights) >= 2:
+            raise SplitLMError("at most two forwards may be in flight")
+        if self.flights and not self.pipelines:
+            raise SplitLMError(f"cache policy {self.policy} does not allow pipelined steps")
+        self.settle(keep)
+        return self._send(ids, positions, mask, rows)
+
+    @torch.inference_mode()
+    def receive(self, f: Flight) -> torch.Tensor:
+        """The logits of step `f` (the oldest in flight)."""
+        return self._finish(f)
+
+    def discard(self, f: Flight) -> None:
+        """Take the reply of a rolled-back step `f` (the oldest in flight) and drop it."""
+        f.void = True
+        self._finish(f)
+
+    @torch.inference_mode()
+    def rewind(self, f: Flight, keep: list[int]) -> None:
+        """Step `f` (received) was settled with a guess; really keep `keep` of its block, and drop
+        every step sent after it (their replies must still be taken with `discard`).
+
+        Entries of `keep` that the guess dropped are recomputed by the head and re-sent to the cloud
+        as context rows with the next request; the tail ran the whole block and keeps them."""
+        if self.tail_block is not f or not f.settled or self.pending is f:
+            raise SplitLMError("rewind needs the received, settled step before the in-flight ones")
+        guess = list(range(len(f.ids))) if f.keep is None else f.keep
+        common = 0
+        while common < min(len(guess), len(keep)) and guess[common] == keep[common]:
+            common += 1
+        f.keep = list(keep)
+        self._settle_tail()
+        for later in self.flights:
+            later.void = True
+        self.pending = None
+        n = f.start + common
+        self.head_cache.crop(n)
+        self.history, self.history_pos = self.history[:n], self.history_pos[:n]
+        redo = keep[common:]
+        if redo:
+            pos = [f.positions[i] for i in redo]
+            t0 = time.perf_counter()
+            h = self.edge.model.embed_and_head(torch.tensor([[f.ids[i] for i in redo]]), torch.tensor(pos), None,
+                                               self.head_cache)[0]  # [R, D]
+            self.stats.edge_compute_s += time.perf_counter() - t0
+            self.history = torch.cat([self.history, h])
+            self.history_pos += pos
+        self.cloud_keep, self.cloud_pending = None, 0
+        self.cloud_crop = n if self.cloud_crop is None else min(self.cloud_crop, n)
+        self.cloud_committed = n  # the re-computed entries go up as context rows with the next request
+
+    def _send(self, ids, positions, mask, rows) -> Flight:
+        model, client = self.edge.model, self.client
+        if positions is None:
+            positions = list(range(self.length, self.length + len(ids)))
+        n, c = self.length, self._context_rows()
+        t0 = time.perf_counter()
+        h = model.embed_and_head(torch.tensor([ids]), torch.tensor(positions), mask, self.head_cache)[0]  # [T, D]
+        t1 = time.perf_counter()
+        sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
+        sent_pos = self.history_pos[n - c:] + positions if c else positions
+        up, ser = client.bytes_up, client.serialize_s
+        split_head = self.edge.split_head
+        n_rows = len(ids) if rows is None else len(rows)
+        f = Flight(list(ids), h, list(positions), mask, rows, n, edge_s=t1 - t0, overlapped=bool(self.flights))
+        f.sent = client.send_forward(
+            self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
+            context=c, control=self.control(), rows=rows if split_head else None,
+            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
+        f.serialize_s = client.serialize_s - ser
+        self.stats.bytes_up += client.bytes_up - up
+        self.flights.append(f)
+        self.pending = f
+        retained = self.policy.retention > 0
+        self.cloud_keep = self.cloud_crop = None
+        self.cloud_pending = len(ids) if retained else 0
+        self.cloud_committed = self.cloud_committed + c if retained else 0
+        return f
+
+    def _finish(self, f: Flight) -> torch.Tensor | None:
+        if not self.flights or self.flights[0] is not f:
+            raise SplitLMError("replies are taken in the order the steps were sent")
+        self.flights.popleft()
+        model, client = self.edge.model, self.client
+        down, ser = client.bytes_down, client.serialize_s
+        out, meta = client.receive_forward(f.sent)
+        t2 = time.perf_counter()
+        if f is self.pending and self.policy.retention > 0:  # the cloud's own count (a window trims it)
+            self.cloud_committed = meta["cache_len"] - self.cloud_pending
+        logits = None
+        if not f.void:
+            if self.tail_block is not None:  # the block before this one, settled since
+                self._settle_tail()
+            n_rows = len(f.ids) if f.rows is None else len(f.rows)
+            if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
+                logits = self.edge.split_head_logits(out, n_rows)
+                self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
+            else:
+                pos = torch.tensor(f.positions)
+                logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, f.mask, self.tail_cache,
+                                               f.rows)[0]
+                logits = self.edge.vocab.mask_logits(logits)
+            self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
+        t3 = time.perf_counter()
+        serialize_s = f.serialize_s + client.serialize_s - ser
+        network_s = max(0.0, meta["wait_s"] - meta["compute_s"] - (client.serialize_s - ser))
+        edge_s = f.edge_s + (t3 - t2)
+        s = self.stats
+        s.round_trips += 1
+        s.bytes_down += client.bytes_down - down
+        s.cloud_compute_s += meta["compute_s"]
+        s.serialize_s += serialize_s
+        s.network_s += network_s
+        s.edge_compute_s += edge_s
+        self.last_step = {"tokens": len(f.ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"],
+                          "overlapped": f.overlapped}
+        return logits
+
+    def close(self) -> None:
+        """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""
+        try:
+            self.client.close_session(self.id)
+        except CloudError as e:
+            log.warning("dropping a cloud connection: %s", e)
+            self.edge._drop_client(self.client)
+        else:
+            self.edge._clients.give(self.client)
