@@ -137,7 +137,9 @@ def test_adaptive_window_follows_its_measured_gain():
         budget.observe_step(t, 0.05 + 0.003 * t, 0.08)
     # a 4-column window of 3 levels costs 36 ms a step; a pool that adds nothing shrinks it
     assert budget.window_width(4, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 3
-    assert budget.window_width(1, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 1
+    assert budget.window_width(1, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 0  # switched off
+    assert budget.window_width(0, 8, 3, gain_tokens=0.0, tokens_per_step=1.5) == 0
+    assert budget.window_width(0, 8, 3, gain_tokens=1.0, tokens_per_step=1.5) == 1  # its pool still pays
     # a pool that adds a token per step (worth ~100 ms) grows it
     assert budget.window_width(4, 8, 3, gain_tokens=1.0, tokens_per_step=1.5) == 5
     cheap = StepBudget()

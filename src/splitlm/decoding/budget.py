@@ -111,16 +111,18 @@ class StepBudget:
     def window_width(self, current: int, max_width: int, levels: int, gain_tokens: float,
                      tokens_per_step: float) -> int:
         """Grow or shrink the lookahead window by one column: keep it while the tokens that only its
-        pool proposed (`gain_tokens` per step) save more time than its `levels` tokens per column cost."""
+        pool proposed (`gain_tokens` per step) save more time than its `levels` tokens per column cost.
+        It may shrink to nothing; switched off, it comes back only if what its pool still proposes
+        pays for one column."""
         if self.fixed_nodes is not None or self.compute.c1 <= 0:
             return max_width
         step = self.step_time(1 + current * levels)
         saved_s = gain_tokens * step / max(tokens_per_step, 1.0)
-        cost_s = current * levels * self.compute.c1
+        cost_s = max(current, 1) * levels * self.compute.c1
         if saved_s > 1.1 * cost_s:
             return min(max_width, current + 1)
         if saved_s < 0.9 * cost_s:
-            return max(1, current - 1)  # one column keeps the pool learning
+            return max(0, current - 1)
         return current
 
     def step_time(self, tokens: int) -> float:
