@@ -299,7 +299,9 @@ def test_cli_runs_until_ctrl_c(echo_server: _Server) -> None:
         "sys.exit(wan_main(parser.parse_args(sys.argv[1:])))\n"
     )
     argv = ["--listen", f"127.0.0.1:{port}", "--upstream", f"{host}:{up_port}", "--rtt-ms", "20"]
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, text=True)
+    # a shell that starts pytest in the background leaves SIGINT ignored, and children inherit that
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr is not None
         banner = proc.stderr.readline()
