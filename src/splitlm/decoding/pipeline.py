@@ -29,8 +29,8 @@ import torch
 
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
-from splitlm.decoding.sampling import Sampler, SamplingConfig
-from splitlm.decoding.speculative import SpecStats, build_step
+from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.speculative import SpecStats, build_step, prefill, stop_at
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 
@@ -131,10 +131,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
     retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
-    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
-    budget.observe_network(session.last_step["network_s"])
-    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    root = sampler.token(logits[-1], prompt_ids) if sampler else int(logits[-1].argmax())
+    sampler, root = prefill(session, prompt_ids, cached, budget, sampling)
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -214,14 +211,12 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
             verified = step.ctx + new
             fresh = verified[len(context):]  # a pipelined step's first token was the step before's bonus
             keep_len = len(path)
-            stop = False
-            for i, tok in enumerate(fresh):  # stop inside the step at an end token or the length limit
-                if tok in eos or produced + i + 1 >= max_new_tokens:
-                    fresh = fresh[: i + 1]
-                    # the cache keeps the context up to, not including, the last token
-                    keep_len = len(context) - len(step.ctx) + i + 1
-                    stop = True
-                    break
+            n = stop_at(fresh, produced, max_new_tokens, eos)
+            stop = n is not None
+            if stop:
+                fresh = fresh[:n]
+                # the cache keeps the context up to, not including, the last token
+                keep_len = len(context) - len(step.ctx) + n
             keep = step.block_keep(path[:keep_len])
             nxt = flight[0] if flight else None
             last = (step, keep)

@@ -107,6 +107,27 @@ def build_step(tree: TokenTree, window: Window | None, base: int):
     return tokens, positions, mask, rows
 
 
+def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
+            sampling: SamplingConfig | None) -> tuple[Sampler | None, int]:
+    """Run the uncached prompt tokens; returns the sampler (None for greedy) and the first token."""
+    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
+    # the prefill's network time is a round trip like any other; its compute (a long causal pass,
+    # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
+    budget.observe_network(session.last_step["network_s"])
+    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
+    root = sampler.token(logits[-1], prompt_ids) if sampler else int(logits[-1].argmax())
+    return sampler, root
+
+
+def stop_at(tokens: list[int], produced: int, max_new_tokens: int, eos: set[int]) -> int | None:
+    """How many of a step's new `tokens` to emit when an end token or the length limit falls
+    inside them (None: all of them, decoding goes on)."""
+    for i, tok in enumerate(tokens):
+        if tok in eos or produced + i + 1 >= max_new_tokens:
+            return i + 1
+    return None
+
+
 def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                        drafter: Drafter, budget: StepBudget, stats: SpecStats,
                        adaptive: bool = False, cached: int = 0,
@@ -118,12 +139,7 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     a conversation). After every step the session is told which of its entries to keep
     (`settle`; the cloud hears it piggy-backed on the next request), so at any point it holds the
     context except its last token."""
-    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
-    # the prefill's network time is a round trip like any other; its compute (a long causal pass,
-    # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
-    budget.observe_network(session.last_step["network_s"])
-    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    root = sampler.token(logits[-1], prompt_ids) if sampler else int(logits[-1].argmax())
+    sampler, root = prefill(session, prompt_ids, cached, budget, sampling)
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -166,11 +182,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         stats.expected_tokens += choice.expected_tokens
         stats.choices.append(len(tree))
         keep = path
-        for i, tok in enumerate(new):  # stop inside the step at an end token or the length limit
-            if tok in eos or produced + i + 1 >= max_new_tokens:
-                new = new[: i + 1]
-                keep = path[: i + 1]  # the cache keeps the context up to, not including, the last token
-                break
+        if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
+            new = new[:n]
+            keep = path[:n]  # the cache keeps the context up to, not including, the last token
         session.settle(keep)
         produced += len(new)
         context.extend(new)
