@@ -26,7 +26,7 @@ class LocalSession:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
+                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
         start = time.perf_counter()
         if keep is not None:
             self.cache.keep(keep)
@@ -34,4 +34,5 @@ class LocalSession:
             positions = list(range(self.cache.length, self.cache.length + len(ids)))
         logits = self.model(torch.tensor([ids]), torch.tensor(positions), mask, self.cache)[0]  # [T, V]
         self.last_step = {"tokens": len(ids), "network_s": 0.0, "compute_s": time.perf_counter() - start}
-        return logits if rows is None else logits[rows]
+        logits = logits if rows is None else logits[rows]
+        return logits.argmax(-1) if argmax else logits

@@ -38,10 +38,11 @@ class PipeSession(Protocol):
     """What pipelining needs from a session (`splitlm.edge.session.EdgeSession`)."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor: ...
+                keep: list[int] | None = None, rows: list[int] | None = None,
+                argmax: bool = False) -> torch.Tensor: ...
 
     def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None) -> object: ...
+             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False) -> object: ...
 
     def receive(self, flight) -> torch.Tensor: ...
 
@@ -61,7 +62,7 @@ class Step:
     root_sent: bool  # the root is in this step's block (False: it is the leaf of the bet before)
     flight: object = None
     bet: list[int] | None = None  # the path of `tree` the next step assumes
-    root_logits: torch.Tensor | None = None  # [V] when the root was not sent: from the step before
+    root_logits: torch.Tensor | None = None  # [V] (greedy: [] token) when the root was not sent: from the step before
     known: int | None = None  # the token after the root, once the step before is verified
     void: bool = False
 
@@ -155,7 +156,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
         else:
             tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
             mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
-        step.flight = session.send(tokens, positions, mask, rows, keep)
+        step.flight = session.send(tokens, positions, mask, rows, keep, argmax=sampler is None)
         flight.append(step)
 
     try:
@@ -198,7 +199,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
             if sampler:
                 path, new = accept_sampled(step.tree, logits, sampler, step.ctx)
             else:
-                path, new = accept_greedy(step.tree, logits.argmax(-1).tolist())
+                path, new = accept_greedy(step.tree, logits.tolist())  # greedy steps return tokens
             drafter.accepted(new[:-1])
             info = session.last_step
             budget.compute.add(info["tokens"], info["compute_s"])

@@ -56,11 +56,13 @@ def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=Non
 
 
 class StepSession(Protocol):
-    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits,
-    and `settle` to keep only the accepted entries of the last forward's tokens."""
+    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits
+    (with `argmax`: only each row's greedy token), and `settle` to keep only the accepted entries of the
+    last forward's tokens."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor: ...
+                keep: list[int] | None = None, rows: list[int] | None = None,
+                argmax: bool = False) -> torch.Tensor: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
@@ -110,12 +112,12 @@ def build_step(tree: TokenTree, window: Window | None, base: int):
 def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
             sampling: SamplingConfig | None) -> tuple[Sampler | None, int]:
     """Run the uncached prompt tokens; returns the sampler (None for greedy) and the first token."""
-    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])
+    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
+    out = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None)
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(session.last_step["network_s"])
-    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    root = sampler.token(logits[-1], prompt_ids) if sampler else int(logits[-1].argmax())
+    root = sampler.token(out[-1], prompt_ids) if sampler else int(out[-1])
     return sampler, root
 
 
@@ -163,11 +165,13 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             choice.nodes = min(choice.nodes, cap - extra)
         tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
-        logits = session.forward(tokens, positions, mask, rows=rows)
-        argmax = logits.argmax(-1).tolist()
+        out = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None)
         if sampler:
+            logits = out
+            argmax = logits.argmax(-1).tolist()
             path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
         else:
+            argmax = out.tolist()
             path, new = accept_greedy(tree, argmax[: len(tree)])
         drafter.accepted(new[:-1])
         if window is not None:

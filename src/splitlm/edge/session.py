@@ -72,6 +72,7 @@ class Flight:
     mask: torch.Tensor | None
     rows: list[int] | None
     start: int  # committed entries before the block (edge)
+    argmax: bool = False  # the reply's result is each row's greedy token, not its logits
     sent: PendingForward | None = None
     edge_s: float = 0.0  # head (and later tail) compute
     serialize_s: float = 0.0
@@ -230,8 +231,9 @@ class EdgeSession:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
-        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V].
+                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
+        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V]
+        (with `argmax`: each row's greedy token, [len(rows) or T], through the screened LM head).
 
         `keep` first retains only those entries of the previous call's new tokens, in both the
         edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
@@ -253,7 +255,7 @@ class EdgeSession:
             out = []
             for a in range(0, len(ids), limit):
                 part = [r - a for r in want if a <= r < a + limit]
-                logits = self._finish(self._send(ids[a:a + limit], None, None, part))
+                logits = self._finish(self._send(ids[a:a + limit], None, None, part, argmax))
                 self.settle()
                 out.append(logits)
             self.stats.prefill_round_trips = -(-len(ids) // limit)
@@ -261,12 +263,12 @@ class EdgeSession:
         if limit is not None:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
-        return self._finish(self._send(ids, positions, mask, rows))
+        return self._finish(self._send(ids, positions, mask, rows, argmax))
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
     def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None) -> Flight:
+             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False) -> Flight:
         """Settle the last block with `keep` and send a step without waiting for its reply (take it
         with `receive`, oldest first). The step's tokens see the context as it is once `keep` applies."""
         if len(self.flights) >= 2:
@@ -274,11 +276,11 @@ class EdgeSession:
         if self.flights and not self.pipelines:
             raise SplitLMError(f"cache policy {self.policy} does not allow pipelined steps")
         self.settle(keep)
-        return self._send(ids, positions, mask, rows)
+        return self._send(ids, positions, mask, rows, argmax)
 
     @torch.inference_mode()
     def receive(self, f: Flight) -> torch.Tensor:
-        """The logits of step `f` (the oldest in flight)."""
+        """The logits (or greedy tokens, if sent with `argmax`) of step `f` (the oldest in flight)."""
         return self._finish(f)
 
     def discard(self, f: Flight) -> None:
@@ -320,7 +322,7 @@ class EdgeSession:
         self.cloud_crop = n if self.cloud_crop is None else min(self.cloud_crop, n)
         self.cloud_committed = n  # the re-computed entries go up as context rows with the next request
 
-    def _send(self, ids, positions, mask, rows) -> Flight:
+    def _send(self, ids, positions, mask, rows, argmax=False) -> Flight:
         model, client = self.edge.model, self.client
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
@@ -333,7 +335,7 @@ class EdgeSession:
         up, ser = client.bytes_up, client.serialize_s
         split_head = self.edge.split_head
         n_rows = len(ids) if rows is None else len(rows)
-        f = Flight(list(ids), h, list(positions), mask, rows, n, edge_s=t1 - t0, overlapped=bool(self.flights))
+        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, edge_s=t1 - t0, overlapped=bool(self.flights))
         f.sent = client.send_forward(
             self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
             context=c, control=self.control(), rows=rows if split_head else None,
@@ -366,11 +368,16 @@ class EdgeSession:
             if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
                 logits = self.edge.split_head_logits(out, n_rows)
                 self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
+                if f.argmax:
+                    logits = logits.argmax(-1)
             else:
-                pos = torch.tensor(f.positions)
-                logits = model.tail_and_logits(out["hidden"][None].to(self.edge.dtype), pos, f.mask, self.tail_cache,
-                                               f.rows)[0]
-                logits = self.edge.vocab.mask_logits(logits)
+                pos, h = torch.tensor(f.positions), out["hidden"][None].to(self.edge.dtype)
+                if f.argmax:
+                    vocab = self.edge.vocab
+                    logits = model.tail_and_argmax(h, pos, f.mask, self.tail_cache, f.rows,
+                                                   None if vocab.everything else vocab.allowed)
+                else:
+                    logits = self.edge.vocab.mask_logits(model.tail_and_logits(h, pos, f.mask, self.tail_cache, f.rows)[0])
             self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
         serialize_s = f.serialize_s + client.serialize_s - ser

@@ -24,6 +24,7 @@ from torch import nn
 
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
+from splitlm.model.greedy_head import GreedyHead
 from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
 from splitlm.model.loading import (
     file_sha256,
@@ -172,8 +173,22 @@ class EdgeModel(nn.Module):
         h = self.tail(h, positions, new_mask, cache)
         if rows is not None:
             h = h[:, rows]  # the LM head only where logits are needed
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return softcap(F.linear(self.norm(h), w), self.cfg.final_logit_softcapping)  # [B, T or len(rows), V]
+        return softcap(F.linear(self.norm(h), self.head_weight), self.cfg.final_logit_softcapping)  # [B, T or len(rows), V]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
+
+    def tail_and_argmax(self, h, positions, new_mask=None, cache=None, rows=None,
+                        allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The greedy token of each row, [T or len(rows)] (batch of one): `tail_and_logits(...)[0].argmax(-1)`
+        over the `allowed` ids, through the screened LM head (`splitlm.model.greedy_head`)."""
+        h = self.tail(h, positions, new_mask, cache)
+        if rows is not None:
+            h = h[:, rows]
+        if getattr(self, "_greedy", None) is None or self._greedy.weight is not self.head_weight.data:
+            self._greedy = GreedyHead(self.head_weight.data, self.cfg.final_logit_softcapping)
+        return self._greedy.argmax(self.norm(h)[0], allowed)
 
 
 class CloudModel(nn.Module):

@@ -1,0 +1,58 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitlm.model.greedy_head import GreedyHead
+
+
+def full_argmax(h, w, cap=None, allowed=None):
+    logits = F.linear(h, w)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -torch.inf)
+    return logits.argmax(-1)
+
+
+@pytest.mark.parametrize("screen", [True, False])
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_screened_argmax_equals_full_head(screen, cap):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4000, 64, generator=g)
+    h = torch.randn(37, 64, generator=g) * 3
+    head = GreedyHead(w, cap, screen=screen)
+    assert head.screen is screen
+    assert torch.equal(head.argmax(h), full_argmax(h, w, cap))
+
+
+def test_allowed_ids_only():
+    g = torch.Generator().manual_seed(1)
+    w, h = torch.randn(3000, 48, generator=g), torch.randn(20, 48, generator=g)
+    allowed = torch.rand(3000, generator=g) < 0.1
+    got = GreedyHead(w, screen=True).argmax(h, allowed)
+    assert allowed[got].all()
+    assert torch.equal(got, full_argmax(h, w, allowed=allowed))
+
+
+def test_near_ties_bf16_cannot_separate_are_decided_in_fp32():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(500, 32, generator=g)
+    h = torch.randn(8, 32, generator=g)
+    best = full_argmax(h, w)
+    for r in range(8):  # for each row, a column a hair above its winner (far below bf16 resolution)
+        w[100 + r] = w[best[r]] + 1e-4 * h[r] / h[r].norm()
+    w[200] = w[best[0]]  # an exact duplicate of row 0's winner, at a higher id
+    want = full_argmax(h, w)
+    assert (want == torch.arange(100, 108)).all()
+    assert torch.equal(GreedyHead(w, screen=True).argmax(h), want)
+    dup = torch.stack([w[50]] * 3)  # exact duplicates: the lowest id wins, as in torch.argmax
+    w2 = torch.cat([torch.randn(10, 32, generator=g) * 0.01, dup])
+    assert GreedyHead(w2, screen=True).argmax(w[50][None]).item() == 10
+
+
+def test_non_fp32_weights_use_the_plain_head():
+    w = torch.randn(100, 16).to(torch.bfloat16)
+    head = GreedyHead(w, screen=True)
+    assert not head.screen
+    h = torch.randn(3, 16).to(torch.bfloat16)
+    assert torch.equal(head.argmax(h), full_argmax(h, w))
