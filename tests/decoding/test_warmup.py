@@ -32,6 +32,20 @@ def test_build_warmup_writes_one_answer_per_prompt(audit_model_dir, tmp_path):
     assert not (tmp_path / "w.jsonl.gz.part").exists()
 
 
+def test_build_warmup_keeps_what_the_file_already_answers(audit_model_dir, tmp_path):
+    out = tmp_path / "w.jsonl.gz"
+    build_warmup(str(audit_model_dir), out, limit=3, batch=2)
+    first = read_warmup(out)
+    lines = []
+    report = build_warmup(str(audit_model_dir), out, limit=5, batch=2, progress=lines.append)
+    assert report["kept"] == 3 and report["prompts"] == 2
+    assert lines[0].endswith("3 answers kept, 2 prompts to go")
+    texts = read_warmup(out)
+    assert len(texts) == 5 and texts[:3] == first
+    with gzip.open(out, "rt") as f:
+        assert len({json.loads(line)["prompt"] for line in f}) == 5
+
+
 def test_find_warmup_prefers_the_edge_file_then_the_bundled_one(tmp_path, monkeypatch):
     bundled = tmp_path / "bundled"
     bundled.mkdir()

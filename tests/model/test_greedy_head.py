@@ -56,3 +56,19 @@ def test_non_fp32_weights_use_the_plain_head():
     assert not head.screen
     h = torch.randn(3, 16).to(torch.bfloat16)
     assert torch.equal(head.argmax(h), full_argmax(h, w))
+
+
+def test_edge_tail_and_argmax_matches_its_logits(tiny_split):
+    from splitlm.model.shards import load_edge
+
+    edge = load_edge(tiny_split / "edge")
+    edge._greedy = GreedyHead(edge.head_weight.detach(), edge.cfg.final_logit_softcapping, screen=True)
+    h = torch.randn(1, 6, edge.cfg.hidden_size)
+    pos = torch.arange(6)
+    want = edge.tail_and_logits(h, pos, None, edge.tail.new_cache(), [1, 3, 5])[0].argmax(-1)
+    got = edge.tail_and_argmax(h, pos, None, edge.tail.new_cache(), [1, 3, 5])
+    assert torch.equal(got, want)
+    allowed = torch.zeros(edge.cfg.vocab_size, dtype=torch.bool)
+    allowed[::7] = True
+    only = edge.tail_and_argmax(h, pos, None, edge.tail.new_cache(), None, allowed)
+    assert only.shape == (6,) and allowed[only].all()

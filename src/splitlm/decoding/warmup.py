@@ -50,6 +50,66 @@ CODE_TASKS = [
     "counts the words in a file", "converts a list of tuples into a dictionary", "checks whether a list is sorted",
     "computes the distance between two points",
 ]
+CODE_TASKS += [
+    "computes the Levenshtein distance between two strings", "converts a hex colour code to RGB values",
+    "returns the unique elements of a list in their original order", "computes the dot product of two vectors",
+    "finds the missing number in a list from 1 to n", "checks whether a string contains only digits",
+    "converts seconds into hours, minutes and seconds", "finds the longest common prefix of a list of strings",
+    "counts the set bits in an integer", "returns the k largest elements of a list",
+    "checks whether a number is an Armstrong number", "computes the area of a triangle from its three sides",
+    "turns a dictionary into a URL query string", "parses a CSV line into fields",
+    "returns the intersection of two lists", "pads a string to a given length",
+    "computes the running total of a list", "finds the first repeated character in a string",
+    "converts kilometres to miles", "builds Pascal's triangle with n rows",
+    "computes the least common multiple of two numbers", "checks whether a matrix is symmetric",
+    "sums the even numbers in a list", "truncates a string to n characters with an ellipsis",
+    "returns the weekday of a given date", "merges two dictionaries",
+    "counts the occurrences of a substring in a string", "implements bubble sort", "implements insertion sort",
+    "implements quicksort", "implements merge sort", "checks whether a binary tree is balanced",
+    "computes the depth of a binary tree", "finds the shortest path in a grid with breadth-first search",
+    "checks a password against simple strength rules", "converts a camelCase name to snake_case",
+    "computes the standard deviation of a list of numbers", "checks whether a sentence is a pangram",
+    "removes all whitespace from a string", "finds the maximum sum of a contiguous subarray",
+    "converts a list of strings to integers, skipping invalid entries", "counts the files in a directory",
+    "returns the extension of a file path", "encodes a string with a Caesar cipher",
+    "checks whether a number is a power of two", "computes the number of days between two dates",
+    "finds the mode of a list of numbers", "pairs up the elements of two lists",
+    "groups a list of records by one of their fields", "returns the n-th triangular number",
+    "checks whether a string is a valid IPv4 address", "converts a list of words into an acronym",
+    "computes the cumulative product of a list", "finds all divisors of a number",
+    "returns the longest increasing subsequence of a list", "counts the islands in a grid of zeros and ones",
+    "converts an integer to Roman numerals", "checks whether a graph has a cycle",
+    "performs a depth-first search on a graph", "implements a simple hash function for strings",
+    "returns the most frequent element of a list", "converts a temperature table from Fahrenheit to Celsius",
+    "finds the peak element of an array", "counts the distinct words in a text, ignoring case",
+    "computes the Hamming distance between two strings", "interleaves two strings character by character",
+    "computes the moving average of a list with a window of size k", "returns every permutation of a string",
+    "computes the binomial coefficient n choose k", "formats a number with thousands separators",
+    "finds the first non-repeating character in a string", "multiplies two matrices",
+    "checks whether a Sudoku row is valid", "converts a nested dictionary into a flat one with dotted keys",
+    "returns the difference between two lists", "draws a text progress bar for a percentage",
+    "computes a checksum of a file", "reads environment variables with default values",
+    "simulates rolling two dice a thousand times", "converts an RGB colour to hexadecimal",
+    "returns the largest prime factor of a number", "trims a list to its last n elements",
+    "checks whether a number is a happy number", "finds the median of two sorted lists",
+    "replaces every vowel in a string with a star", "schedules a function to run after a delay",
+    "splits a full name into first and last name", "computes the body mass index",
+    "counts the uppercase and lowercase letters in a string", "finds the closest pair of numbers in a list",
+    "computes the sum of the squares of the first n numbers", "checks whether a string is a rotation of another",
+    "parses a key=value configuration file", "returns the top three scores from a dictionary of players",
+    "converts minutes into a human-readable duration", "checks whether a triangle is right-angled",
+    "computes the total price of a shopping cart with tax", "compresses a string with run-length encoding",
+    "validates a phone number", "generates a multiplication table",
+]
+CODE_HOWTOS = ["read a text file line by line", "sort a list of objects by an attribute", "handle errors",
+               "make an HTTP GET request", "format a number with two decimals", "get the current date and time",
+               "split a string by a delimiter", "check whether a key exists in a map", "write a unit test",
+               "start a new thread", "parse command-line arguments", "convert a string to an integer",
+               "iterate over the entries of a dictionary", "define a constant", "join a list of strings"]
+CODE_CONCEPTS = ["a closure", "recursion", "a generator", "a decorator", "a hash map", "a race condition",
+                 "a REST API", "Big-O notation", "a lambda function", "polymorphism", "inheritance", "a callback",
+                 "a promise", "dependency injection", "memoization", "a binary search tree", "a context manager",
+                 "an iterator", "garbage collection", "immutability"]
 CODE_CLASSES = ["BankAccount", "Rectangle", "Inventory", "TodoList", "Matrix", "Timer", "Library",
                 "ShoppingCart", "Counter", "Temperature", "Circle", "Student", "Playlist", "Vector2D",
                 "LRUCache", "EventBus", "Logger", "Fraction", "ParkingLot", "Deck"]
@@ -99,11 +159,13 @@ PAIRS = [("a virus", "a bacterium"), ("weather", "climate"), ("RAM", "storage"),
 
 
 def instructions(seed: int = 0) -> list[str]:
-    """The generic requests (about 1000), in a fixed shuffled order."""
+    """The generic requests (about 1600), in a fixed shuffled order."""
     out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS)]
     out += [f"Write a {lang} class {name} with a few useful methods."
             for name in CODE_CLASSES for lang in ["Python", "Java", "JavaScript"]]
     out += [f"Write an SQL query that returns {q}." for q in SQL_QUERIES]
+    out += [f"How do I {how} in {lang}?" for how, lang in itertools.product(CODE_HOWTOS, LANGS[:4])]
+    out += [f"Explain {c} in programming, with a short example." for c in CODE_CONCEPTS]
     out += [f"Give {fmt} with three {things}, with the fields {fields}."
             for fmt, (things, fields) in itertools.product(FORMATS, RECORDS)]
     out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(CREATIVE_KINDS, SUBJECTS)]
@@ -115,9 +177,12 @@ def instructions(seed: int = 0) -> list[str]:
     return out
 
 
-def stdlib_snippets(rng: random.Random, count: int = 160, lines: int = 15) -> list[str]:
-    """Up to `count` runs of `lines` lines from the standard library's own modules, to be continued."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+def stdlib_snippets(rng: random.Random, count: int = 160, lines: int = 15, pattern: str = "*.py") -> list[str]:
+    """Up to `count` runs of `lines` lines from the standard library's own modules (top-level ones, or
+    those `pattern` selects), to be continued."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.glob(pattern)
+                   if not {"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(f.relative_to(root).parts))
     out = []
     for f in rng.sample(files, min(count, len(files))):
         text = f.read_text(errors="ignore").splitlines()
@@ -138,13 +203,16 @@ def warmup_prompts(tokenizer, answer_tokens: int = 128, continue_tokens: int = 9
         prompts.append((text, answer_tokens))
     rng = random.Random(1)
     prompts += [(s, continue_tokens) for s in stdlib_snippets(rng)]
+    prompts += [(s, continue_tokens) for s in stdlib_snippets(random.Random(2), 200, pattern="*/*.py")]
     rng.shuffle(prompts)
     return prompts
 
 
 def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, batch: int = 16,
                  progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Generate the warm-up answers with the full model (transformers, greedy) into `out`."""
+    """Generate the warm-up answers with the full model (transformers, greedy) into `out`. If `out`
+    exists, the prompts it already answers are kept and only the others are generated (an
+    interrupted run resumes; a file made with a shorter list grows)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -160,10 +228,17 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
     model = load_hf(str(model_dir))
     prompts = warmup_prompts(tokenizer)[:limit]
     out = Path(out)
+    kept = read_warmup_records(out) if out.exists() else []
+    answered = {r["prompt"] for r in kept}
+    prompts = [p for p in prompts if p[0] not in answered]
+    if kept:
+        progress(f"{out}: {len(kept)} answers kept, {len(prompts)} prompts to go")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     tokens = 0
     with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
         for i in range(0, len(prompts), batch):
             chunk = prompts[i:i + batch]
             enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -181,17 +256,26 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
             progress(f"{done}/{len(prompts)} prompts, {tokens} tokens, {rate:.0f} tok/s, "
                      f"about {(len(prompts) - done) / max(done, 1) * (time.perf_counter() - start) / 60:.1f} min left")
     tmp.replace(out)
-    return {"out": str(out), "prompts": len(prompts), "tokens": tokens,
+    return {"out": str(out), "prompts": len(prompts), "kept": len(kept), "tokens": tokens,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def read_warmup_records(path: str | Path) -> list[dict]:
+    """The {"prompt", "text"} records of a warm-up file."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for r in records:
+            if not isinstance(r["prompt"], str) or not isinstance(r["text"], str):
+                raise TypeError("prompt and text must be strings")
+        return records
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        raise SplitLMError(f"{path}: not a warm-up file ({e})") from e
 
 
 def read_warmup(path: str | Path) -> list[str]:
     """The answers of a warm-up file."""
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line)["text"] for line in f if line.strip()]
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-        raise SplitLMError(f"{path}: not a warm-up file ({e})") from e
+    return [r["text"] for r in read_warmup_records(path)]
 
 
 def find_warmup(edge_dir: str | Path, model_hash: str | None) -> Path | None:

@@ -173,6 +173,8 @@ class Edge:
             self._vocab_ids = None if self.vocab.everything else self.vocab.ids
             w = self.model.end_weight
             self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
+        if not self.split_head:
+            self.model.greedy_head()  # decides once whether its bf16 screen pays on this machine
         self._corpus: NgramModel | None = None
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}

@@ -186,9 +186,13 @@ class EdgeModel(nn.Module):
         h = self.tail(h, positions, new_mask, cache)
         if rows is not None:
             h = h[:, rows]
-        if getattr(self, "_greedy", None) is None or self._greedy.weight is not self.head_weight.data:
-            self._greedy = GreedyHead(self.head_weight.data, self.cfg.final_logit_softcapping)
-        return self._greedy.argmax(self.norm(h)[0], allowed)
+        return self.greedy_head().argmax(self.norm(h)[0], allowed)
+
+    def greedy_head(self) -> GreedyHead:
+        """The screened LM head, built on first use (after the weights are loaded)."""
+        if getattr(self, "_greedy", None) is None:
+            self._greedy = GreedyHead(self.head_weight.detach(), self.cfg.final_logit_softcapping)
+        return self._greedy
 
 
 class CloudModel(nn.Module):
