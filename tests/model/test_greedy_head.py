@@ -62,7 +62,7 @@ def test_edge_tail_and_argmax_matches_its_logits(tiny_split):
     from splitlm.model.shards import load_edge
 
     edge = load_edge(tiny_split / "edge")
-    edge._greedy = GreedyHead(edge.head_weight.detach(), edge.cfg.final_logit_softcapping, screen=True)
+    edge._greedy = GreedyHead(edge.head_weight.detach(), edge.cfg.final_logit_softcapping, screen=True)  # tiny: force
     h = torch.randn(1, 6, edge.cfg.hidden_size)
     pos = torch.arange(6)
     want = edge.tail_and_logits(h, pos, None, edge.tail.new_cache(), [1, 3, 5])[0].argmax(-1)
@@ -72,3 +72,15 @@ def test_edge_tail_and_argmax_matches_its_logits(tiny_split):
     allowed[::7] = True
     only = edge.tail_and_argmax(h, pos, None, edge.tail.new_cache(), None, allowed)
     assert only.shape == (6,) and allowed[only].all()
+
+
+def test_screening_can_be_switched_by_environment(tiny_split, monkeypatch):
+    from splitlm import SplitLMError
+    from splitlm.model.shards import load_edge
+
+    for value, screen in (("0", False), ("1", True)):
+        monkeypatch.setenv("SPLITLM_SCREENED_HEAD", value)
+        assert load_edge(tiny_split / "edge").greedy_head().screen is screen
+    monkeypatch.setenv("SPLITLM_SCREENED_HEAD", "yes")
+    with pytest.raises(SplitLMError, match="must be 0 or 1"):
+        load_edge(tiny_split / "edge").greedy_head()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -189,9 +190,15 @@ class EdgeModel(nn.Module):
         return self.greedy_head().argmax(self.norm(h)[0], allowed)
 
     def greedy_head(self) -> GreedyHead:
-        """The screened LM head, built on first use (after the weights are loaded)."""
+        """The screened LM head, built on first use (after the weights are loaded). Environment
+        variable SPLITLM_SCREENED_HEAD: 0 = never screen (saves the bf16 copy of W), 1 = always,
+        unset = where a bf16 product is measured to be faster."""
         if getattr(self, "_greedy", None) is None:
-            self._greedy = GreedyHead(self.head_weight.detach(), self.cfg.final_logit_softcapping)
+            choice = os.environ.get("SPLITLM_SCREENED_HEAD", "").strip()
+            if choice not in ("", "0", "1"):
+                raise SplitLMError(f"SPLITLM_SCREENED_HEAD must be 0 or 1, not {choice!r}")
+            screen = None if choice == "" else choice == "1"
+            self._greedy = GreedyHead(self.head_weight.detach(), self.cfg.final_logit_softcapping, screen)
         return self._greedy
 
 
