@@ -158,8 +158,52 @@ PAIRS = [("a virus", "a bacterium"), ("weather", "climate"), ("RAM", "storage"),
          ("a hurricane", "a tornado"), ("stocks", "bonds"), ("a frog", "a toad"), ("SQL", "NoSQL")]
 
 
+MORE_RECORDS = [("bridges", "name, city, length"), ("museums", "name, city, visitors per year"),
+                ("bikes", "brand, type, gears"), ("birds", "species, wingspan, colour"),
+                ("mountains", "name, height, country"), ("trains", "name, top speed, route"),
+                ("cheeses", "name, country, milk"), ("apps", "name, category, rating"),
+                ("festivals", "name, month, city"), ("languages", "name, speakers, family")]
+MORE_FORMATS = ["TOML", "an HTML table"]
+EMAILS = ["asking a colleague to review a report", "declining a meeting invitation politely",
+          "thanking a teacher at the end of the school year", "asking a landlord to fix the heating",
+          "following up on an unanswered message", "announcing a team lunch", "apologising for missing a call",
+          "requesting a refund for a cancelled concert", "welcoming a new team member",
+          "asking for feedback on a presentation", "reminding a friend about a borrowed book",
+          "inviting a speaker to a school event", "confirming a dentist appointment",
+          "telling a client about a short delay", "asking a neighbour to water the garden",
+          "congratulating a friend on a new job", "asking the library to extend a loan",
+          "summarising the decisions of a meeting", "introducing two colleagues to each other",
+          "asking for a day off next Friday"]
+LISTS = ["tips for writing clearly", "ways to save energy at home", "healthy breakfast ideas",
+         "things to pack for a weekend hike", "questions to ask a new doctor", "ways to learn new vocabulary",
+         "board games for families", "safety rules for a chemistry lab", "habits of good listeners",
+         "reasons to learn to swim", "ideas for a science fair project", "uses for an old glass jar",
+         "ways to make a small room feel bigger", "things to check before a long car journey"]
+EXPLAINS = ["how a refrigerator keeps food cold", "how vaccines work", "how aeroplanes stay in the air",
+            "what inflation is", "how a compass works", "how credit cards work",
+            "how a message travels across the internet", "what photosynthesis is", "how earthquakes happen",
+            "what a black hole is", "how batteries store energy", "how soap cleans",
+            "why bread goes stale", "how a microwave heats food", "what DNA is", "how recycling works",
+            "how glasses help people see", "how bees make honey", "what causes wind", "how a bicycle gear works"]
+HOBBIES = ["learn to cook", "start a small vegetable garden", "get into cycling", "learn to draw",
+           "run a half marathon", "write a novel", "become better at public speaking", "learn photography",
+           "start meditating", "keep a journal", "learn to swim as an adult", "get fit at home",
+           "learn sign language", "start a book club", "learn to knit"]
+MORE_PAIRS = [("a violin", "a viola"), ("tea", "coffee"), ("renting", "buying a home"),
+              ("a novel", "a novella"), ("a cold", "the flu"), ("a comet", "an asteroid"),
+              ("butter", "margarine"), ("a university", "a college"), ("an electric car", "a petrol car"),
+              ("a memoir", "an autobiography"), ("a laptop", "a tablet"), ("a gym", "home workouts")]
+MORE_KINDS = ["a bedtime story", "a short motivational speech", "a product description", "a wedding toast",
+              "a riddle", "a short fable with a moral", "the opening paragraph of a mystery novel",
+              "a tongue twister"]
+MORE_SUBJECTS = ["a bicycle that wants to fly", "a snowman in summer", "a shy volcano",
+                 "a library book that was never borrowed", "a lost key", "an old sailor's last voyage",
+                 "a kite that escaped", "a chess piece that refuses to move", "a lonely streetlight",
+                 "a squirrel who collects buttons", "the first day of spring", "a message in a bottle"]
+
+
 def instructions(seed: int = 0) -> list[str]:
-    """The generic requests (about 1600), in a fixed shuffled order."""
+    """The generic requests (about 2500), in a fixed shuffled order."""
     out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS)]
     out += [f"Write a {lang} class {name} with a few useful methods."
             for name in CODE_CLASSES for lang in ["Python", "Java", "JavaScript"]]
@@ -173,6 +217,20 @@ def instructions(seed: int = 0) -> list[str]:
     for w in WHYS:
         out += [f"Why {w}?", f"Explain to a child why {w}."]
     out += [f"What is the difference between {a} and {b}?" for a, b in PAIRS]
+    out += [f"Give {fmt} with three {things}, with the fields {fields}."
+            for fmt, (things, fields) in itertools.product(FORMATS + MORE_FORMATS, MORE_RECORDS)]
+    out += [f"Give {fmt} with three {things}, with the fields {fields}."
+            for fmt, (things, fields) in itertools.product(MORE_FORMATS, RECORDS)]
+    out += [f"Write a short email {e}." for e in EMAILS]
+    for x in LISTS:
+        out += [f"List five {x} as a numbered list.", f"Give a bulleted list of {x}, one sentence each."]
+    for x in EXPLAINS:
+        out += [f"Explain {x}.", f"In simple words, explain {x}.", f"Explain to a child {x}."]
+    for h in HOBBIES:
+        out += [f"I want to {h}. Where should I start?", f"What are common mistakes when people {h}?"]
+    for a, b in MORE_PAIRS:
+        out += [f"What is the difference between {a} and {b}?", f"{a[0].upper() + a[1:]} or {b}? Give pros and cons."]
+    out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(MORE_KINDS + CREATIVE_KINDS, MORE_SUBJECTS)]
     random.Random(seed).shuffle(out)
     return out
 
