@@ -214,13 +214,15 @@ def test_pipelining_fractions_and_report_table():
     for i, cat in enumerate(("code", "creative")):  # 10 round trips, 4 of them pipelined, 3 dropped, 2 missed
         p = Prompt(f"p{i}", cat, "x", ids=[1, 2, 3])
         run = ModeRun([5, 6, 7, 8, 9], ttft_s=0.2, decode_s=0.5, steps=5, round_trips=5, network_s=0.2,
-                      pipelined=2, discarded=2 - i, missed=1)
+                      pipelined=2, discarded=2 - i, missed=1, spec_steps=5, tree_nodes=20 + 10 * i, window_tokens=5 * i)
         rows.append(prompt_row("pipelined", 80.0, p, run, [5, 6, 7, 8, 9], (5, 5)))
     results = aggregate(rows)
     piped = next(r for r in results if r["mode"] == "pipelined" and r["category"] == "all")
     assert piped["pipelined_fraction"] == pytest.approx(0.4)
     assert piped["discarded_fraction"] == pytest.approx(0.75) and piped["missed_fraction"] == pytest.approx(0.5)
     assert next(r for r in results if r["mode"] == "split-seq")["pipelined_fraction"] == 0
+    assert piped["mean_tree_nodes"] == pytest.approx(5.0) and piped["mean_window_tokens"] == pytest.approx(0.5)
+    assert next(r for r in results if r["mode"] == "split-seq")["mean_tree_nodes"] is None
     doc = {"created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
            "config": {"rtts_ms": [80.0], "modes": ["split-seq", "pipelined"], "prompts": "x.json",
                       "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": False},

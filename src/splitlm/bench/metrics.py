@@ -48,6 +48,7 @@ def prompt_row(mode: str, rtt_ms: float, prompt: Prompt, run: ModeRun, reference
         "bytes_up": run.bytes_up, "bytes_down": run.bytes_down,
         "prefill_bytes_up": run.prefill_bytes_up, "prefill_bytes_down": run.prefill_bytes_down,
         "pipelined_steps": run.pipelined, "discarded_steps": run.discarded, "missed_bets": run.missed,
+        "spec_steps": run.spec_steps, "tree_nodes": run.tree_nodes, "window_tokens": run.window_tokens,
         "exact_match": run.token_ids == reference,
         "agreement_matches": agreement[0], "agreement_positions": agreement[1],
         "token_ids": run.token_ids, "text": text,
@@ -99,6 +100,10 @@ def pool(rows: list[dict], memory: dict | None = None) -> dict:
                                      sum(r.get("pipelined_steps", 0) for r in rows)),
         "missed_fraction": _ratio(sum(r.get("missed_bets", 0) for r in rows),
                                   sum(r.get("pipelined_steps", 0) for r in rows)),
+        # speculative modes: what the budget chose to send per verification step
+        "mean_tree_nodes": _ratio(sum(r.get("tree_nodes", 0) for r in rows), sum(r.get("spec_steps", 0) for r in rows)),
+        "mean_window_tokens": _ratio(sum(r.get("window_tokens", 0) for r in rows),
+                                     sum(r.get("spec_steps", 0) for r in rows)),
     }
 
 

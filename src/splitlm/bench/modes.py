@@ -46,6 +46,9 @@ class ModeRun:
     pipelined: int = 0  # decoding steps sent while the step before was in flight (mode pipelined)
     discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or the step guessed nothing)
     missed: int = 0  # of those, steps dropped because the bet failed
+    spec_steps: int = 0  # speculative modes: verification steps, and the tree nodes (root included) and
+    tree_nodes: int = 0  # lookahead-window tokens they sent in all
+    window_tokens: int = 0
 
 
 @dataclass
@@ -299,6 +302,10 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
     run.pipelined = stats.spec.get("pipelined_steps", 0)
     run.discarded = stats.spec.get("discarded_steps", 0)
     run.missed = stats.spec.get("missed_bets", 0)
+    if steps := stats.spec.get("steps", 0):
+        run.spec_steps = steps
+        run.tree_nodes = round(stats.spec["mean_tree_nodes"] * steps)
+        run.window_tokens = round(stats.spec["mean_window_tokens"] * steps)
     return run
 
 
