@@ -84,3 +84,11 @@ def test_screening_can_be_switched_by_environment(tiny_split, monkeypatch):
     monkeypatch.setenv("SPLITLM_SCREENED_HEAD", "yes")
     with pytest.raises(SplitLMError, match="must be 0 or 1"):
         load_edge(tiny_split / "edge").greedy_head()
+
+
+def test_a_nan_row_falls_back_to_the_plain_head():
+    g = torch.Generator().manual_seed(3)
+    w, h = torch.randn(300, 16, generator=g), torch.randn(3, 16, generator=g)
+    h[1, 4] = float("nan")
+    got = GreedyHead(w, screen=True).argmax(h)
+    assert torch.equal(got, GreedyHead(w, screen=False).argmax(h))

@@ -52,14 +52,17 @@ class GreedyHead:
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.tanh(logits / self.cap) * self.cap if self.cap else logits
 
+    def _plain(self, h: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        logits = self._capped(F.linear(h, self.weight))  # [N, V]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, -torch.inf)
+        return logits.argmax(-1)
+
     @torch.inference_mode()
     def argmax(self, h: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """h [N, D] (final-normed) -> token ids [N]; `allowed` [V] bool."""
         if not self.screen:
-            logits = self._capped(F.linear(h, self.weight))  # [N, V]
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed, -torch.inf)
-            return logits.argmax(-1)
+            return self._plain(h, allowed)
         y = F.linear(h.to(torch.bfloat16), self.weight16).float()  # [N, V]
         slack = self.rel * h.norm(dim=1, keepdim=True) * self.col_norm + 1.01 * U * y.abs()  # [N, V]
         low, high = y - slack, y + slack
@@ -69,6 +72,9 @@ class GreedyHead:
         out = torch.empty(h.shape[0], dtype=torch.long)
         for r in range(h.shape[0]):
             ids = survivors[r].nonzero()[:, 0]  # ascending, so ties go to the lowest id
+            if ids.numel() == 0:  # NaN in the row: no bound holds, the plain head decides
+                out[r] = self._plain(h[r:r + 1], allowed)[0]
+                continue
             exact = self._capped(F.linear(h[r:r + 1], self.weight[ids])[0])  # [S]
             out[r] = ids[exact.argmax()]
         return out
