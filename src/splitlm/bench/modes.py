@@ -302,10 +302,9 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
     run.pipelined = stats.spec.get("pipelined_steps", 0)
     run.discarded = stats.spec.get("discarded_steps", 0)
     run.missed = stats.spec.get("missed_bets", 0)
-    if steps := stats.spec.get("steps", 0):
-        run.spec_steps = steps
-        run.tree_nodes = round(stats.spec["mean_tree_nodes"] * steps)
-        run.window_tokens = round(stats.spec["mean_window_tokens"] * steps)
+    run.spec_steps = stats.spec.get("steps", 0)
+    run.tree_nodes = stats.spec.get("tree_nodes", 0)
+    run.window_tokens = stats.spec.get("window_tokens", 0)
     return run
 
 

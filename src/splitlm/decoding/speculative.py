@@ -83,7 +83,8 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         s = max(self.steps, 1)
-        return {"steps": self.steps, "mean_tree_nodes": round(self.tree_nodes / s, 2),
+        return {"steps": self.steps, "tree_nodes": self.tree_nodes, "window_tokens": self.window_tokens,
+                "mean_tree_nodes": round(self.tree_nodes / s, 2),
                 "mean_window_tokens": round(self.window_tokens / s, 2),
                 "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
                 "mean_expected_tokens": round(self.expected_tokens / s, 3),

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from splitlm.model.llama import softcap
+
 U = 2.0 ** -8  # bf16 unit roundoff
 
 
@@ -29,11 +31,11 @@ def _seconds(fn, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def bf16_pays(weight: torch.Tensor, rows: int = 8) -> bool:
-    """Whether a bf16 product with `weight` is clearly faster than fp32 on this machine."""
+def bf16_pays(weight: torch.Tensor, weight16: torch.Tensor, rows: int = 8) -> bool:
+    """Whether a product with `weight16` (bf16) is clearly faster than with `weight` (fp32) on this machine."""
     h = torch.randn(rows, weight.shape[1])
-    w16, h16 = weight.to(torch.bfloat16), h.to(torch.bfloat16)
-    return _seconds(lambda: F.linear(h16, w16)) < 0.8 * _seconds(lambda: F.linear(h, weight))
+    h16 = h.to(torch.bfloat16)
+    return _seconds(lambda: F.linear(h16, weight16)) < 0.8 * _seconds(lambda: F.linear(h, weight))
 
 
 class GreedyHead:
@@ -41,19 +43,15 @@ class GreedyHead:
 
     def __init__(self, weight: torch.Tensor, cap: float | None = None, screen: bool | None = None):
         self.weight, self.cap = weight, cap  # [V, D]
-        if weight.dtype != torch.float32:
-            screen = False
-        self.screen = bf16_pays(weight) if screen is None else screen
+        weight16 = weight.to(torch.bfloat16) if weight.dtype == torch.float32 and screen is not False else None
+        self.screen = weight16 is not None and (screen or bf16_pays(weight, weight16))
         if self.screen:
-            self.weight16 = weight.to(torch.bfloat16)  # [V, D]
+            self.weight16 = weight16  # [V, D]
             self.col_norm = weight.norm(dim=1)  # [V]
             self.rel = 1.01 * (2 * U + U * U + weight.shape[1] * 2.0 ** -24)
 
-    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(logits / self.cap) * self.cap if self.cap else logits
-
     def _plain(self, h: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        logits = self._capped(F.linear(h, self.weight))  # [N, V]
+        logits = softcap(F.linear(h, self.weight), self.cap)  # [N, V]
         if allowed is not None:
             logits = logits.masked_fill(~allowed, -torch.inf)
         return logits.argmax(-1)
@@ -75,6 +73,6 @@ class GreedyHead:
             if ids.numel() == 0:  # NaN in the row: no bound holds, the plain head decides
                 out[r] = self._plain(h[r:r + 1], allowed)[0]
                 continue
-            exact = self._capped(F.linear(h[r:r + 1], self.weight[ids])[0])  # [S]
+            exact = softcap(F.linear(h[r:r + 1], self.weight[ids])[0], self.cap)  # [S]
             out[r] = ids[exact.argmax()]
         return out
