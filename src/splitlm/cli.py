@@ -8,6 +8,7 @@ import logging
 import sys
 
 from splitlm import SplitLMError, __version__
+from splitlm.model.device import add_device_arguments, dtype_name
 
 DEFAULT_PORT = 8765
 
@@ -57,8 +58,8 @@ def cmd_serve_cloud(args) -> int:
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20)
-    server = CloudServer(args.shard, limits, identity=args.identity, allowed_clients=args.clients,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+    server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
+                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -77,7 +78,8 @@ def cmd_generate(args) -> int:
         if args.json:
             result = edge.generate(args.prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
-                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
+                              "edge": {"device": str(edge.device), "dtype": dtype_name(edge.dtype)}}))
             return 0
         stream = edge.stream(args.prompt, args.max_new_tokens, **options)
         for piece in stream:
@@ -174,7 +176,8 @@ def cmd_warmup(args) -> int:
 def cmd_demo(args) -> int:
     from splitlm.demo import run_demo
 
-    return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype)
+    return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype, device=args.device, dtype=args.dtype,
+                    cloud_device=args.cloud_device or args.device, cloud_dtype=args.cloud_dtype or args.dtype)
 
 
 def cmd_keygen(args) -> int:
@@ -306,7 +309,7 @@ def edge_security_kwargs(args) -> dict:
     """Keyword arguments for `Edge(...)` from the options of `add_edge_options` (keys, trust, what the
     cloud may keep and which tokens may be emitted)."""
     kwargs = {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
-                                                             "cache_policy")}
+                                                             "cache_policy", "device", "dtype")}
     return {**kwargs, "vocab": getattr(args, "vocab", None) or "all"}
 
 
@@ -366,6 +369,7 @@ def sampling_config(args):
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
+    add_device_arguments(p, what="the edge's layers")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES,
                    help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use "
                         "per-row scales)")
@@ -420,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allowed client public keys, one per line (default: any client may connect, still encrypted)")
     p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve wss:// with this certificate (chain)")
     p.add_argument("--tls-key", metavar="PEM", default=None, help="the TLS certificate's private key")
+    add_device_arguments(p, what="the middle layers")
     p.set_defaults(func=cmd_serve_cloud)
 
     p = sub.add_parser("keygen", help="create a key pair: PREFIX.key (private) and PREFIX.pub")
@@ -502,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES)
+    add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
+    add_device_arguments(p, "cloud", what="the cloud's layers")
     p.set_defaults(func=cmd_demo)
 
     add_audit_parsers(sub)

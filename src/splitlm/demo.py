@@ -20,7 +20,8 @@ def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail
 
 
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
-             wire_dtype: str = "auto", rtt_ms: float = 80.0, spec: str = "auto") -> int:
+             wire_dtype: str = "auto", rtt_ms: float = 80.0, spec: str = "auto", device: str = "auto",
+             dtype: str = "auto", cloud_device: str = "auto", cloud_dtype: str = "auto") -> int:
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cli import print_stats
     from splitlm.edge import Edge
@@ -29,13 +30,14 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
     split_dir = cached_split(model)
     cloud_key = default_identity("cloud").fingerprint  # the server below uses this identity; pin it
     log("splitlm demo: starting a cloud server on loopback (it holds only the middle layers)")
-    with cloud_process(split_dir / "cloud") as port:
+    with cloud_process(split_dir / "cloud", cloud_device, cloud_dtype) as port:
         import torch
 
         torch.set_num_threads(1)
         log(f"splitlm demo: the edge reaches it through an emulated WAN link with {rtt_ms:.0f} ms round trips")
         with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan, \
-                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype, cloud_key=cloud_key) as edge:
+                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype, cloud_key=cloud_key, device=device,
+                     dtype=dtype) as edge:
             prompt = prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
             stream = edge.stream(prompt, max_new_tokens, chat=True, spec=spec)

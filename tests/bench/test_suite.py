@@ -234,3 +234,17 @@ def test_pipelining_fractions_and_report_table():
     table = md.split("## Pipelining")[1]
     assert "| pipelined | 80 |" in table and "| 40.0 % | 75.0 % | 50.0 % |" in table
     assert "| split-seq |" not in table
+
+
+@pytest.mark.slow
+def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_path, capsys):
+    argv = ["bench", "--limit", "1", "--max-new-tokens", "8", "--rtt-ms", "0", "--modes", "split-seq",
+            "--device", "cpu", "--cloud-dtype", "bf16", "--out", str(tmp_path), "--no-plots", "--no-memory"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["environment"]["compute"] == {"edge": {"device": "cpu", "dtype": "fp32"},
+                                             "cloud": {"device": "cpu", "dtype": "bf16"}}
+    assert doc["config"]["cloud_dtype"] == "bf16"
+    seq = next(r for r in doc["results"] if r["mode"] == "split-seq" and r["category"] == "all")
+    assert seq["agreement"] >= 0.75  # bf16 middle layers: close to, not exactly, the fp32 model

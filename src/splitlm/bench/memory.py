@@ -47,10 +47,11 @@ def peak_rss_bytes() -> int:
 
 def probe_memory(mode: str, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
                  wire_dtype: str, prompt_ids: list[int], max_new_tokens: int, timeout_s: float = 300,
-                 vocab: str = "all") -> dict:
+                 vocab: str = "all", device: str = "auto", dtype: str = "auto") -> dict:
     """Run `mode` once in a child process; returns its memory figures (MiB) or {"error": ...}."""
     spec = {"mode": mode, "model_dir": str(model_dir), "edge_dir": str(edge_dir), "cloud_url": cloud_url,
-            "wire_dtype": wire_dtype, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, "vocab": vocab}
+            "wire_dtype": wire_dtype, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, "vocab": vocab,
+            "device": device, "dtype": dtype}
     try:
         proc = subprocess.run([sys.executable, "-m", "splitlm.bench.memory"], input=json.dumps(spec),
                               capture_output=True, text=True, timeout=timeout_s)
@@ -71,7 +72,8 @@ def _child() -> None:
 
     torch.set_num_threads(1)
     baseline = current_rss_bytes()
-    ctx = BenchContext(spec["model_dir"], spec["edge_dir"], spec["cloud_url"], spec["wire_dtype"], spec["vocab"])
+    ctx = BenchContext(spec["model_dir"], spec["edge_dir"], spec["cloud_url"], spec["wire_dtype"], spec["vocab"],
+                       device=spec["device"], dtype=spec["dtype"])
     try:
         run = MODES[spec["mode"]].run(ctx, spec["prompt_ids"], spec["max_new_tokens"])
         weights = ctx.weight_bytes()

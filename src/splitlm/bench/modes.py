@@ -99,9 +99,10 @@ class BenchContext:
     """
 
     def __init__(self, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
-                 wire_dtype: str = "fp16", vocab: str = "all"):
+                 wire_dtype: str = "fp16", vocab: str = "all", device: str = "auto", dtype: str = "auto"):
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
+        self.device, self.dtype = device, dtype  # the edge's (the reference model runs on the CPU in fp32)
         self.draft: str | None = None  # --draft: the `draft` mode's draft model (default self), `pipelined`'s drafter
 
     @cached_property
@@ -133,7 +134,8 @@ class BenchContext:
             raise SplitLMError("this benchmark mode needs a cloud server, but none was started")
         # the bench's own cloud process runs with the default cloud identity: pin it
         return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype,
-                    cloud_key=default_identity("cloud").fingerprint, vocab=self.vocab)
+                    cloud_key=default_identity("cloud").fingerprint, vocab=self.vocab, device=self.device,
+                    dtype=self.dtype)
 
     def set_cloud_url(self, url: str | None) -> None:
         """Point the edge at another address (another emulated RTT); it reconnects on next use."""

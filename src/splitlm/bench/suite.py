@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError, __version__
-from splitlm.cloud.local import cloud_process
+from splitlm.cloud.local import cloud_process, health
 
 SCHEMA = "splitlm.bench/1"
 DEFAULT_MODES = "local-hf,split-seq"
@@ -60,6 +60,10 @@ class BenchConfig:
     plots: bool = True
     draft: str | None = None  # --draft (self, self-raw or a model path): mode draft's (default self), pipelined's
     codecs: list[str] = field(default_factory=list)  # codec study: bytes/token and agreement per wire codec
+    device: str = "auto"  # the edge's device and compute dtype (this process)
+    dtype: str = "auto"
+    cloud_device: str | None = None  # the cloud's (None: as the edge's)
+    cloud_dtype: str | None = None
 
     @property
     def sweep(self) -> bool:
@@ -158,6 +162,7 @@ def run_bench(config: BenchConfig) -> dict:
     from splitlm.bench.metrics import aggregate, fit_sweep, prompt_row
     from splitlm.bench.modes import MODES, BenchContext, teacher_forced_agreement
     from splitlm.bench.prompts import default_prompts_path, load_prompts, load_tokenizer, tokenize
+    from splitlm.model.device import dtype_name
 
     prompts_path = Path(config.prompts) if config.prompts else default_prompts_path()
     prompts = load_prompts(prompts_path)[: config.limit]
@@ -182,18 +187,21 @@ def run_bench(config: BenchConfig) -> dict:
     progress(f"{len(prompts)} prompts x {len(modes)} modes x {len(rtts)} RTT(s), up to {config.max_new_tokens} tokens;"
              f" model {re.sub(r'-[0-9a-f]{16}$', '', model_dir.name)}, {config.topology} split k={config.head}"
              f" m={config.tail or 0}{f' d={config.d_end}' if config.d_end else ''}, vocab {config.vocab},"
-             f" wire {config.wire_dtype};"
+             f" wire {config.wire_dtype}, edge {config.device}/{config.dtype},"
+             f" cloud {config.cloud_device or config.device}/{config.cloud_dtype or config.dtype};"
              " edge and cloud pinned to 1 torch thread each")
 
     edge_dir = split_dir / "edge" if split_dir else Path()
     rows: list[dict] = []
     memory: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
-        port = stack.enter_context(cloud_process(split_dir / "cloud")) if network else None
+        cloud = (config.cloud_device or config.device, config.cloud_dtype or config.dtype)
+        port = stack.enter_context(cloud_process(split_dir / "cloud", *cloud)) if network else None
         contexts: dict[float, BenchContext] = {}  # one edge per RTT, each behind its own emulator
         for rtt in rtts:
             url = stack.enter_context(link(port, rtt, config)) if network else None
-            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype, config.vocab)  # HF model shared
+            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype, config.vocab,  # HF model shared
+                                         device=config.device, dtype=config.dtype)
             contexts[rtt].draft = config.draft
             stack.callback(contexts[rtt].close)
         first = contexts[rtts[0]]
@@ -210,7 +218,8 @@ def run_bench(config: BenchConfig) -> dict:
             from splitlm.bench.codecs import codec_rows
 
             def make_context(codec: str) -> BenchContext:
-                return BenchContext(model_dir, edge_dir, f"ws://127.0.0.1:{port}", codec, config.vocab)
+                return BenchContext(model_dir, edge_dir, f"ws://127.0.0.1:{port}", codec, config.vocab,
+                                    device=config.device, dtype=config.dtype)
 
             progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
             codec_results = codec_rows(make_context, prompts, reference, config.codecs, config.max_new_tokens,
@@ -238,14 +247,21 @@ def run_bench(config: BenchConfig) -> dict:
                 progress(f"memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
                 memory[m.name] = probe_memory(m.name, model_dir, edge_dir, f"ws://127.0.0.1:{port}" if port else None,
                                               config.wire_dtype, longest.ids, config.max_new_tokens,
-                                              vocab=config.vocab)
+                                              vocab=config.vocab, device=config.device, dtype=config.dtype)
         split = split_fields(manifest, config, first.edge) if network else {}
+        devices = {"edge": {"device": str(first.edge.device), "dtype": dtype_name(first.edge.dtype)}} if network else {}
+        if port is not None:
+            cloud_health = health(port)
+            devices["cloud"] = {"device": cloud_health.get("device"), "dtype": cloud_health.get("dtype")}
 
     results = aggregate(rows, memory)
     for r in [*results, *rows]:  # local modes run the full model: no topology, no downlink
         r.update(split if MODES[r["mode"]].network else {"topology": None, "vocab": None})
     env = environment(model_dir, config)
     env["split"].update({"topology": config.topology, "d_end": config.d_end, "vocab": config.vocab})
+    env["compute"] = devices  # where each side ran and in which precision (the reference: CPU, fp32)
+    if manifest is not None:
+        env["model"]["weights_dtype"] = manifest.dtype  # as stored in the shards
     env["load_avg_at_start"] = load_at_start  # other work on the machine skews absolute figures; ratios hold better
     return {
         "schema": SCHEMA,
@@ -320,6 +336,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "token and agreement with the full model's greedy tokens")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
     p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
+    from splitlm.model.device import add_device_arguments
+
+    add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
+    add_device_arguments(p, "cloud", what="the cloud's layers")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -344,7 +364,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
         d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
-        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs), draft=args.draft)
+        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs), draft=args.draft,
+        device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype)
 
 
 def parse_codecs(text: str) -> list[str]:

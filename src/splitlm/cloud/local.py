@@ -6,6 +6,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,11 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SplitLMError("the cloud server exited during start-up")
+            last = log.read_text().strip().splitlines()[-1:] if log is not None and log.is_file() else []
+            raise SplitLMError("the cloud server exited during start-up" + (f": {last[0]}" if last else ""))
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
                 if r.status == 200:
@@ -35,22 +37,37 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) ->
 
 
 @contextlib.contextmanager
-def cloud_process(shard_dir: str | Path) -> Iterator[int]:
-    """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess on loopback; yields its port.
+def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto") -> Iterator[int]:
+    """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess on loopback (on `device`,
+    computing in `dtype`); yields its port.
 
     The server uses the default cloud identity of the config dir (pin it with
     `default_identity("cloud").fingerprint`)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
-                             "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(port, proc)
-        yield port
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="splitlm-cloud-") as tmp:
+        log = Path(tmp) / "stderr.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
+                                     "--port", str(port), "--threads", "1", "--device", device, "--dtype", dtype],
+                                    stdout=subprocess.DEVNULL, stderr=err)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            wait_healthy(port, proc, log=log)
+            yield port
+        finally:
+            stop(proc)
+
+
+def health(port: int) -> dict[str, str]:
+    """The fields of a cloud's `/healthz` answer (`ok FINGERPRINT device=... dtype=...`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+        status, fingerprint, *fields = r.read().decode().split()
+    return {"status": status, "fingerprint": fingerprint, **dict(f.split("=", 1) for f in fields if "=" in f)}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -2,7 +2,8 @@
 
 Every connection starts with the HELLO / HELLO_OK handshake (`splitlm.transport.handshake`);
 after it every frame in both directions is AES-256-GCM encrypted (`splitlm.transport.crypto`).
-Plain HTTP `GET /healthz` on the same port answers `ok` with the shard fingerprint, `GET /metrics`
+Plain HTTP `GET /healthz` on the same port answers `ok` with the shard fingerprint, the device and the
+dtype, `GET /metrics`
 the server's metrics in the Prometheus text format.
 """
 
@@ -30,10 +31,10 @@ from splitlm.cloud.sessions import (
     ForwardRequest,
     ServerLimits,
     SessionTable,
-    run_forward,
-    run_split_head,
+    compute,
     validate,
 )
+from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_cloud
 from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
@@ -122,6 +123,8 @@ class CloudMetrics:
 class CloudServer:
     """The cloud.
 
+    device, dtype: where the middle layers run and in which precision (`splitlm.model.device`;
+        default auto: CUDA in bf16 where present, else the CPU in fp32).
     identity: the server's static key (`Identity` or .key path); None = the one kept in the config
         dir (``cloud.key``, created on first use).
     allowed_clients: a file of allowed client public keys (or a list of keys / fingerprints);
@@ -131,11 +134,14 @@ class CloudServer:
     """
 
     def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *,
+                 device: str = "auto", dtype: str = "auto",
                  identity: Identity | str | Path | None = None,
                  allowed_clients: str | Path | list | AllowedClients | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
                  rekey: RekeyPolicy | None = None):
-        self.model = load_cloud(shard_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_cloud(shard_dir, self.device, self.dtype)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
         self.sessions = SessionTable(self.limits)
@@ -174,7 +180,8 @@ class CloudServer:
     # -- HTTP ------------------------------------------------------------------------------------
     def process_request(self, connection: ServerConnection, request):
         if request.path == "/healthz":
-            return connection.respond(HTTPStatus.OK, f"ok {self.manifest.fingerprint}\n")
+            return connection.respond(HTTPStatus.OK, f"ok {self.manifest.fingerprint} device={self.device} "
+                                                     f"dtype={dtype_name(self.dtype)}\n")
         if request.path == "/metrics":
             self.metrics.sessions.set(len(self.sessions.sessions))
             response = connection.respond(HTTPStatus.OK, self.metrics.registry.render())
@@ -292,7 +299,7 @@ class CloudServer:
             policy = self.parse_policy(frame.meta.get("cache_policy", "session"))
             vocab = self.parse_vocab(frame.meta.get("vocab"))
             s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id, policy)
-            s.vocab = vocab
+            s.vocab = None if vocab is None else to_device(vocab, self.device)
             meta = {"wire_dtype": wire, "cache_policy": str(policy), "topology": self.manifest.topology}
             if self.model.split_head:
                 meta["vocab_size"] = self.model.cfg.vocab_size if vocab is None else vocab.numel()
@@ -384,10 +391,7 @@ class CloudServer:
         start = time.perf_counter()
         if self.model.split_head:
             self.check_reply_size(session, t - context if rows is None else len(rows), control.dtype)
-            h_end, logits = await loop.run_in_executor(self.executor, run_split_head, self.model, session, req)
-            out = {"hidden": h_end, "logits": logits}
-        else:
-            out = {"hidden": await loop.run_in_executor(self.executor, run_forward, self.model, session, req)}
+        out = await loop.run_in_executor(self.executor, compute, self.model, session, req)
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
         self.stats["tokens"] += t - context
@@ -426,8 +430,9 @@ class CloudServer:
             self.port = server.sockets[0].getsockname()[1]
             expiry = asyncio.create_task(self.expire_loop())
             scheme = "wss" if self.ssl_context else "ws"
-            log.info("serving %s (layers [%d,%d), fingerprint %s) on %s://%s:%d", self.manifest.role,
-                     *self.manifest.cloud_layers, self.manifest.fingerprint, scheme, host, self.port)
+            log.info("serving %s (layers [%d,%d), fingerprint %s) on %s on %s://%s:%d", self.manifest.role,
+                     *self.manifest.cloud_layers, self.manifest.fingerprint, describe(self.device, self.dtype),
+                     scheme, host, self.port)
             log.info("cloud identity %s (%s)", self.fingerprint,
                      self.identity.path or "in memory")
             if self.allowed is None:

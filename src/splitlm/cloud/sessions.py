@@ -12,6 +12,7 @@ import torch
 
 from splitlm.cloud.policy import CachePolicy
 from splitlm.cloud.sealing import check_key, seal, unseal
+from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.shards import CloudModel
 from splitlm.transport.codecs import WIRE_DTYPES
@@ -41,7 +42,7 @@ class Session:
     sealed: bytes | None = None  # the cache, encrypted (policy "sealed"); `cache` is then empty
     sealed_shape: tuple[int, int] = (0, 0)  # (length, pending_start) of the sealed cache
     seal_counter: int = 0
-    vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending (None = all)
+    vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending, on the model's device
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -237,9 +238,12 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
     if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
         session.tighten(CachePolicy("window", ctl.window))
     c, t = req.context, req.hidden.shape[0] - req.context
-    dtype = next(model.parameters()).dtype
+    weight = next(model.parameters())
     mask = context_mask(c, req.mask, t)
-    out = model(req.hidden[None].to(dtype), req.positions, mask, cache)[0][c:]  # [T, D]
+    hidden = to_device(req.hidden, weight.device, torch.float32)[None]  # [1, C + T, D] (the residual stream)
+    positions = to_device(req.positions, weight.device)
+    mask = None if mask is None else to_device(mask, weight.device)
+    out = model(hidden, positions, mask, cache)[0][c:]  # [T, D]
     cache.pending_start += c  # context rows are history, not part of the step's pending block
     session.tokens_processed += t
     policy = session.policy
@@ -262,3 +266,11 @@ def run_split_head(model: CloudModel, session: Session, req: ForwardRequest) -> 
     if req.rows is not None:
         out = out[req.rows]
     return cloud_head(model, out, session.vocab)
+
+
+def compute(model: CloudModel, session: Session, req: ForwardRequest) -> dict[str, torch.Tensor]:
+    """One request on the model's device; the reply's tensors in host memory (the one copy back)."""
+    if model.split_head:
+        h_end, logits = run_split_head(model, session, req)
+        return {"hidden": to_host(h_end), "logits": to_host(logits)}
+    return {"hidden": to_host(run_forward(model, session, req))}

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from splitlm import SplitLMError
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.tree import TokenTree
+from splitlm.model.device import to_host
 from splitlm.model.llama import Transformer, embed, softcap
 
 ADAPTER_FILE = "draft_adapter.safetensors"
@@ -47,7 +48,8 @@ class ModelDraft:
 
     @torch.inference_mode()
     def logits(self, ids, positions, state) -> torch.Tensor:
-        return self.model(torch.tensor([ids]), torch.tensor(positions), None, state)[0]
+        dev = self.model.embed_tokens.weight.device
+        return to_host(self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev), None, state)[0])
 
     def crop(self, state, n: int) -> None:
         state.crop(n)
@@ -59,7 +61,8 @@ class SelfDraft:
     def __init__(self, edge_model, adapter: torch.Tensor | None = None):
         if getattr(edge_model, "split_head", False) or edge_model.norm is None:
             raise SplitLMError("self-draft needs a tail-local edge shard (split-head keeps no tail layers)")
-        self.m, self.adapter = edge_model, adapter
+        w = edge_model.embed_tokens.weight
+        self.m, self.adapter = edge_model, None if adapter is None else adapter.to(w.device, torch.float32)
 
     def new_state(self):
         return self.m.head.new_cache(), self.m.tail.new_cache()
@@ -67,13 +70,15 @@ class SelfDraft:
     @torch.inference_mode()
     def logits(self, ids, positions, state) -> torch.Tensor:
         head_cache, tail_cache = state
-        pos = torch.tensor(positions)
-        h = self.m.head(embed(self.m.embed_tokens, torch.tensor([ids]), self.m.cfg), pos, None, head_cache)  # [1, T, D]
+        dev = self.m.embed_tokens.weight.device
+        pos = torch.tensor(positions, device=dev)
+        h = self.m.head(embed(self.m.embed_tokens, torch.tensor([ids], device=dev), self.m.cfg), pos, None,
+                        head_cache)  # [1, T, D]
         if self.adapter is not None:
             h = h @ self.adapter[:-1] + self.adapter[-1]
         h = self.m.tail(h, pos, None, tail_cache)
         w = self.m.embed_tokens.weight if self.m.lm_head is None else self.m.lm_head.weight
-        return softcap(F.linear(self.m.norm(h), w), self.m.cfg.final_logit_softcapping)[0]
+        return to_host(softcap(F.linear(self.m.norm(h), w), self.m.cfg.final_logit_softcapping)[0])
 
     def crop(self, state, n: int) -> None:
         state[0].crop(n)

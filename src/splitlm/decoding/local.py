@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from splitlm.model.device import to_host
 from splitlm.model.llama import Transformer
 
 
@@ -32,7 +33,10 @@ class LocalSession:
             self.cache.keep(keep)
         if positions is None:
             positions = list(range(self.cache.length, self.cache.length + len(ids)))
-        logits = self.model(torch.tensor([ids]), torch.tensor(positions), mask, self.cache)[0]  # [T, V]
+        dev = self.model.embed_tokens.weight.device
+        logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
+                            None if mask is None else mask.to(dev), self.cache)[0]  # [T, V]
+        logits = to_host(logits)
         self.last_step = {"tokens": len(ids), "network_s": 0.0, "compute_s": time.perf_counter() - start}
         logits = logits if rows is None else logits[rows]
         return logits.argmax(-1) if argmax else logits

@@ -28,6 +28,7 @@ from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, sp
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
+from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient, CloudError
@@ -143,20 +144,23 @@ class Edge:
 
     def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None, vocab: str | VocabSubset | None = "all"):
+                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto"):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
         cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
         session, window:N or sealed; each session may choose its own.
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
-        file; a split-head cloud computes partial logits for these only."""
+        file; a split-head cloud computes partial logits for these only.
+        device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
+        default auto: CUDA in bf16 where present, else the CPU in fp32)."""
         try:
             self.cache_policy = str(CachePolicy.parse(cache_policy or "session"))
         except ValueError as e:
             raise SplitLMError(str(e)) from None
         self.edge_dir = Path(edge_dir)
-        self.model = load_edge(self.edge_dir)
+        self.device = resolve_device(device)
+        self.model = load_edge(self.edge_dir, self.device, resolve_dtype(dtype, self.device))
         if wire_dtype == "auto":
             wire_dtype = "bf16" if self.model.cfg.gemma else "fp16"
         try:
@@ -168,13 +172,15 @@ class Edge:
         self.tokenizer = self._load_tokenizer()
         self.split_head = self.model.split_head
         self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.allowed = None if self.vocab.everything else to_device(self.vocab.allowed, self.device)  # [V] bool
         self.max_logit_rows: int | None = None  # split-head: rows of logits one RESULT may hold
         if self.split_head:  # W[ids, :d], kept for the session's life (a view when every id is allowed)
-            self._vocab_ids = None if self.vocab.everything else self.vocab.ids
+            self._vocab_ids = None if self.vocab.everything else to_device(self.vocab.ids, self.device)
             w = self.model.end_weight
             self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
         if not self.split_head:
             self.model.greedy_head()  # decides once whether its bf16 screen pays on this machine
+        log.info("edge %s: layers on %s", self.edge_dir, describe(self.device, self.dtype))
         self._corpus: NgramModel | None = None
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
@@ -226,7 +232,8 @@ class Edge:
         d, s = self.model.manifest.d_end, self.vocab.size
         if z is None or h_end.shape != (n_rows, d) or z.shape != (n_rows, s):
             raise SplitLMError(f"the cloud's split-head RESULT does not hold {n_rows} rows of h[:{d}] and {s} logits")
-        return edge_logits(self.model, h_end, z, self._vocab_ids, self._w_end)
+        return edge_logits(self.model, to_device(h_end, self.device), to_device(z, self.device), self._vocab_ids,
+                           self._w_end)
 
     def _load_tokenizer(self):
         if not (self.edge_dir / "tokenizer.json").is_file() and not (self.edge_dir / "tokenizer.model").is_file():

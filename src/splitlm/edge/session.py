@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
 from splitlm.cloud.policy import CachePolicy
+from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class EdgeSession:
         self.client, self.id = edge._open_cloud_session(str(self.policy), authorised)
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
-        self.history = torch.zeros(0, edge.cfg.hidden_size, dtype=edge.dtype)  # [L, D]
+        self.history = torch.zeros(0, edge.cfg.hidden_size, device=edge.device)  # [L, D] fp32 (the residual stream)
         self.history_pos: list[int] = []
         self.pending: Flight | None = None  # the last forward's block, not yet settled
         self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
@@ -313,8 +314,9 @@ class EdgeSession:
         if redo:
             pos = [f.positions[i] for i in redo]
             t0 = time.perf_counter()
-            h = self.edge.model.embed_and_head(torch.tensor([[f.ids[i] for i in redo]]), torch.tensor(pos), None,
-                                               self.head_cache)[0]  # [R, D]
+            dev = self.edge.device
+            h = self.edge.model.embed_and_head(torch.tensor([[f.ids[i] for i in redo]], device=dev),
+                                               torch.tensor(pos, device=dev), None, self.head_cache)[0]  # [R, D]
             self.stats.edge_compute_s += time.perf_counter() - t0
             self.history = torch.cat([self.history, h])
             self.history_pos += pos
@@ -328,9 +330,12 @@ class EdgeSession:
             positions = list(range(self.length, self.length + len(ids)))
         n, c = self.length, self._context_rows()
         t0 = time.perf_counter()
-        h = model.embed_and_head(torch.tensor([ids]), torch.tensor(positions), mask, self.head_cache)[0]  # [T, D]
-        t1 = time.perf_counter()
+        dev = self.edge.device
+        h = model.embed_and_head(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
+                                 None if mask is None else to_device(mask, dev), self.head_cache)[0]  # [T, D]
         sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
+        sent = to_host(sent)  # the wire codec reads host memory (one copy per step)
+        t1 = time.perf_counter()
         sent_pos = self.history_pos[n - c:] + positions if c else positions
         up, ser = client.bytes_up, client.serialize_s
         split_head = self.edge.split_head
@@ -368,16 +373,16 @@ class EdgeSession:
             if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
                 logits = self.edge.split_head_logits(out, n_rows)
                 self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
-                if f.argmax:
-                    logits = logits.argmax(-1)
+                logits = to_host(logits.argmax(-1) if f.argmax else logits)
             else:
-                pos, h = torch.tensor(f.positions), out["hidden"][None].to(self.edge.dtype)
+                dev = self.edge.device
+                pos, h = torch.tensor(f.positions, device=dev), to_device(out["hidden"], dev, torch.float32)[None]
+                mask = None if f.mask is None else to_device(f.mask, dev)
                 if f.argmax:
-                    vocab = self.edge.vocab
-                    logits = model.tail_and_argmax(h, pos, f.mask, self.tail_cache, f.rows,
-                                                   None if vocab.everything else vocab.allowed)
+                    logits = to_host(model.tail_and_argmax(h, pos, mask, self.tail_cache, f.rows, self.edge.allowed))
                 else:
-                    logits = self.edge.vocab.mask_logits(model.tail_and_logits(h, pos, f.mask, self.tail_cache, f.rows)[0])
+                    logits = self.edge.vocab.mask_logits(to_host(model.tail_and_logits(h, pos, mask, self.tail_cache,
+                                                                                       f.rows)[0]))
             self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
         serialize_s = f.serialize_s + client.serialize_s - ser

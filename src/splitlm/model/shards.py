@@ -26,7 +26,7 @@ from torch import nn
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.greedy_head import GreedyHead
-from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
+from splitlm.model.llama import LayerStack, RMSNorm, embed, rope_inv_freq, softcap
 from splitlm.model.loading import (
     file_sha256,
     load_state,
@@ -219,6 +219,16 @@ class CloudModel(nn.Module):
         return self.middle(h, positions, new_mask, cache)
 
 
+def keep_rope_fp32(model: nn.Module) -> nn.Module:
+    """RoPE's inverse frequencies stay fp32 whatever the compute dtype (as in transformers)."""
+    for stack in model.modules():
+        if isinstance(stack, LayerStack):
+            device = stack.inv_freq.device
+            stack.inv_freq = rope_inv_freq(stack.cfg).to(device)
+            stack.inv_freq_local = rope_inv_freq(stack.cfg, local=True).to(device)
+    return model
+
+
 def _read_shard(shard_dir: str | Path, role: str):
     shard_dir = Path(shard_dir)
     if not shard_dir.is_dir():
@@ -229,7 +239,7 @@ def _read_shard(shard_dir: str | Path, role: str):
     return cfg, manifest, state
 
 
-def load_edge(shard_dir: str | Path) -> EdgeModel:
+def load_edge(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> EdgeModel:
     cfg, manifest, state = _read_shard(shard_dir, "edge")
     model = EdgeModel(cfg, manifest).to(DTYPES[manifest.dtype])
     model.head.load_global_state(state)
@@ -239,14 +249,14 @@ def load_edge(shard_dir: str | Path) -> EdgeModel:
         model.norm.weight.data.copy_(state["model.norm.weight"])
     if model.lm_head is not None:
         model.lm_head.weight.data.copy_(state["lm_head.weight"])
-    return model.eval()
+    return keep_rope_fp32(model.to(device=device, dtype=dtype)).eval()
 
 
-def load_cloud(shard_dir: str | Path) -> CloudModel:
+def load_cloud(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CloudModel:
     cfg, manifest, state = _read_shard(shard_dir, "cloud")
     model = CloudModel(cfg, manifest).to(DTYPES[manifest.dtype])
     model.middle.load_global_state(state)
     if model.split_head:
         model.norm.weight.data.copy_(state["model.norm.weight"])
         model.lm_head.weight.data.copy_(state["lm_head.weight"])
-    return model.eval()
+    return keep_rope_fp32(model.to(device=device, dtype=dtype)).eval()

@@ -67,6 +67,6 @@ def edge_logits(model, h_end: torch.Tensor, z_cloud: torch.Tensor, vocab: torch.
     z = softcap(z, cfg.final_logit_softcapping)
     if vocab is None:
         return z
-    out = torch.full((z.shape[0], cfg.vocab_size), -torch.inf, dtype=z.dtype)
+    out = torch.full((z.shape[0], cfg.vocab_size), -torch.inf, dtype=z.dtype, device=z.device)
     out[:, vocab] = z
     return out

@@ -1,0 +1,84 @@
+"""Run-time precisions per side: an fp32 edge with a bf16 cloud on the bundled model."""
+
+import pytest
+import torch
+
+from conftest import BUNDLED_PROMPTS, hf_greedy
+from splitlm.cloud.server import BackgroundServer
+from splitlm.edge import Edge
+
+pytestmark = pytest.mark.slow
+
+MORE_PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "List the planets of the solar system in order.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def bf16_server(bundled_split):
+    with BackgroundServer(bundled_split / "cloud", dtype="bf16") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fp32_edge_bf16_cloud(bundled_split, bf16_server):
+    with Edge(bundled_split / "edge", bf16_server.url, wire_dtype="bf16", device="cpu", dtype="fp32") as edge:
+        yield edge
+
+
+def test_the_sides_run_in_their_own_dtypes(bf16_server, fp32_edge_bf16_cloud):
+    import urllib.request
+
+    assert {p.dtype for p in bf16_server.server.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32_edge_bf16_cloud.model.parameters()} == {torch.float32}
+    with urllib.request.urlopen(bf16_server.url.replace("ws://", "http://") + "/healthz", timeout=5) as r:
+        assert "device=cpu dtype=bf16" in r.read().decode()
+
+
+def test_bf16_cloud_agrees_with_the_fp32_model(fp32_edge_bf16_cloud, bundled_hf):
+    """Teacher-forced: the full fp32 model's greedy continuation, fed through the mixed-precision split."""
+    hf, tok = bundled_hf
+    edge = fp32_edge_bf16_cloud
+    hits = total = 0
+    for prompt in BUNDLED_PROMPTS + MORE_PROMPTS:
+        ids = tok(prompt).input_ids
+        continuation = hf_greedy(hf, ids, 48)
+        session = edge.open_session()
+        try:
+            logits = session.forward(ids + continuation[:-1])  # one round trip
+        finally:
+            session.close()
+        predicted = logits[len(ids) - 1:].argmax(-1).tolist()
+        hits += sum(p == c for p, c in zip(predicted, continuation, strict=True))
+        total += len(continuation)
+    print(f"\nfp32 edge + bf16 cloud: teacher-forced agreement with the fp32 model {hits / total:.4f} ({hits}/{total})")
+    assert hits / total >= 0.99
+
+
+def test_speculative_equals_sequential_up_to_bf16_near_ties(fp32_edge_bf16_cloud):
+    """In bf16 a tree pass and a one-token pass round differently (other kernels, other summation
+    order), so greedy outputs may part at a near-tie. Where they part, the two candidates' logits
+    must lie within bf16 noise of each other; a real bug would part at a clear winner."""
+    edge = fp32_edge_bf16_cloud
+    same = 0
+    prompts = BUNDLED_PROMPTS + MORE_PROMPTS
+    for prompt in prompts:
+        ids = edge.encode(prompt)
+        seq = edge.generate(ids, 48, spec="none").token_ids
+        spec = edge.generate(ids, 48, spec="auto").token_ids
+        if seq == spec:
+            same += 1
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(seq, spec, strict=False)) if a != b)
+        session = edge.open_session()
+        try:
+            logits = session.forward(ids + seq[:k])[-1]  # [V]
+        finally:
+            session.close()
+        gap = abs(float(logits[seq[k]] - logits[spec[k]]))
+        print(f"\n{prompt[:30]!r}: parts at token {k}, logit gap {gap:.3f}")
+        assert gap < 0.5
+    print(f"\nbf16 cloud: speculative == sequential on {same}/{len(prompts)} prompts")
+    assert same >= len(prompts) // 2
