@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -29,6 +29,13 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
+
+# Wheels that benchmarks/gpu.sh installs on a GPU machine without a registry (carry .gpu-wheels/);
+# GPU_PYTHON: that machine's Python version (default: this one's).
+GPU_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+gpu-wheels:
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --dest .gpu-wheels \
+		websockets cryptography gguf pytest pytest-timeout hypothesis
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

