@@ -85,6 +85,22 @@ def tiny_server(tiny_split):
 
 
 @pytest.fixture(scope="session")
+def synthetic_llama_1b() -> Path:
+    """A random bf16 model of TinyLlama-1.1B's shape (2.2 GB in 5 files + index), cached in cache_root()/synthetic."""
+    from splitlm.model.synthetic import TINYLLAMA_1B, synthetic_model
+
+    return synthetic_model(TINYLLAMA_1B)
+
+
+@pytest.fixture(scope="session")
+def synthetic_qwen2() -> Path:
+    """A random fp32 Qwen2-shaped model (q/k/v biases, tied head; 44 M parameters in 3 files + index)."""
+    from splitlm.model.synthetic import QWEN2_SMALL, synthetic_model
+
+    return synthetic_model(QWEN2_SMALL)
+
+
+@pytest.fixture(scope="session")
 def bundled_dir() -> Path:
     from splitlm.model.loading import resolve_model
 

@@ -43,7 +43,8 @@ def cmd_split(args) -> int:
     from splitlm.model.shards import split_model
 
     tail = args.tail if args.tail is not None else (0 if args.topology == "split-head" else 2)
-    out = split_model(args.model, args.head, tail, args.out, args.dtype, args.topology, args.d_end)
+    out = split_model(args.model, args.head, tail, args.out, args.dtype, args.topology, args.d_end,
+                      max_file_mb=args.max_file_mb)
     print(f"wrote {out / 'edge'} and {out / 'cloud'}")
     return 0
 
@@ -404,7 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-end", type=positive_int, default=None, metavar="D",
                    help="split-head: the LM head's columns [0, D) stay on the edge (default: half the hidden size)")
     p.add_argument("--out", required=True, help="output directory (gets edge/ and cloud/)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype (default fp32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                   help="dtype the shards store (default auto: the checkpoint's own; the built-in models are fp32)")
+    p.add_argument("--max-file-mb", type=positive_int, default=512, metavar="MB",
+                   help="largest weight file of each shard, in MiB (default 512; a larger tensor gets a file of its "
+                        "own); the split reads and writes one tensor at a time")
     p.set_defaults(func=cmd_split)
 
     p = sub.add_parser("serve-cloud", help="serve a cloud shard over WebSocket")

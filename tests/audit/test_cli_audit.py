@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from splitlm.cli import main
 
@@ -56,6 +55,7 @@ def test_audit_bad_head_list(capsys):
 
 def test_harden_writes_a_split_with_a_private_head(audit_model_dir, corpus_files, tmp_path, capsys):
     from splitlm.model.shards import load_cloud, load_edge, split_model
+    from splitlm.model.weights import read_shard_state
 
     out = tmp_path / "hard"
     code = main(["harden", "--model", str(audit_model_dir), "--head", "2", "--tail", "2", "--corpus", *corpus_files,
@@ -64,7 +64,7 @@ def test_harden_writes_a_split_with_a_private_head(audit_model_dir, corpus_files
     result = json.loads((out / "harden.json").read_text())
     assert result["steps"] == 3 and 0.0 <= result["agreement"] <= 1.0 and result["uplink_distance"] > 0
     public = split_model(str(audit_model_dir), 2, 2, tmp_path / "public")
-    hard_w, pub_w = load_file(out / "edge" / "weights.safetensors"), load_file(public / "edge" / "weights.safetensors")
+    hard_w, pub_w = read_shard_state(out / "edge"), read_shard_state(public / "edge")
     assert hard_w.keys() == pub_w.keys()
     changed = {k for k in pub_w if not torch.equal(hard_w[k], pub_w[k])}
     assert changed and all(k.startswith(("model.layers.0.", "model.layers.1.")) for k in changed)

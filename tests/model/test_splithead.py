@@ -4,17 +4,17 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import make_tiny_llama
 from splitlm import SplitLMError
 from splitlm.model.shards import load_cloud, load_edge, split_model
 from splitlm.model.splithead import cloud_head, edge_logits
+from splitlm.model.weights import read_shard_state
 
 
 def test_shards_hold_their_parts(tiny_split_head, tiny_split):
-    edge = load_file(tiny_split_head / "edge" / "weights.safetensors")
-    cloud = load_file(tiny_split_head / "cloud" / "weights.safetensors")
+    edge = read_shard_state(tiny_split_head / "edge")
+    cloud = read_shard_state(tiny_split_head / "cloud")
     layers = lambda st: sorted({int(k.split(".")[2]) for k in st if k.startswith("model.layers.")})  # noqa: E731
     assert layers(edge) == [0, 1] and layers(cloud) == [2, 3, 4, 5]
     assert "model.norm.weight" in cloud and "model.norm.weight" not in edge

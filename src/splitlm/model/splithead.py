@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.llama import softcap
+from splitlm.model.weights import Piece
 
 
 def check_d_end(cfg: ModelConfig, d_end: int | None) -> int:
@@ -25,21 +26,18 @@ def check_d_end(cfg: ModelConfig, d_end: int | None) -> int:
     return d_end
 
 
-def lm_head_weight(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> torch.Tensor:
-    return state["model.embed_tokens.weight"] if cfg.tie_word_embeddings else state["lm_head.weight"]
-
-
-def split_head_state(cfg: ModelConfig, edge: dict[str, torch.Tensor], cloud: dict[str, torch.Tensor],
-                     d_end: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def split_head_pieces(cfg: ModelConfig, edge: dict[str, Piece], cloud: dict[str, Piece],
+                      d_end: int) -> tuple[dict[str, Piece], dict[str, Piece]]:
     """Move the final norm and W[:, d_end:] to the cloud; the edge keeps W[:, :d_end].
 
-    `edge` arrives as the tail-local edge state with no tail layers (tail = 0). A tied LM head
+    `edge` arrives as the tail-local edge's tensors with no tail layers (tail = 0). A tied LM head
     stays the embedding on the edge (its first d_end columns are the edge's part)."""
-    w = lm_head_weight(cfg, edge)  # [V, D]
-    cloud = {**cloud, "model.norm.weight": edge["model.norm.weight"], "lm_head.weight": w[:, d_end:].contiguous()}
+    w = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"  # [V, D]
+    cloud = {**cloud, "model.norm.weight": edge["model.norm.weight"],
+             "lm_head.weight": Piece(w, (d_end, cfg.hidden_size))}
     edge = {k: v for k, v in edge.items() if k not in ("model.norm.weight", "lm_head.weight")}
     if not cfg.tie_word_embeddings:
-        edge["lm_head.weight"] = w[:, :d_end].contiguous()  # [V, d_end]
+        edge["lm_head.weight"] = Piece(w, (0, d_end))  # [V, d_end]
     return edge, cloud
 
 
