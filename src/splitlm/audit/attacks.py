@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlm.model.kv_cache import KVCache
 from splitlm.model.llama import LayerStack
 
 CHUNK = 256
@@ -118,18 +117,6 @@ def merge_candidates(ranked: list[torch.Tensor], frequent: torch.Tensor, n: int,
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _keep_per_row(cache: KVCache, choice: torch.Tensor) -> None:
-    """Keep, for each batch row b, only entry `choice[b]` of the most recent append."""
-    start, rows = cache.pending_start, torch.arange(choice.shape[0])
-    for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
-        if k is None:
-            continue
-        cache.k[i] = torch.cat([k[:, :, :start], k[rows, :, start + choice][:, :, None]], dim=2)
-        cache.v[i] = torch.cat([v[:, :, :start], v[rows, :, start + choice][:, :, None]], dim=2)
-    cache.positions = cache.positions[: start + 1]
-    cache.length = cache.pending_start = start + 1
-
-
 @torch.no_grad()
 def whitebox(stack: LayerStack, embed_fn, targets: torch.Tensor, candidates: torch.Tensor, k: int = 5,
              batch: int = 16) -> torch.Tensor:
@@ -151,7 +138,7 @@ def whitebox(stack: LayerStack, embed_fn, targets: torch.Tensor, candidates: tor
             dist = (h.float() - tgt[:, t, None].float()).pow(2).sum(-1)  # [b, n]
             order = dist.argsort(dim=-1)
             ranked[:, t] = cand[:, t].gather(1, order[:, :k])
-            _keep_per_row(cache, order[:, 0])
+            cache.keep_per_row(order[:, 0])
         out.append(ranked)
     return torch.cat(out)
 

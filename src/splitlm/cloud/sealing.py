@@ -35,24 +35,25 @@ def check_key(key) -> bytes:
 
 
 def serialize(cache: KVCache) -> bytes:
-    """The cache's entries as bytes: a msgpack header (shapes, dtype, positions), then raw k and v."""
-    tensors = [t for pair in zip(cache.k, cache.v, strict=True) for t in pair]
-    present = [t is not None for t in cache.k]
+    """The cache's entries in use as bytes: a msgpack header (shapes, dtype, positions), then raw k and v."""
+    views = [cache.view(i) or (None, None) for i in range(cache.num_layers)]
+    tensors = [t for pair in views for t in pair]
+    present = [k is not None for k, _ in views]
     ref = next((t for t in tensors if t is not None), None)
     dtype = str(ref.dtype).removeprefix("torch.") if ref is not None else "float32"
     header = {"length": cache.length, "pending_start": cache.pending_start, "present": present, "dtype": dtype,
               "shapes": [list(t.shape) if t is not None else None for t in tensors],
               "positions": cache.positions.tolist()}
     head = msgpack.packb(header)
-    raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors if t is not None)
+    raw = b"".join(t.contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors if t is not None)
     return struct.pack("!I", len(head)) + head + raw
 
 
 def deserialize(data: bytes, num_layers: int) -> KVCache:
+    """A fresh (preallocated) cache holding the serialized entries."""
     (n,) = struct.unpack_from("!I", data)
     header = msgpack.unpackb(data[4:4 + n])
     dtype = getattr(torch, header["dtype"])
-    cache = KVCache(num_layers)
     buf = np.frombuffer(data, dtype=np.uint8, offset=4 + n)
     offset, tensors = 0, []
     for shape in header["shapes"]:
@@ -63,9 +64,12 @@ def deserialize(data: bytes, num_layers: int) -> KVCache:
         chunk = torch.from_numpy(buf[offset:offset + nbytes].copy()).view(dtype).reshape(shape)
         tensors.append(chunk)
         offset += nbytes
-    cache.k, cache.v = tensors[0::2], tensors[1::2]
-    cache.length, cache.pending_start = header["length"], header["pending_start"]
-    cache.positions = torch.tensor(header["positions"], dtype=torch.long)
+    cache = KVCache(num_layers)
+    cache.begin(header["length"], torch.tensor(header["positions"], dtype=torch.long))
+    for i, (k, v) in enumerate(zip(tensors[0::2], tensors[1::2], strict=True)):
+        if k is not None:
+            cache.update(i, k, v)
+    cache.pending_start = header["pending_start"]
     return cache
 
 

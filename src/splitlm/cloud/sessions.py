@@ -71,7 +71,7 @@ class Session:
         self.seal_counter += 1
         self.sealed = seal(self.cache, key, self.id, self.seal_counter)
         self.sealed_shape = (self.cache.length, self.cache.pending_start)
-        self.cache = KVCache(len(self.cache.k))
+        self.cache = KVCache(self.cache.num_layers)
 
 
 @dataclass
@@ -226,7 +226,8 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
     """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
     ctl = req.control
     if session.sealed is not None:  # raises SEALED_KEY before any state changes
-        session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter, len(session.cache.k))
+        session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter,
+                               session.cache.num_layers)
         session.sealed, session.sealed_shape = None, (0, 0)
     cache = session.cache
     if not ctl.cache:

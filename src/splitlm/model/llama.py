@@ -156,7 +156,7 @@ class Block(nn.Module):
 def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     x = table(ids)  # [B, T, D]
     if cfg.gemma:  # Gemma scales embeddings by sqrt(D), rounded to the weights' dtype
-        x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
     return x
 
 
@@ -164,14 +164,16 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def causal_mask(t: int) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool).tril()
+def causal_mask(t: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]
 
 
-def full_mask(new_mask: torch.Tensor, past: int) -> torch.Tensor:
-    """[T, T] visibility among new tokens -> [1, 1, T, past + T] (all past entries visible)."""
+def full_mask(new_mask: torch.Tensor, past: int, device: torch.device | None = None) -> torch.Tensor:
+    """[T, T] visibility among new tokens -> [1, 1, T, past + T] on `device` (all past entries visible)."""
     t = new_mask.shape[0]
-    return torch.cat([torch.ones(t, past, dtype=torch.bool), new_mask.bool()], dim=1)[None, None]
+    mask = torch.ones(1, 1, t, past + t, dtype=torch.bool, device=device)
+    mask[0, 0, :, past:] = new_mask
+    return mask
 
 
 class LayerStack(nn.Module):
@@ -201,13 +203,14 @@ class LayerStack(nn.Module):
             if cache is not None:
                 cache.begin(t)
             return x
-        positions = positions.view(1, -1) if positions.dim() == 1 else positions
-        new_mask = causal_mask(t) if new_mask is None else new_mask
+        dev = x.device
+        positions = (positions.view(1, -1) if positions.dim() == 1 else positions).to(dev)  # [B or 1, T]
+        new_mask = causal_mask(t, dev) if new_mask is None else new_mask
         past = 0 if cache is None else cache.length
-        mask = full_mask(new_mask, past)
-        key_positions = positions[0] if cache is None else torch.cat([cache.positions, positions[0]])  # [S+T]
+        mask = full_mask(new_mask, past, dev)  # [1, 1, T, S+T]
         if cache is not None:
             cache.begin(t, positions[0])
+        key_positions = positions[0] if cache is None else cache.positions.to(dev)  # [S+T]
         masks = {None: mask}  # per sliding window: also hide keys `window` or more positions back
         for w in set(self.windows) - {None}:
             masks[w] = mask & (positions[0][:, None] - key_positions[None, :] < w)
