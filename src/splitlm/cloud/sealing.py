@@ -14,6 +14,7 @@ import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from splitlm.model.device import to_device
 from splitlm.model.kv_cache import KVCache
 from splitlm.transport.errors import ErrorCode, ProtocolError
 
@@ -49,8 +50,8 @@ def serialize(cache: KVCache) -> bytes:
     return struct.pack("!I", len(head)) + head + raw
 
 
-def deserialize(data: bytes, num_layers: int) -> KVCache:
-    """A fresh (preallocated) cache holding the serialized entries."""
+def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu") -> KVCache:
+    """A fresh (preallocated) cache on `device` holding the serialized entries."""
     (n,) = struct.unpack_from("!I", data)
     header = msgpack.unpackb(data[4:4 + n])
     dtype = getattr(torch, header["dtype"])
@@ -65,10 +66,11 @@ def deserialize(data: bytes, num_layers: int) -> KVCache:
         tensors.append(chunk)
         offset += nbytes
     cache = KVCache(num_layers)
-    cache.begin(header["length"], torch.tensor(header["positions"], dtype=torch.long))
+    device = torch.device(device)
+    cache.begin(header["length"], torch.tensor(header["positions"], dtype=torch.long, device=device))
     for i, (k, v) in enumerate(zip(tensors[0::2], tensors[1::2], strict=True)):
         if k is not None:
-            cache.update(i, k, v)
+            cache.update(i, to_device(k, device), to_device(v, device))
     cache.pending_start = header["pending_start"]
     return cache
 
@@ -77,9 +79,10 @@ def seal(cache: KVCache, key: bytes, session_id: int, counter: int) -> bytes:
     return AESGCM(key).encrypt(_nonce(counter), serialize(cache), _aad(session_id, counter))
 
 
-def unseal(blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int) -> KVCache:
+def unseal(blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int,
+           device: str | torch.device = "cpu") -> KVCache:
     try:
         data = AESGCM(key).decrypt(_nonce(counter), blob, _aad(session_id, counter))
     except InvalidTag:
         raise ProtocolError(ErrorCode.SEALED_KEY, "the sealed cache does not open with this key") from None
-    return deserialize(data, num_layers)
+    return deserialize(data, num_layers, device)

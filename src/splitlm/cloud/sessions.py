@@ -225,9 +225,10 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
 def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> torch.Tensor:
     """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
     ctl = req.control
+    weight = next(model.parameters())
     if session.sealed is not None:  # raises SEALED_KEY before any state changes
         session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter,
-                               session.cache.num_layers)
+                               session.cache.num_layers, weight.device)
         session.sealed, session.sealed_shape = None, (0, 0)
     cache = session.cache
     if not ctl.cache:
@@ -239,7 +240,6 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
     if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
         session.tighten(CachePolicy("window", ctl.window))
     c, t = req.context, req.hidden.shape[0] - req.context
-    weight = next(model.parameters())
     mask = context_mask(c, req.mask, t)
     hidden = to_device(req.hidden, weight.device, torch.float32)[None]  # [1, C + T, D] (the residual stream)
     positions = to_device(req.positions, weight.device)
