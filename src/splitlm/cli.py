@@ -315,7 +315,7 @@ def edge_security_kwargs(args) -> dict:
 
 
 def cache_policy_arg(text: str) -> str:
-    from splitlm.cloud.policy import CachePolicy
+    from splitlm.transport.policy import CachePolicy
 
     try:
         return str(CachePolicy.parse(text))

@@ -25,18 +25,9 @@ from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
 from splitlm import metrics as m
-from splitlm.cloud.policy import CachePolicy
-from splitlm.cloud.sessions import (
-    Control,
-    ForwardRequest,
-    ServerLimits,
-    SessionTable,
-    compute,
-    validate,
-)
+from splitlm.cloud.sessions import ServerLimits, SessionTable, compute, validate
 from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_cloud
-from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
@@ -49,21 +40,13 @@ from splitlm.transport.frames import (
     decode_header,
     encode_frame,
     error_frame,
-    pack_tensors,
-    unpack_mask,
-    unpack_tensors,
     unpack_vocab,
 )
 from splitlm.transport.handshake import hello_keys, server_handshake
 from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolve_identity
+from splitlm.transport.messages import Closed, Forward, Open, Opened, PolicyChange, PolicyOk, Result
 
 log = logging.getLogger("splitlm.cloud")
-
-
-def int_list(value, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(i) is int for i in value):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of integers")
-    return value
 
 
 # errors after which the connection is closed (the ERROR frame is sent first); VERSION_MISMATCH only
@@ -293,32 +276,22 @@ class CloudServer:
     async def handle(self, conn: Connection, frame: Frame) -> Frame:
         owner = conn.client_key
         if frame.type == MsgType.OPEN:
-            wire = frame.meta.get("wire_dtype", "fp16")
-            if not isinstance(wire, str) or wire not in WIRE_DTYPES:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
-            policy = self.parse_policy(frame.meta.get("cache_policy", "session"))
-            vocab = self.parse_vocab(frame.meta.get("vocab"))
-            s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id, policy)
+            req = Open.from_frame(frame)
+            vocab = self.parse_vocab(req.vocab)
+            s = self.sessions.open(owner, req.wire_dtype, len(self.model.middle.layers), conn.id, req.cache_policy)
             s.vocab = None if vocab is None else to_device(vocab, self.device)
-            meta = {"wire_dtype": wire, "cache_policy": str(policy), "topology": self.manifest.topology}
+            vocab_size = None
             if self.model.split_head:
-                meta["vocab_size"] = self.model.cfg.vocab_size if vocab is None else vocab.numel()
-            return Frame(MsgType.OPENED, s.id, meta=meta)
+                vocab_size = self.model.cfg.vocab_size if vocab is None else vocab.numel()
+            return Opened(s.id, req.wire_dtype, req.cache_policy, self.manifest.topology, vocab_size).to_frame()
         if frame.type == MsgType.FORWARD:
             return await self.forward(conn, frame)
         if frame.type == MsgType.POLICY:
             return self.policy(conn, frame)
         if frame.type == MsgType.CLOSE:
             self.sessions.close(frame.session, owner, conn.id)
-            return Frame(MsgType.CLOSED, frame.session)
+            return Closed(frame.session).to_frame()
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected message {frame.type.name}")
-
-    @staticmethod
-    def parse_policy(value) -> CachePolicy:
-        try:
-            return CachePolicy.parse(value)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
     def parse_vocab(self, value) -> torch.Tensor | None:
         """OPEN's `vocab` (packed bits of the authorised ids): split-head clouds only; None = every id."""
@@ -332,16 +305,12 @@ class CloudServer:
     def policy(self, conn: Connection, frame: Frame) -> Frame:
         """Tighten a session's cache policy and/or revoke (wipe) its cache now."""
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
-        revoke = frame.meta.get("revoke", False)
-        if type(revoke) is not bool:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "revoke must be true or false")
-        new = frame.meta.get("cache_policy")
-        if new is not None:
-            session.tighten(self.parse_policy(new), frame.meta.get("key"))
-        if revoke:
+        req = PolicyChange.from_frame(frame)
+        if req.cache_policy is not None:
+            session.tighten(req.cache_policy, req.key)
+        if req.revoke:
             session.wipe()
-        return Frame(MsgType.POLICY_OK, session.id, meta={"cache_policy": str(session.policy),
-                                                           "cache_len": session.cache_shape[0]})
+        return PolicyOk(session.id, session.policy, session.cache_shape[0]).to_frame()
 
     async def hello(self, conn: Connection, frame: Frame, data: bytes) -> None:
         if frame.meta.get("version") != VERSION:
@@ -367,44 +336,27 @@ class CloudServer:
 
     async def forward(self, conn: Connection, frame: Frame) -> Frame:
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
-        meta = frame.meta
         max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
-        tensors = unpack_tensors(frame, max_elems)
-        if "hidden" not in tensors:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "FORWARD carries no 'hidden' tensor")
-        hidden = tensors["hidden"]
-        t = hidden.shape[0] if hidden.dim() else 0
-        positions = torch.tensor(int_list(meta.get("positions"), "positions"), dtype=torch.long)
-        keep = None if meta.get("keep") is None else int_list(meta["keep"], "keep")
-        crop = meta.get("crop")
-        if crop is not None and type(crop) is not int:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "crop must be an integer")
-        context = meta.get("context", 0)
-        if type(context) is not int or not 0 <= context < max(t, 1):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "context must be an integer below the number of rows")
-        control = Control.from_meta(meta.get("control"))
-        mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t - context)
-        rows = None if meta.get("rows") is None else int_list(meta["rows"], "rows")
-        req = ForwardRequest(hidden, positions, mask, keep, crop, context, control, rows)
+        req = Forward.from_frame(frame, max_elems)
         validate(req, session, self.model, self.limits)
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
+        t = req.new_tokens
         if self.model.split_head:
-            self.check_reply_size(session, t - context if rows is None else len(rows), control.dtype)
+            self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
         out = await loop.run_in_executor(self.executor, compute, self.model, session, req)
         compute_s = time.perf_counter() - start
         self.stats["forwards"] += 1
-        self.stats["tokens"] += t - context
+        self.stats["tokens"] += t
         self.metrics.round_trips.inc()
-        self.metrics.tokens.inc(t - context)
-        self.metrics.tokens_per_round_trip.observe(t - context)
+        self.metrics.tokens.inc(t)
+        self.metrics.tokens_per_round_trip.observe(t)
         self.metrics.compute_seconds.observe(compute_s)
         try:
-            specs, payload = pack_tensors(out, control.dtype or session.wire_dtype)
+            return Result(session.id, out, session.cache_shape[0], compute_s).to_frame(
+                req.control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-        return Frame(MsgType.RESULT, session.id, meta={"tensors": specs, "compute_s": compute_s,
-                                                       "cache_len": session.cache_shape[0]}, payload=payload)
 
     def check_reply_size(self, session, rows: int, dtype: str | None) -> None:
         """A split-head RESULT holds `rows` × (d + S) values: refuse one over max_frame_bytes before computing."""

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitlm.cloud.policy import CachePolicy
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.shards import CloudModel
-from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.errors import ErrorCode, ProtocolError
+from splitlm.transport.messages import Forward
+from splitlm.transport.policy import CachePolicy
 
 
 @dataclass
@@ -74,45 +74,6 @@ class Session:
         self.cache = KVCache(self.cache.num_layers)
 
 
-@dataclass
-class Control:
-    """The edge's control tuple for one request (the seed paper's (flagCache, LCache, dtype, l))."""
-    cache: bool = True  # flagCache: may the cloud use the history it holds? False = wipe it first
-    window: int | None = None  # LCache: at most this many past entries; tightens the session for good
-    dtype: str | None = None  # the reply's wire dtype (None = the session's)
-    split: int | None = None  # l: the layer the edge's hidden states come from (must be the shard's)
-    key: bytes | None = None  # a sealed session's cache key, for this request only
-
-    @classmethod
-    def from_meta(cls, meta) -> Control:
-        if meta is None:
-            return cls()
-        if not isinstance(meta, dict):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control must be a map")
-        c = cls(meta.get("cache", True), meta.get("window"), meta.get("dtype"), meta.get("split"), meta.get("key"))
-        if type(c.cache) is not bool:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.cache must be true or false")
-        if c.window is not None and (type(c.window) is not int or c.window < 1):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.window must be an integer >= 1")
-        if c.dtype is not None and (not isinstance(c.dtype, str) or c.dtype not in WIRE_DTYPES):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown control.dtype {c.dtype!r}")
-        if c.split is not None and type(c.split) is not int:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.split must be an integer")
-        return c
-
-
-@dataclass
-class ForwardRequest:
-    hidden: torch.Tensor  # [C + T, D]: C context rows (re-sent history), then T new tokens
-    positions: torch.Tensor  # [C + T]
-    mask: torch.Tensor | None  # [T, T] bool among the new tokens, None = causal
-    keep: list[int] | None  # entries of the previous step to keep (applied first)
-    crop: int | None  # truncate the cache to this length (applied before keep)
-    context: int = 0  # C
-    control: Control = field(default_factory=Control)
-    rows: list[int] | None = None  # split-head: the new tokens whose logits the edge wants (None = all)
-
-
 class SessionTable:
     def __init__(self, limits: ServerLimits):
         self.limits = limits
@@ -157,7 +118,7 @@ class SessionTable:
         return len(stale)
 
 
-def validate(req: ForwardRequest, session: Session, model: CloudModel, limits: ServerLimits) -> None:
+def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLimits) -> None:
     """Check a forward request against the model, the session and its policy before touching any state."""
     cfg = model.cfg
     if req.hidden.dim() != 2 or req.hidden.shape[1] != cfg.hidden_size:
@@ -222,7 +183,7 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
 
 
 @torch.inference_mode()
-def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> torch.Tensor:
+def run_forward(model: CloudModel, session: Session, req: Forward) -> torch.Tensor:
     """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
     ctl = req.control
     weight = next(model.parameters())
@@ -258,7 +219,7 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
 
 
 @torch.inference_mode()
-def run_split_head(model: CloudModel, session: Session, req: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor]:
+def run_split_head(model: CloudModel, session: Session, req: Forward) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-head request: the layers, then the cloud's part of the LM head for the asked rows:
     (normed h[:, :d] [R, d], partial logits [R, S] over the session's authorised ids)."""
     from splitlm.model.splithead import cloud_head
@@ -269,7 +230,7 @@ def run_split_head(model: CloudModel, session: Session, req: ForwardRequest) -> 
     return cloud_head(model, out, session.vocab)
 
 
-def compute(model: CloudModel, session: Session, req: ForwardRequest) -> dict[str, torch.Tensor]:
+def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
     """One request on the model's device; the reply's tensors in host memory (the one copy back)."""
     if model.split_head:
         h_end, logits = run_split_head(model, session, req)

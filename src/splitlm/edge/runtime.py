@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitlm import SplitLMError
-from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.pipeline import pipelined_decode
@@ -33,6 +32,7 @@ from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
+from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
@@ -148,7 +148,7 @@ class Edge:
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
-        cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
+        cache_policy: what the cloud may keep between requests (`splitlm.transport.policy`): none,
         session, window:N or sealed; each session may choose its own.
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
         file; a split-head cloud computes partial logits for these only.

@@ -16,9 +16,9 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
-from splitlm.cloud.policy import CachePolicy
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward
+from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
     from splitlm.edge.runtime import Edge
