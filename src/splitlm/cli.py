@@ -52,6 +52,7 @@ def cmd_split(args) -> int:
 def cmd_serve_cloud(args) -> int:
     import asyncio
 
+    from splitlm.cloud.scheduler import BatchConfig
     from splitlm.cloud.server import CloudServer
     from splitlm.cloud.sessions import ServerLimits
 
@@ -60,7 +61,8 @@ def cmd_serve_cloud(args) -> int:
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20)
     server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
-                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         batch=BatchConfig(args.max_batch, args.max_batch_tokens))
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -422,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frame-mb", type=positive_int, default=64)
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--max-batch", type=positive_int, default=16,
+                   help="sessions whose steps share one pass of the layers (1 = one request at a time)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
+                   help="token rows per pass (a larger request runs alone)")
     p.add_argument("--identity", metavar="KEY", default=None,
                    help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "
                         "created on first use)")

@@ -15,7 +15,6 @@ import logging
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
 from splitlm import metrics as m
-from splitlm.cloud.sessions import ServerLimits, SessionTable, compute, validate
+from splitlm.cloud.scheduler import BatchConfig, Scheduler
+from splitlm.cloud.sessions import ServerLimits, SessionTable, validate
 from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_cloud
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
@@ -101,6 +101,17 @@ class CloudMetrics:
                                            "Time from a request's arrival to its reply being sent, by type.",
                                            ["type"])
         self.sessions = r.gauge("splitlm_cloud_sessions", "Open sessions.")
+        self.batch_size = r.histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
+                                      buckets=m.TOKENS)
+        self.batch_rows = r.histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
+                                      buckets=m.TOKENS)
+        self.pass_seconds = r.histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.")
+        self.queue_seconds = r.histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.")
+
+    def on_pass(self, sessions: int, rows: int, seconds: float) -> None:
+        self.batch_size.observe(sessions)
+        self.batch_rows.observe(rows)
+        self.pass_seconds.observe(seconds)
 
 
 class CloudServer:
@@ -114,6 +125,7 @@ class CloudServer:
         None = any client may connect (still encrypted; a warning is logged).
     tls_cert, tls_key: serve wss:// with this certificate chain and key (on top of the encryption).
     rekey: when this side's sending keys rotate.
+    batch: the scheduler's limits per pass (`BatchConfig`; max_batch=1: one request at a time).
     """
 
     def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *,
@@ -121,17 +133,17 @@ class CloudServer:
                  identity: Identity | str | Path | None = None,
                  allowed_clients: str | Path | list | AllowedClients | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
-                 rekey: RekeyPolicy | None = None):
+                 rekey: RekeyPolicy | None = None, batch: BatchConfig | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_cloud(shard_dir, self.device, self.dtype)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
         self.sessions = SessionTable(self.limits)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitlm-compute")
         self.conn_ids = itertools.count(1)
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
         self.metrics = CloudMetrics()
+        self.scheduler = Scheduler(self.model, batch, self.metrics.on_pass)
         self.identity = resolve_identity(identity, "cloud")
         self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
                         else AllowedClients(allowed_clients))
@@ -339,21 +351,19 @@ class CloudServer:
         max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
         req = Forward.from_frame(frame, max_elems)
         validate(req, session, self.model, self.limits)
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
         t = req.new_tokens
         if self.model.split_head:
             self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
-        out = await loop.run_in_executor(self.executor, compute, self.model, session, req)
-        compute_s = time.perf_counter() - start
+        done = await self.scheduler.run(session, req)
         self.stats["forwards"] += 1
         self.stats["tokens"] += t
         self.metrics.round_trips.inc()
         self.metrics.tokens.inc(t)
         self.metrics.tokens_per_round_trip.observe(t)
-        self.metrics.compute_seconds.observe(compute_s)
+        self.metrics.compute_seconds.observe(done.compute_s)
+        self.metrics.queue_seconds.observe(done.queue_s)
         try:
-            return Result(session.id, out, session.cache_shape[0], compute_s).to_frame(
+            return Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s).to_frame(
                 req.control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
@@ -398,6 +408,7 @@ class CloudServer:
                 await (stop.wait() if stop is not None else asyncio.Future())
             finally:
                 expiry.cancel()
+                self.scheduler.close()
 
 
 class BackgroundServer:

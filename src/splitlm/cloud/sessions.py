@@ -1,5 +1,5 @@
 """Cloud sessions: one KV cache per session under its cache policy, the limits that protect the
-server, the control tuple of a request, one forward step."""
+server, and the forward steps of several sessions in one pass."""
 
 from __future__ import annotations
 
@@ -182,14 +182,24 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
     return full
 
 
-@torch.inference_mode()
-def run_forward(model: CloudModel, session: Session, req: Forward) -> torch.Tensor:
-    """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
+@dataclass
+class Step:
+    """One request made ready for a pass: the session's cache restored, cropped and kept, the rows on
+    the model's device."""
+    session: Session
+    req: Forward
+    hidden: torch.Tensor  # [1, C + T, D] float32 (the residual stream)
+    positions: torch.Tensor  # [C + T]
+    mask: torch.Tensor | None  # [C + T, C + T] bool, None = causal
+
+
+def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
+    """Restore (unseal), wipe, crop, keep and tighten, in the order of docs/protocol.md §6.1."""
     ctl = req.control
-    weight = next(model.parameters())
+    device = next(model.parameters()).device
     if session.sealed is not None:  # raises SEALED_KEY before any state changes
         session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter,
-                               session.cache.num_layers, weight.device)
+                               session.cache.num_layers, device)
         session.sealed, session.sealed_shape = None, (0, 0)
     cache = session.cache
     if not ctl.cache:
@@ -200,39 +210,60 @@ def run_forward(model: CloudModel, session: Session, req: Forward) -> torch.Tens
         cache.keep(req.keep)
     if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
         session.tighten(CachePolicy("window", ctl.window))
-    c, t = req.context, req.hidden.shape[0] - req.context
-    mask = context_mask(c, req.mask, t)
-    hidden = to_device(req.hidden, weight.device, torch.float32)[None]  # [1, C + T, D] (the residual stream)
-    positions = to_device(req.positions, weight.device)
-    mask = None if mask is None else to_device(mask, weight.device)
-    out = model(hidden, positions, mask, cache)[0][c:]  # [T, D]
+    mask = context_mask(req.context, req.mask, req.new_tokens)
+    return Step(session, req, to_device(req.hidden, device, torch.float32)[None], to_device(req.positions, device),
+                None if mask is None else to_device(mask, device))
+
+
+def finish_step(model: CloudModel, step: Step, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """After the pass (out [C + T, D]): apply the policy (wipe, trim or seal); the reply's tensors in
+    host memory (the one copy back)."""
+    session, req = step.session, step.req
+    cache, c = session.cache, req.context
+    out = out[c:]  # [T, D]
     cache.pending_start += c  # context rows are history, not part of the step's pending block
-    session.tokens_processed += t
+    session.tokens_processed += req.new_tokens
     policy = session.policy
     if policy.retention == 0:
         cache.clear()
     elif policy.mode == "window":
         cache.retain_last(policy.window)
     elif policy.sealed:
-        session.seal(ctl.key)
-    return out
+        session.seal(req.control.key)
+    if not model.split_head:
+        return {"hidden": to_host(out)}
+    from splitlm.model.splithead import cloud_head
+
+    h_end, logits = cloud_head(model, out if req.rows is None else out[req.rows], session.vocab)
+    return {"hidden": to_host(h_end), "logits": to_host(logits)}
 
 
 @torch.inference_mode()
-def run_split_head(model: CloudModel, session: Session, req: Forward) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-head request: the layers, then the cloud's part of the LM head for the asked rows:
-    (normed h[:, :d] [R, d], partial logits [R, S] over the session's authorised ids)."""
-    from splitlm.model.splithead import cloud_head
-
-    out = run_forward(model, session, req)  # [T, D]
-    if req.rows is not None:
-        out = out[req.rows]
-    return cloud_head(model, out, session.vocab)
+def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
+    """Several sessions' requests (at most one per session) in one pass of the layers: the rows of all
+    of them packed for the dense layers, attention per session on its own cache (`forward_packed`).
+    Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
+    answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
+    steps: list[tuple[int, Step]] = []
+    for i, (session, req) in enumerate(jobs):
+        try:
+            steps.append((i, begin_step(model, session, req)))
+        except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
+            answers[i] = e
+    if steps:
+        outs = model.middle.forward_packed([s.hidden for _, s in steps], [s.positions for _, s in steps],
+                                           [s.mask for _, s in steps], [s.session.cache for _, s in steps])
+        for (i, step), out in zip(steps, outs, strict=True):
+            try:
+                answers[i] = finish_step(model, step, out[0])
+            except Exception as e:  # noqa: BLE001
+                answers[i] = e
+    return answers
 
 
 def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
-    """One request on the model's device; the reply's tensors in host memory (the one copy back)."""
-    if model.split_head:
-        h_end, logits = run_split_head(model, session, req)
-        return {"hidden": to_host(h_end), "logits": to_host(logits)}
-    return {"hidden": to_host(run_forward(model, session, req))}
+    """One request alone on the model's device; the reply's tensors in host memory."""
+    (answer,) = compute_batch(model, [(session, req)])
+    if isinstance(answer, Exception):
+        raise answer
+    return answer

@@ -1,0 +1,120 @@
+"""The batching scheduler: sessions that share passes get exactly what they get alone."""
+
+import threading
+
+import pytest
+import torch
+
+from splitlm.cloud.scheduler import BatchConfig, Job, Scheduler
+from splitlm.cloud.server import BackgroundServer
+from splitlm.cloud.sessions import ServerLimits, SessionTable, compute, compute_batch
+from splitlm.edge import Edge
+from splitlm.model.shards import load_cloud
+from splitlm.transport.errors import ErrorCode, ProtocolError
+from splitlm.transport.messages import Control, Forward
+from splitlm.transport.policy import CachePolicy
+
+PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 100], [1, 2, 3, 4, 5, 6, 7, 8],
+           [250], [33, 44, 55, 33, 44]]
+POLICIES = ["session", "none", "window:12", "sealed"]
+SPECS = ["none", "ngram", "lookahead", "ngram"]
+
+
+def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split):
+    with BackgroundServer(tiny_split / "cloud", batch=BatchConfig(max_batch=8)) as server:
+        edges = [Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p) for p in POLICIES]
+        try:
+            def run(i):
+                return edges[i % 4].generate(PROMPTS[i], max_new_tokens=20, stop_at_eos=False,
+                                             spec=SPECS[i // 2 % 4]).token_ids
+
+            solo = [run(i) for i in range(8)]  # one at a time: every pass holds one request
+            hist = server.server.metrics.batch_size
+            assert hist.sum() == hist.count()
+            results = [None] * 8
+            barrier = threading.Barrier(8)
+
+            def thread(i):
+                barrier.wait()
+                for _ in range(2):
+                    results[i] = run(i)
+
+            threads = [threading.Thread(target=thread, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            for e in edges:
+                e.close()
+        assert results == solo
+        assert hist.sum() > hist.count(), "no pass held more than one session"
+        assert server.server.sessions.sessions == {}
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_split):
+    return load_cloud(tiny_split / "cloud")
+
+
+def requests(d: int, seed: int):
+    """A prefill with context rows, then a tree step with keep: the request kinds a session sends."""
+    g = torch.Generator().manual_seed(seed)
+    n = 3 + seed % 5
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    return [Forward(torch.randn(n, d, generator=g), torch.arange(n), context=seed % 2),
+            Forward(torch.randn(3, d, generator=g), torch.tensor([n, n + 1, n + 1]), tree),
+            Forward(torch.randn(1, d, generator=g), torch.tensor([n + 2]), keep=[0, 2])]
+
+
+def test_a_packed_pass_equals_each_request_alone(cloud):
+    d, table = cloud.cfg.hidden_size, SessionTable(ServerLimits())
+    layers = len(cloud.middle.layers)
+    alone = [table.open(b"a", "fp32", layers) for _ in range(6)]
+    packed = [table.open(b"b", "fp32", layers) for _ in range(6)]
+    for step in range(3):
+        want = [compute(cloud, s, requests(d, i)[step]) for i, s in enumerate(alone)]
+        got = compute_batch(cloud, [(s, requests(d, i)[step]) for i, s in enumerate(packed)])
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g["hidden"], w["hidden"], rtol=1e-5, atol=1e-5)
+            assert torch.equal(g["hidden"].argmax(-1), w["hidden"].argmax(-1))
+    assert [s.cache.length for s in packed] == [s.cache.length for s in alone]
+
+
+def test_a_failing_request_fails_alone(cloud):
+    d, table = cloud.cfg.hidden_size, SessionTable(ServerLimits())
+    layers = len(cloud.middle.layers)
+    sealed = table.open(b"a", "fp32", layers, policy=CachePolicy("sealed"))
+    other = table.open(b"a", "fp32", layers)
+    key = b"k" * 32
+    compute(cloud, sealed, Forward(torch.randn(2, d), torch.arange(2), control=Control(key=key)))
+    bad = Forward(torch.randn(1, d), torch.tensor([2]), control=Control(key=b"x" * 32))
+    answers = compute_batch(cloud, [(sealed, bad), (other, Forward(torch.randn(2, d), torch.arange(2)))])
+    assert isinstance(answers[0], ProtocolError) and answers[0].code == ErrorCode.SEALED_KEY
+    assert answers[1]["hidden"].shape == (2, d) and other.cache.length == 2
+    assert sealed.cache_shape == (2, 0)  # unchanged
+
+
+def job(sid: int, rows: int, d: int = 4) -> Job:
+    session = type("S", (), {"id": sid})()
+    return Job(session, Forward(torch.zeros(rows, d), torch.arange(rows)))
+
+
+def test_take_is_fifo_within_the_limits(cloud):
+    sched = Scheduler(cloud, BatchConfig(max_batch=3, max_batch_tokens=10))
+    try:
+        jobs = [job(1, 2), job(1, 1), job(2, 9), job(3, 4), job(4, 1), job(5, 1)]
+        sched._queue.extend(jobs)
+        with sched._cv:
+            first = sched.take()  # 1's second request waits for its first; 2 does not fit beside 1
+            second = sched.take()
+            third = sched.take()
+        assert first == [jobs[0], jobs[3], jobs[4]]
+        assert second == [jobs[1], jobs[2]]  # 10 rows
+        assert third == [jobs[5]]
+        big = job(6, 50)
+        sched._queue.append(big)
+        with sched._cv:
+            assert sched.take() == [big]  # a request over the row limit runs alone
+    finally:
+        sched.close()
