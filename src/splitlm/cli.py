@@ -52,6 +52,7 @@ def cmd_split(args) -> int:
 def cmd_serve_cloud(args) -> int:
     import asyncio
 
+    from splitlm.cloud.budget import parse_bytes
     from splitlm.cloud.scheduler import BatchConfig
     from splitlm.cloud.server import CloudServer
     from splitlm.cloud.sessions import ServerLimits
@@ -59,7 +60,7 @@ def cmd_serve_cloud(args) -> int:
     set_threads(args.threads)
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
-                          max_frame_bytes=args.max_frame_mb * 2**20)
+                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=parse_bytes(args.kv_budget))
     server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
                          allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          batch=BatchConfig(args.max_batch, args.max_batch_tokens))
@@ -428,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions whose steps share one pass of the layers (1 = one request at a time)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token rows per pass (a larger request runs alone)")
+    p.add_argument("--kv-budget", default="0", metavar="BYTES",
+                   help="KV cache memory of all sessions, e.g. 2GiB; beyond it OPEN/FORWARD get CAPACITY "
+                        "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)")
     p.add_argument("--identity", metavar="KEY", default=None,
                    help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "
                         "created on first use)")

@@ -15,7 +15,7 @@ from splitlm.transport.messages import Control, Forward
 from splitlm.transport.policy import CachePolicy
 
 PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 100], [1, 2, 3, 4, 5, 6, 7, 8],
-           [250], [33, 44, 55, 33, 44]]
+           [250, 17], [33, 44, 55, 33, 44]]
 POLICIES = ["session", "none", "window:12", "sealed"]
 SPECS = ["none", "ngram", "lookahead", "ngram"]
 

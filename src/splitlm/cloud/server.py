@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
 from splitlm import metrics as m
+from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.sessions import ServerLimits, SessionTable, validate
 from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype, to_device
@@ -101,6 +102,8 @@ class CloudMetrics:
                                            "Time from a request's arrival to its reply being sent, by type.",
                                            ["type"])
         self.sessions = r.gauge("splitlm_cloud_sessions", "Open sessions.")
+        self.kv_reserved = r.gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.")
+        self.kv_budget = r.gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (CAPACITY beyond it).")
         self.batch_size = r.histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
                                       buckets=m.TOKENS)
         self.batch_rows = r.histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
@@ -139,7 +142,8 @@ class CloudServer:
         self.model = load_cloud(shard_dir, self.device, self.dtype)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
-        self.sessions = SessionTable(self.limits)
+        self.budget = KVBudget.for_model(self.model, self.limits.kv_budget_bytes)
+        self.sessions = SessionTable(self.limits, self.budget)
         self.conn_ids = itertools.count(1)
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
         self.metrics = CloudMetrics()
@@ -179,6 +183,8 @@ class CloudServer:
                                                      f"dtype={dtype_name(self.dtype)}\n")
         if request.path == "/metrics":
             self.metrics.sessions.set(len(self.sessions.sessions))
+            self.metrics.kv_reserved.set(self.sessions.kv_reserved)
+            self.metrics.kv_budget.set(self.budget.budget_bytes)
             response = connection.respond(HTTPStatus.OK, self.metrics.registry.render())
             del response.headers["Content-Type"]  # Headers is a multi-dict: replace, not add
             response.headers["Content-Type"] = m.CONTENT_TYPE
@@ -350,11 +356,15 @@ class CloudServer:
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
         max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
         req = Forward.from_frame(frame, max_elems)
-        validate(req, session, self.model, self.limits)
+        entries = validate(req, session, self.model, self.limits)
         t = req.new_tokens
         if self.model.split_head:
             self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
-        done = await self.scheduler.run(session, req)
+        self.sessions.reserve(session, entries)  # CAPACITY when the KV budget cannot hold the step
+        try:
+            done = await self.scheduler.run(session, req)
+        finally:
+            self.sessions.settle(session)
         self.stats["forwards"] += 1
         self.stats["tokens"] += t
         self.metrics.round_trips.inc()
@@ -395,6 +405,8 @@ class CloudServer:
             log.info("serving %s (layers [%d,%d), fingerprint %s) on %s on %s://%s:%d", self.manifest.role,
                      *self.manifest.cloud_layers, self.manifest.fingerprint, describe(self.device, self.dtype),
                      scheme, host, self.port)
+            log.info("KV budget %.1f MiB (%d bytes per entry: %d entries in all)", self.budget.budget_bytes / 2**20,
+                     self.budget.bytes_per_entry, self.budget.entries)
             log.info("cloud identity %s (%s)", self.fingerprint,
                      self.identity.path or "in memory")
             if self.allowed is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
@@ -29,6 +30,7 @@ class ServerLimits:
     idle_timeout_s: float = 600.0
     hello_timeout_s: float = 10.0
     max_bad_frames: int = 64  # undecodable / unauthenticated / replayed frames before the connection is closed
+    kv_budget_bytes: int = 0  # what all sessions' KV caches may take on the device (`cloud.budget`); 0 = automatic
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Session:
     vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending, on the model's device
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    kv_reserved: int = 0  # bytes of the KV budget this session holds (`cloud.budget`)
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -75,9 +78,34 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    """The open sessions; with a `budget`, what their KV caches reserve of it (CAPACITY when full)."""
+
+    def __init__(self, limits: ServerLimits, budget: KVBudget | None = None):
+        self.limits, self.budget = limits, budget
         self.sessions: dict[int, Session] = {}
+
+    @property
+    def kv_reserved(self) -> int:
+        return sum(s.kv_reserved for s in self.sessions.values())
+
+    def _check_capacity(self, more: int, what: str) -> None:
+        if self.budget is not None and self.kv_reserved + more > self.budget.budget_bytes:
+            raise ProtocolError(ErrorCode.CAPACITY, f"the cloud's KV memory is fully used ({what}); "
+                                                    "retry later or use another cloud")
+
+    def reserve(self, session: Session, entries: int) -> None:
+        """Reserve what `session`'s cache holds while a pass appends to it (`entries` during the pass),
+        or answer CAPACITY (nothing changes)."""
+        if self.budget is None:
+            return
+        need = max(session.cache.nbytes(), self.budget.need(entries))
+        self._check_capacity(need - session.kv_reserved, f"{entries} entries do not fit")
+        session.kv_reserved = need
+
+    def settle(self, session: Session) -> None:
+        """After a pass: the session keeps what its cache still allocates (at least one block)."""
+        if self.budget is not None:
+            session.kv_reserved = max(session.cache.nbytes(), self.budget.need(session.cache_shape[0]))
 
     def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0,
              policy: CachePolicy | None = None) -> Session:
@@ -87,10 +115,12 @@ class SessionTable:
         if sum(s.owner == owner for s in self.sessions.values()) >= self.limits.max_sessions_per_client:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                                 f"at most {self.limits.max_sessions_per_client} sessions per client")
+        first = self.budget.need(1) if self.budget is not None else 0
+        self._check_capacity(first, "no room for a new session")
         sid = secrets.randbits(63) or 1
         while sid in self.sessions:
             sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy())
+        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy(), kv_reserved=first)
         self.sessions[sid] = session
         return session
 
@@ -118,8 +148,9 @@ class SessionTable:
         return len(stale)
 
 
-def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLimits) -> None:
-    """Check a forward request against the model, the session and its policy before touching any state."""
+def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLimits) -> int:
+    """Check a forward request against the model, the session and its policy before touching any state.
+    Returns the entries its cache holds during the pass (after crop and keep, with the new rows)."""
     cfg = model.cfg
     if req.hidden.dim() != 2 or req.hidden.shape[1] != cfg.hidden_size:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {cfg.hidden_size}], got {list(req.hidden.shape)}")
@@ -170,6 +201,7 @@ def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLi
     if length + rows > limits.max_tokens_per_session:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                             f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}")
+    return length + rows
 
 
 def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitlm.decoding.sampling import SamplingConfig
+from splitlm.transport.errors import ErrorCode
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP = 4
@@ -25,6 +26,13 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def cloud_failure(e: Exception) -> APIError:
+    """A failed generation: 503 when the cloud is at its KV capacity (retry later), else 502."""
+    if getattr(e, "code", None) == ErrorCode.CAPACITY:
+        return APIError(503, f"the cloud is at capacity: {e}", "server_error", code="cloud_capacity")
+    return APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
 
 
 def invalid(param: str, message: str, code: str | None = "invalid_value") -> APIError:
