@@ -15,6 +15,7 @@ import logging
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
 
@@ -50,6 +51,11 @@ from splitlm.transport.messages import Closed, Forward, Open, Opened, PolicyChan
 log = logging.getLogger("splitlm.cloud")
 
 
+# frames (and tensor payloads) from this size on are decrypted, decoded, validated, encoded and sealed
+# on the codec pool, not on the event loop (smaller ones cost less than the thread hop)
+OFFLOAD_BYTES = 64 * 2**10
+CODEC_THREADS = 2
+
 # errors after which the connection is closed (the ERROR frame is sent first); VERSION_MISMATCH only
 # before the handshake (afterwards an unauthenticated frame must not be able to end the connection)
 CLOSING = {ErrorCode.VERSION_MISMATCH, ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.AUTH_FAILED,
@@ -76,10 +82,16 @@ class Connection:
     def ready(self) -> bool:
         return self.channel is not None
 
-    async def send(self, frame: Frame, plaintext: bool = False) -> None:
+    async def send(self, frame: Frame, plaintext: bool = False, codec: ThreadPoolExecutor | None = None) -> None:
+        """Number, seal and send a frame; with `codec`, a large one is sealed on that pool (the
+        connection's frames are still sealed one at a time, in order)."""
         frame.seq = next(self.seq_out)
         if self.channel is not None and not plaintext:
-            await self.ws.send(self.channel.seal(frame))
+            if codec is not None and len(frame.payload) >= OFFLOAD_BYTES:
+                data = await asyncio.get_running_loop().run_in_executor(codec, self.channel.seal, frame)
+            else:
+                data = self.channel.seal(frame)
+            await self.ws.send(data)
         else:
             await self.ws.send(encode_frame(frame))
 
@@ -148,6 +160,7 @@ class CloudServer:
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
         self.metrics = CloudMetrics()
         self.scheduler = Scheduler(self.model, batch, self.metrics.on_pass)
+        self.codec = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="splitlm-codec")
         self.identity = resolve_identity(identity, "cloud")
         self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
                         else AllowedClients(allowed_clients))
@@ -262,7 +275,7 @@ class CloudServer:
                 ref, session = header.seq, header.session
             except ProtocolError:
                 pass
-            frame = self._decode(conn, data)
+            frame = await self.offload(len(data), self._decode, conn, data)
             if frame.type == MsgType.HELLO:
                 if conn.channel is not None:
                     raise ProtocolError(ErrorCode.BAD_REQUEST, "the handshake is already done")
@@ -271,7 +284,7 @@ class CloudServer:
             start = time.perf_counter()
             reply = await self.handle(conn, frame)
             reply.meta["ref"] = frame.seq
-            await conn.send(reply)
+            await conn.send(reply, codec=self.codec)
             self.metrics.requests.inc(type=frame.type.name)
             self.metrics.request_seconds.observe(time.perf_counter() - start, type=frame.type.name)
         except ProtocolError as err:
@@ -352,11 +365,21 @@ class CloudServer:
         log.info("conn %d: HELLO from client %s", conn.id, conn.client)
         await conn.ws.send(ok)
 
-    async def forward(self, conn: Connection, frame: Frame) -> Frame:
-        session = self.sessions.get(frame.session, conn.client_key, conn.id)
+    async def offload(self, size: int, fn, *args):
+        """fn(*args) on the codec pool when `size` (bytes) is large, else here on the event loop."""
+        if size < OFFLOAD_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
+
+    def parse_forward(self, session, frame: Frame) -> tuple[Forward, int]:
+        """The request, checked (`validate`); with the entries its cache holds during the pass."""
         max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
         req = Forward.from_frame(frame, max_elems)
-        entries = validate(req, session, self.model, self.limits)
+        return req, validate(req, session, self.model, self.limits)
+
+    async def forward(self, conn: Connection, frame: Frame) -> Frame:
+        session = self.sessions.get(frame.session, conn.client_key, conn.id)
+        req, entries = await self.offload(len(frame.payload), self.parse_forward, session, frame)
         t = req.new_tokens
         if self.model.split_head:
             self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
@@ -372,9 +395,10 @@ class CloudServer:
         self.metrics.tokens_per_round_trip.observe(t)
         self.metrics.compute_seconds.observe(done.compute_s)
         self.metrics.queue_seconds.observe(done.queue_s)
+        result = Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s)
         try:
-            return Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s).to_frame(
-                req.control.dtype or session.wire_dtype)
+            return await self.offload(sum(x.nbytes for x in done.tensors.values()), result.to_frame,
+                                      req.control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
@@ -421,6 +445,7 @@ class CloudServer:
             finally:
                 expiry.cancel()
                 self.scheduler.close()
+                self.codec.shutdown(wait=False)
 
 
 class BackgroundServer:
