@@ -534,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.set_defaults(func=bench_main)
 
+    p = sub.add_parser("loadtest", help="many edges against one cloud behind an emulated WAN: batched vs --max-batch 1")
+    from splitlm.bench.loadtest import add_loadtest_arguments, loadtest_main
+
+    add_loadtest_arguments(p)
+    p.set_defaults(func=loadtest_main)
+
     try:
         from splitlm.bench.wan import add_wan_arguments, wan_main
     except ImportError:

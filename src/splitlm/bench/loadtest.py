@@ -1,0 +1,304 @@
+"""`splitlm loadtest`: many edges against one cloud behind an emulated WAN, batched vs `--max-batch 1`.
+
+    splitlm loadtest --sessions 8 --rtt-ms 80 --max-new-tokens 32
+
+Set-up: for each cloud configuration (batched: `serve-cloud --max-batch N`; baseline:
+`--max-batch 1`, one request per pass, the cloud before the scheduler) a `splitlm serve-cloud
+--threads 1` subprocess serves the split; one WAN emulator thread of this process delays each
+direction by RTT/2; the N edge sessions are threads of this process sharing one `Edge` (its
+connection pool gives each session its own connection) with 1 torch thread. Both configurations
+run in the same invocation, one after the other, so that the machine's noise hits both.
+
+Per configuration:
+1. steady decoding: the N sessions start together (a barrier) and each generates
+   `--max-new-tokens` greedy tokens from its prompt (`benchmarks/prompts.json`, in turn):
+   aggregate tok/s (all sessions' tokens / wall time), p50/p99 step latency (time between a
+   session's consecutive decoding steps, prefill excluded), errors, and whether every session's
+   tokens equal its single-session output (each prompt alone on the baseline cloud, no emulator);
+2. prefill interference: N-1 sessions decode; once each has made a few steps, one more session
+   sends a `--prefill-tokens` prompt. Reported: the decoders' p50 step latency before the prefill,
+   the p50 and the worst of the steps that overlapped it, and the prefill's own time.
+
+Results: a table on stdout and `OUT/loadtest-<timestamp>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from splitlm import SplitLMError
+
+SCHEMA = "splitlm.loadtest/1"
+DEFAULT_OUT = Path("benchmarks") / "results"
+WARMUP_TOKENS = 2
+STEPS_BEFORE_PREFILL = 4
+
+
+@dataclass
+class LoadConfig:
+    sessions: int = 8
+    max_new_tokens: int = 32
+    rtt_ms: float = 80.0
+    max_batch: int = 16  # the batched configuration's --max-batch (the baseline is 1)
+    spec: str = "none"  # the sessions' decoding mode (none = one token per round trip)
+    prefill_tokens: int = 512  # the interfering prompt's length (0 = skip phase 2)
+    wire_dtype: str = "fp32"  # fp32: outputs comparable bit for bit with the single-session run
+    model: str = "default"
+    head: int = 2
+    tail: int | None = None
+    edge: str = ""  # a pre-split edge shard (its cloud is the sibling cloud/); "" = split --model here
+    prompts: str = ""
+    out: str = str(DEFAULT_OUT)
+
+
+@dataclass
+class SessionRun:
+    tokens: list[int] = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each decoding step
+    start: float = 0.0
+    end: float = 0.0
+    error: str | None = None
+
+    @property
+    def latencies(self) -> list[float]:
+        return [b - a for a, b in self.steps]
+
+
+def progress(msg: str) -> None:
+    print(f"[loadtest] {msg}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None, after_steps=None) -> None:
+    """One session's generation, timing each decoding step; errors are recorded, not raised."""
+    if barrier is not None:
+        barrier.wait()
+    run.start = last = time.perf_counter()
+    first = True
+    try:
+        for tokens, _ in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
+            now = time.perf_counter()
+            if not first:
+                run.steps.append((last, now))
+                if after_steps is not None and len(run.steps) == STEPS_BEFORE_PREFILL:
+                    after_steps.wait()
+            first, last = False, now
+            run.tokens.extend(tokens)
+    except Exception as e:  # noqa: BLE001 - a load test counts failures
+        run.error = f"{type(e).__name__}: {e}"
+    run.end = time.perf_counter()
+
+
+def concurrently(edge, prompts: list[list[int]], max_new: int, spec) -> list[SessionRun]:
+    runs = [SessionRun() for _ in prompts]
+    barrier = threading.Barrier(len(prompts))
+    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier), daemon=True)
+               for p, r in zip(prompts, runs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return runs
+
+
+def steady(runs: list[SessionRun], reference: list[list[int]]) -> dict:
+    lat = [x for r in runs for x in r.latencies]
+    wall = max(r.end for r in runs) - min(r.start for r in runs)
+    tokens = sum(len(r.tokens) for r in runs)
+    identical = [r.tokens == ref for r, ref in zip(runs, reference, strict=True)]
+    return {"sessions": len(runs), "tokens": tokens, "wall_s": round(wall, 3),
+            "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "step_p50_ms": ms(percentile(lat, 50)), "step_p99_ms": ms(percentile(lat, 99)), "steps": len(lat),
+            "errors": sum(r.error is not None for r in runs),
+            "error_messages": sorted({r.error for r in runs if r.error})[:5],
+            "identical": sum(identical), "all_identical": all(identical)}
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 1)
+
+
+def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec) -> dict:
+    """N-1 sessions decode; after each made a few steps, one session prefills `long_prompt`."""
+    runs = [SessionRun() for _ in prompts]
+    barrier = threading.Barrier(len(prompts))
+    ready = threading.Barrier(len(prompts) + 1)
+    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
+               for p, r in zip(prompts, runs, strict=True)]
+    for t in threads:
+        t.start()
+    prefill = SessionRun()
+    try:
+        ready.wait(300)
+    except threading.BrokenBarrierError:
+        prefill.error = "the decoders did not reach the prefill point"
+    else:
+        decode(edge, long_prompt, 1, spec, prefill)
+    for t in threads:
+        t.join()
+    p0, p1 = prefill.start, prefill.end
+    before = [b - a for r in runs for a, b in r.steps if b <= p0]
+    during = [b - a for r in runs for a, b in r.steps if b > p0 and a < p1]
+    return {"prefill_tokens": len(long_prompt), "prefill_s": round(p1 - p0, 3), "prefill_error": prefill.error,
+            "decode_p50_before_ms": ms(percentile(before, 50)), "decode_p50_during_ms": ms(percentile(during, 50)),
+            "decode_max_during_ms": ms(max(during) if during else None), "steps_during": len(during),
+            "errors": sum(r.error is not None for r in runs)}
+
+
+def long_prompt_ids(tokenizer, n: int, vocab_size: int) -> list[int]:
+    """n tokens of ordinary text (Python's pydoc topics, which every Python has); without a tokenizer
+    (test models), n ids."""
+    if tokenizer is None:
+        return [(5 * i) % (vocab_size - 3) + 3 for i in range(n)]
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    return tokenizer(text[: n * 8]).input_ids[:n]
+
+
+def run_config(name: str, cloud_dir: Path, edge_dir: Path, extra: list[str], config: LoadConfig,
+               prompts: list[list[int]], reference: list[list[int]], spec) -> dict:
+    from splitlm.bench.wan import WanConfig, WanEmulator
+    from splitlm.cloud.local import cloud_process
+    from splitlm.edge import Edge
+
+    progress(f"{name}: serve-cloud {' '.join(extra)}, {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
+    with contextlib.ExitStack() as stack:
+        port = stack.enter_context(cloud_process(cloud_dir, "cpu", "fp32", extra))
+        url = f"ws://127.0.0.1:{port}"
+        if config.rtt_ms > 0:
+            wan = stack.enter_context(WanEmulator(upstream=("127.0.0.1", port), config=WanConfig(config.rtt_ms, seed=0)))
+            url = wan.url_for("ws")
+        edge = stack.enter_context(Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
+        concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
+        result = {"name": name, "cloud_args": extra, **steady(concurrently(edge, prompts, config.max_new_tokens, spec),
+                                                               reference)}
+        if config.prefill_tokens:
+            long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
+            result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
+                                                          config.max_new_tokens, spec)
+    progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {result['step_p50_ms']} ms, "
+             f"p99 {result['step_p99_ms']} ms, identical {result['identical']}/{result['sessions']}")
+    return result
+
+
+def run_loadtest(config: LoadConfig) -> dict:
+    import torch
+
+    from splitlm.bench.prompts import default_prompts_path, load_prompts, tokenize
+    from splitlm.bench.suite import BenchConfig, resolve_split
+    from splitlm.cloud.local import cloud_process
+    from splitlm.edge import Edge
+    from splitlm.edge.runtime import as_spec
+    from splitlm.model.loading import resolve_model
+
+    if config.sessions < 1 or config.max_new_tokens < 1 or config.max_batch < 1:
+        raise SplitLMError("--sessions, --max-new-tokens and --max-batch must be at least 1")
+    torch.set_num_threads(1)
+    spec = as_spec(config.spec)
+    prompt_set = load_prompts(config.prompts or default_prompts_path())
+    if config.edge:  # no reference model needed: outputs are compared with the single-session run
+        edge_dir, cloud_dir = Path(config.edge), Path(config.edge).parent / "cloud"
+        if not (edge_dir / "manifest.json").is_file() or not (cloud_dir / "manifest.json").is_file():
+            raise SplitLMError(f"--edge {edge_dir}: expected a split's edge shard with its cloud shard in "
+                               f"{cloud_dir}")
+    else:
+        split_dir, _ = resolve_split(BenchConfig(model=config.model, head=config.head, tail=config.tail),
+                                     resolve_model(config.model))
+        edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
+    baseline = ["--max-batch", "1"]
+    with cloud_process(cloud_dir, "cpu", "fp32", baseline) as port, \
+            Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
+        if edge.tokenizer is not None:
+            tokenize(prompt_set, edge.tokenizer)
+            ids = [p.ids for p in prompt_set]
+        else:  # a test model without a tokenizer: prompts of token ids
+            ids = [[(7 * i + 3 * j) % (edge.cfg.vocab_size - 3) + 3 for j in range(3 + i % 5)] for i in range(8)]
+        prompts = [ids[i % len(ids)] for i in range(config.sessions)]
+        progress(f"reference: each of {config.sessions} prompts alone")
+        reference = []
+        for p in prompts:
+            run = SessionRun()
+            decode(edge, p, config.max_new_tokens, spec, run)
+            if run.error:
+                raise SplitLMError(f"the single-session reference failed: {run.error}")
+            reference.append(run.tokens)
+    started = time.time()
+    configs = [("batched", ["--max-batch", str(config.max_batch)]), ("max-batch-1", baseline)]
+    results = [run_config(name, cloud_dir, edge_dir, extra, config, prompts, reference, spec)
+               for name, extra in configs]
+    batched, single = results
+    doc = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
+           "config": asdict(config), "cpu_count": os.cpu_count(),
+           "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+           "threads": {"cloud": 1, "edges": "1 torch thread, one Python thread per session"},
+           "results": results}
+    if batched["aggregate_tok_s"] and single["aggregate_tok_s"]:
+        doc["speedup"] = round(batched["aggregate_tok_s"] / single["aggregate_tok_s"], 2)
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    lines = ["| cloud | sessions | tok/s | step p50 ms | step p99 ms | errors | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        lines.append(f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['step_p50_ms']} | "
+                     f"{r['step_p99_ms']} | {r['errors']} | {r['identical']}/{r['sessions']} |")
+    if any("prefill_interference" in r for r in doc["results"]):
+        lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during ms | max during ms |",
+                  "|---|---|---|---|---|---|"]
+        for r in doc["results"]:
+            p = r.get("prefill_interference")
+            if p:
+                lines.append(f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
+                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} |")
+    if "speedup" in doc:
+        lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
+    return "\n".join(lines)
+
+
+def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
+    d = LoadConfig()
+    p.add_argument("--sessions", type=int, default=d.sessions, help=f"concurrent edge sessions (default {d.sessions})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per session")
+    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
+    p.add_argument("--spec", default=d.spec, help="decoding mode of the sessions (default none: one token per step)")
+    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
+                   help="length of the interfering prompt of phase 2 (0 = skip it)")
+    p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
+    p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
+    p.add_argument("--head", type=int, default=d.head)
+    p.add_argument("--tail", type=int, default=None)
+    p.add_argument("--edge", default="", metavar="DIR", help="a pre-split edge shard (its cloud shard is DIR/../cloud)")
+    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
+
+
+def loadtest_main(args) -> int:
+    config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
+                        args.prefill_tokens, args.wire_dtype, args.model, args.head, args.tail, args.edge,
+                        args.prompts, args.out)
+    doc = run_loadtest(config)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"loadtest-{doc['started'].replace(':', '')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(markdown(doc))
+    print(f"\nwrote {path}")
+    return 0 if all(r["all_identical"] and not r["errors"] for r in doc["results"]) else 1
