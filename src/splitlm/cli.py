@@ -63,7 +63,7 @@ def cmd_serve_cloud(args) -> int:
                           max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=parse_bytes(args.kv_budget))
     server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
                          allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         batch=BatchConfig(args.max_batch, args.max_batch_tokens))
+                         batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -428,7 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=positive_int, default=16,
                    help="sessions whose steps share one pass of the layers (1 = one request at a time)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
-                   help="token rows per pass (a larger request runs alone)")
+                   help="token rows per pass (a larger token tree runs alone)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256,
+                   help="rows of one causal request (a prefill) per pass; longer ones run in chunks, "
+                        "interleaved with other sessions' steps")
     p.add_argument("--kv-budget", default="0", metavar="BYTES",
                    help="KV cache memory of all sessions, e.g. 2GiB; beyond it OPEN/FORWARD get CAPACITY "
                         "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)")

@@ -95,26 +95,69 @@ def test_a_failing_request_fails_alone(cloud):
     assert sealed.cache_shape == (2, 0)  # unchanged
 
 
-def job(sid: int, rows: int, d: int = 4) -> Job:
-    session = type("S", (), {"id": sid})()
-    return Job(session, Forward(torch.zeros(rows, d), torch.arange(rows)))
+def job(sid: int, rows: int, d: int = 4, tree: bool = False) -> Job:
+    session = type("S", (), {"id": sid, "closed": False})()
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril() if tree else None
+    return Job(session, Forward(torch.zeros(rows, d), torch.arange(rows), mask))
 
 
 def test_take_is_fifo_within_the_limits(cloud):
-    sched = Scheduler(cloud, BatchConfig(max_batch=3, max_batch_tokens=10))
+    sched = Scheduler(cloud, BatchConfig(max_batch=3, max_batch_tokens=10, prefill_chunk=100))
     try:
-        jobs = [job(1, 2), job(1, 1), job(2, 9), job(3, 4), job(4, 1), job(5, 1)]
+        jobs = [job(1, 2), job(1, 1), job(2, 9, tree=True), job(3, 4), job(4, 1), job(5, 1)]
         sched._queue.extend(jobs)
         with sched._cv:
-            first = sched.take()  # 1's second request waits for its first; 2 does not fit beside 1
-            second = sched.take()
-            third = sched.take()
-        assert first == [jobs[0], jobs[3], jobs[4]]
-        assert second == [jobs[1], jobs[2]]  # 10 rows
-        assert third == [jobs[5]]
-        big = job(6, 50)
+            first = sched.take()  # 1's second request waits for its first; the 9-row tree does not fit beside 1
+        assert first == [(jobs[0], 2), (jobs[3], 4), (jobs[4], 1)]
+        for j in (jobs[0], jobs[3], jobs[4]):
+            sched._queue.remove(j)
+        with sched._cv:
+            assert sched.take() == [(jobs[1], 1), (jobs[2], 9)]  # 10 rows
+        sched._queue.remove(jobs[1])
+        sched._queue.remove(jobs[2])
+        big = job(6, 50, tree=True)
         sched._queue.append(big)
         with sched._cv:
-            assert sched.take() == [big]  # a request over the row limit runs alone
+            assert sched.take() == [(jobs[5], 1)]  # the big tree does not fit beside it
+        sched._queue.remove(jobs[5])
+        with sched._cv:
+            assert sched.take() == [(big, 50)]  # a tree over the row limit runs alone
+    finally:
+        sched.close()
+
+
+def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
+    sched = Scheduler(cloud, BatchConfig(max_batch=8, max_batch_tokens=64, prefill_chunk=16))
+    try:
+        prefill, decode = job(1, 40), job(2, 1)
+        closed = job(3, 1)
+        closed.session.closed = True
+        sched._queue.extend([prefill, decode, closed])
+        with sched._cv:
+            assert sched.take() == [(prefill, 16), (decode, 1)]
+        assert closed.future.exception().code == ErrorCode.UNKNOWN_SESSION  # dropped, never computed
+        sched._queue.append(job(4, 60))  # fills the pass's room with a smaller chunk
+        with sched._cv:
+            pieces = sched.take()
+        assert [(j.session.id, n) for j, n in pieces] == [(1, 16), (2, 1), (4, 16)]
+    finally:
+        sched.close()
+
+
+def test_chunked_prefill_equals_one_pass(cloud):
+    d, table = cloud.cfg.hidden_size, SessionTable(ServerLimits())
+    layers = len(cloud.middle.layers)
+    whole, chunked = (table.open(b"a", "fp32", layers) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    reqs = [Forward(torch.randn(50, d, generator=g), torch.arange(50), context=7),
+            Forward(torch.randn(1, d, generator=g), torch.tensor([50]))]
+    sched = Scheduler(cloud, BatchConfig(prefill_chunk=8))
+    try:
+        for req in reqs:
+            want = compute(cloud, whole, req)
+            done = sched.submit(chunked, req).result(30)
+            torch.testing.assert_close(done.tensors["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
+            assert chunked.cache_shape == whole.cache_shape
+        assert sched.passes == 7 + 1  # 50 rows in chunks of 8, then the decode step
     finally:
         sched.close()

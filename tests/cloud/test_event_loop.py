@@ -28,7 +28,7 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
     monkeypatch.setattr(server_module, "validate", spy("validate", server_module.validate))
     import splitlm.cloud.scheduler as scheduler_module
 
-    monkeypatch.setattr(scheduler_module, "compute_batch", spy("compute", scheduler_module.compute_batch))
+    monkeypatch.setattr(scheduler_module, "run_pass", spy("compute", scheduler_module.run_pass))
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)
@@ -51,15 +51,15 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
 def test_the_loop_answers_health_checks_while_a_long_pass_runs(tiny_split, monkeypatch):
     import splitlm.cloud.scheduler as scheduler_module
 
-    real = scheduler_module.compute_batch
+    real = scheduler_module.run_pass
     running = threading.Event()
 
-    def slow(model, jobs):
+    def slow(model, pieces):
         running.set()
         time.sleep(1.5)
-        return real(model, jobs)
+        return real(model, pieces)
 
-    monkeypatch.setattr(scheduler_module, "compute_batch", slow)
+    monkeypatch.setattr(scheduler_module, "run_pass", slow)
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)

@@ -1,13 +1,20 @@
 """The batching scheduler: one compute thread runs the ready steps of all sessions in shared passes.
 
-Requests arrive from the event loop (`submit`, thread-safe); the compute thread takes, in arrival
-order, as many as fit one pass (`BatchConfig`: at most `max_batch` sessions and `max_batch_tokens`
-rows, a larger request runs alone; at most one request per session, so a session's requests stay
-in order) and runs them with `compute_batch`: their rows packed for the dense layers, attention per
-session on its own cache. While a pass runs, new requests queue and join the next one, so batches
-form by themselves under load and a lone edge never waits for company (no gathering delay).
+Requests arrive from the event loop (`submit`, thread-safe) and queue in arrival order. Each pass
+takes, in that order, as much as fits (`BatchConfig`): at most `max_batch` sessions and
+`max_batch_tokens` rows, at most one request per session (a session's requests stay in order),
+and at most `prefill_chunk` rows of any one causal request. A longer causal request (a prefill,
+context rows) therefore runs in chunks over several passes, keeping its place in the queue, and
+the steps of other sessions that arrive meanwhile join each pass: a 2,048-token prefill delays
+them by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
+a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone. A pass runs the
+middle layers once over its pieces (`sessions.run_pass`: rows packed for the dense layers,
+attention per session on its own cache). Requests of a session that was closed meanwhile (CLOSE,
+its connection ended, expiry) are dropped without being computed.
 
-`max_batch = 1` is the old one-request-at-a-time cloud (and the baseline of `splitlm loadtest`).
+While a pass runs, new requests queue and join the next one, so batches form by themselves under
+load and a lone edge never waits for company (no gathering delay). `max_batch = 1` is the old
+one-request-at-a-time cloud (and the baseline of `splitlm loadtest`).
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitlm.cloud.sessions import Session, compute_batch
+from splitlm.cloud.sessions import Session, Step, begin_step, finish_step, run_pass
 from splitlm.model.shards import CloudModel
+from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Forward
 
 log = logging.getLogger(__name__)
@@ -32,11 +40,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class BatchConfig:
     max_batch: int = 16  # sessions per pass (1 = no batching)
-    max_batch_tokens: int = 2048  # rows per pass (context rows included); a larger request runs alone
+    max_batch_tokens: int = 2048  # rows per pass (context rows included); an unchunkable larger request runs alone
+    prefill_chunk: int = 256  # rows of one causal request per pass (longer ones are chunked)
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_batch and max_batch_tokens must be >= 1")
+        if min(self.max_batch, self.max_batch_tokens, self.prefill_chunk) < 1:
+            raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
 
 
 @dataclass
@@ -45,19 +54,30 @@ class Job:
     req: Forward
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
+    step: Step | None = None  # once its first piece runs
+    first_pass: float | None = None
+    passes: int = 0
 
     @property
     def rows(self) -> int:
         return self.req.hidden.shape[0]
 
+    @property
+    def remaining(self) -> int:
+        return self.rows - (self.step.done if self.step is not None else 0)
+
+    @property
+    def chunkable(self) -> bool:
+        return self.req.mask is None
+
 
 @dataclass
 class Done:
-    """A request's outcome: its reply tensors, how long it waited for a pass and how long it took in all."""
+    """A request's outcome: its reply tensors, how long it waited for its first pass, how long it took."""
     tensors: dict[str, torch.Tensor]
     queue_s: float
     compute_s: float  # from submit to output (queue_s included)
-    batch: int  # requests in its pass
+    passes: int  # passes it took (more than one: chunked)
 
 
 class Scheduler:
@@ -68,6 +88,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopped = False
+        self.passes = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="splitlm-compute")
         self._thread.start()
 
@@ -88,24 +109,37 @@ class Scheduler:
     async def run(self, session: Session, req: Forward) -> Done:
         return await asyncio.wrap_future(self.submit(session, req))
 
-    def take(self) -> list[Job]:
-        """The next pass (call with the lock held and the queue not empty): FIFO, as many requests as
-        fit the limits; a request of a session already in the pass (or behind one that was skipped)
-        waits for the next pass."""
+    def take(self) -> list[tuple[Job, int]]:
+        """The next pass as (job, rows to run) pieces, in queue order (call with the lock held).
+        Requests of closed sessions leave the queue here, failed, never computed."""
         cfg, batch, rows, sessions = self.config, [], 0, set()
-        for job in self._queue:
+        for job in list(self._queue):
+            if job.session.closed:
+                self._queue.remove(job)
+                job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
+                continue
             if len(batch) == cfg.max_batch:
                 break
             sid = job.session.id
-            if sid in sessions or (batch and rows + job.rows > cfg.max_batch_tokens):
-                sessions.add(sid)  # keeps this session's later requests behind this one
+            if sid in sessions:  # one piece per session and pass; its later requests wait behind it
                 continue
-            batch.append(job)
             sessions.add(sid)
-            rows += job.rows
-        taken = set(map(id, batch))
-        self._queue = deque(j for j in self._queue if id(j) not in taken)
+            n = min(job.remaining, cfg.prefill_chunk) if job.chunkable else job.remaining
+            room = cfg.max_batch_tokens - rows
+            if n > room:
+                if job.chunkable and room > 0:
+                    n = room
+                elif batch:
+                    continue
+            batch.append((job, n))
+            rows += n
         return batch
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        with self._cv:
+            if job in self._queue:
+                self._queue.remove(job)
+        job.future.set_exception(error)
 
     def _loop(self) -> None:
         while True:
@@ -117,21 +151,48 @@ class Scheduler:
                         job.future.set_exception(RuntimeError("the cloud is shutting down"))
                     self._queue.clear()
                     return
-                batch = self.take()
-            start = time.perf_counter()
+                pieces = self.take()
+            if pieces:
+                self._pass(pieces)
+
+    @torch.inference_mode()
+    def _pass(self, pieces: list[tuple[Job, int]]) -> None:
+        start = time.perf_counter()
+        ready = []
+        for job, n in pieces:
+            if job.step is None:
+                try:
+                    job.step = begin_step(self.model, job.session, job.req)
+                except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
+                    self._fail(job, e)
+                    continue
+                job.first_pass = start
+            ready.append((job, n))
+        if not ready:
+            return
+        try:
+            run_pass(self.model, [(job.step, n) for job, n in ready])
+        except Exception as e:  # noqa: BLE001 - a bug in the pass fails its requests, not the server
+            log.exception("a pass of %d request(s) failed", len(ready))
+            for job, _ in ready:
+                self._fail(job, e)
+            return
+        self.passes += 1
+        for job, _ in ready:
+            job.passes += 1
+            if job.remaining:
+                continue
             try:
-                answers = compute_batch(self.model, [(j.session, j.req) for j in batch])
-            except Exception as e:  # noqa: BLE001 - a bug in the pass fails its requests, not the server
-                log.exception("a pass of %d request(s) failed", len(batch))
-                answers = [e] * len(batch)
+                tensors = finish_step(self.model, job.step)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                continue
+            with self._cv:
+                self._queue.remove(job)
             end = time.perf_counter()
-            if self.on_pass is not None:
-                self.on_pass(len(batch), sum(j.rows for j in batch), end - start)
-            for job, answer in zip(batch, answers, strict=True):
-                if isinstance(answer, Exception):
-                    job.future.set_exception(answer)
-                else:
-                    job.future.set_result(Done(answer, start - job.submitted, end - job.submitted, len(batch)))
+            job.future.set_result(Done(tensors, job.first_pass - job.submitted, end - job.submitted, job.passes))
+        if self.on_pass is not None:
+            self.on_pass(len(ready), sum(n for _, n in ready), time.perf_counter() - start)
 
     def close(self) -> None:
         with self._cv:

@@ -48,6 +48,7 @@ class Session:
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
     kv_reserved: int = 0  # bytes of the KV budget this session holds (`cloud.budget`)
+    closed: bool = False  # closed, dropped with its connection or expired: queued requests are not computed
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -132,19 +133,22 @@ class SessionTable:
         session.last_used = time.monotonic()
         return session
 
+    def _remove(self, sid: int) -> None:
+        self.sessions.pop(sid).closed = True
+
     def close(self, sid: int, owner: bytes, conn: int | None = None) -> None:
         self.get(sid, owner, conn)
-        del self.sessions[sid]
+        self._remove(sid)
 
     def drop_connection(self, conn: int) -> None:
         for sid in [s.id for s in self.sessions.values() if s.conn == conn]:
-            del self.sessions[sid]
+            self._remove(sid)
 
     def expire(self) -> int:
         cutoff = time.monotonic() - self.limits.idle_timeout_s
         stale = [s.id for s in self.sessions.values() if s.last_used < cutoff]
         for sid in stale:
-            del self.sessions[sid]
+            self._remove(sid)
         return len(stale)
 
 
@@ -216,13 +220,26 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
 
 @dataclass
 class Step:
-    """One request made ready for a pass: the session's cache restored, cropped and kept, the rows on
-    the model's device."""
+    """One request made ready for the layers: the session's cache restored, cropped and kept, the rows
+    on the model's device. A causal request (no mask) may run in chunks over several passes."""
     session: Session
     req: Forward
     hidden: torch.Tensor  # [1, C + T, D] float32 (the residual stream)
     positions: torch.Tensor  # [C + T]
     mask: torch.Tensor | None  # [C + T, C + T] bool, None = causal
+    start: int  # the cache's length before the step (after crop and keep)
+    done: int = 0  # rows already run
+    outs: list[torch.Tensor] = field(default_factory=list)  # their outputs, [rows, D] each
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[1]
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether its rows may run in several passes: only when they are causal among themselves
+        (each chunk then sees every earlier row in the cache, as one pass would)."""
+        return self.req.mask is None
 
 
 def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
@@ -244,16 +261,35 @@ def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
         session.tighten(CachePolicy("window", ctl.window))
     mask = context_mask(req.context, req.mask, req.new_tokens)
     return Step(session, req, to_device(req.hidden, device, torch.float32)[None], to_device(req.positions, device),
-                None if mask is None else to_device(mask, device))
+                None if mask is None else to_device(mask, device), cache.length)
 
 
-def finish_step(model: CloudModel, step: Step, out: torch.Tensor) -> dict[str, torch.Tensor]:
-    """After the pass (out [C + T, D]): apply the policy (wipe, trim or seal); the reply's tensors in
+def run_pass(model: CloudModel, pieces: list[tuple[Step, int]]) -> None:
+    """One pass of the layers over the next `n` rows of each step (at most one piece per session):
+    rows packed for the dense layers, attention per session on its own cache (`forward_packed`)."""
+    xs, positions, masks, caches = [], [], [], []
+    for step, n in pieces:
+        lo, hi = step.done, step.done + n
+        whole = lo == 0 and hi == step.rows
+        if not whole and not step.chunkable:
+            raise ValueError("only a causal request runs in chunks")
+        xs.append(step.hidden[:, lo:hi])
+        positions.append(step.positions[lo:hi])
+        masks.append(step.mask if whole else None)  # a chunk of causal rows: causal, all earlier rows cached
+        caches.append(step.session.cache)
+    outs = model.middle.forward_packed(xs, positions, masks, caches)
+    for (step, n), out in zip(pieces, outs, strict=True):
+        step.outs.append(out[0])
+        step.done += n
+
+
+def finish_step(model: CloudModel, step: Step) -> dict[str, torch.Tensor]:
+    """After the step's last rows ran: apply the policy (wipe, trim or seal); the reply's tensors in
     host memory (the one copy back)."""
     session, req = step.session, step.req
     cache, c = session.cache, req.context
-    out = out[c:]  # [T, D]
-    cache.pending_start += c  # context rows are history, not part of the step's pending block
+    out = (step.outs[0] if len(step.outs) == 1 else torch.cat(step.outs))[c:]  # [T, D]
+    cache.pending_start = step.start + c  # the T new tokens; context rows are history
     session.tokens_processed += req.new_tokens
     policy = session.policy
     if policy.retention == 0:
@@ -272,8 +308,7 @@ def finish_step(model: CloudModel, step: Step, out: torch.Tensor) -> dict[str, t
 
 @torch.inference_mode()
 def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
-    """Several sessions' requests (at most one per session) in one pass of the layers: the rows of all
-    of them packed for the dense layers, attention per session on its own cache (`forward_packed`).
+    """Several sessions' requests (at most one per session), whole, in one pass of the layers.
     Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
     answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
     steps: list[tuple[int, Step]] = []
@@ -283,11 +318,10 @@ def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> lis
         except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
             answers[i] = e
     if steps:
-        outs = model.middle.forward_packed([s.hidden for _, s in steps], [s.positions for _, s in steps],
-                                           [s.mask for _, s in steps], [s.session.cache for _, s in steps])
-        for (i, step), out in zip(steps, outs, strict=True):
+        run_pass(model, [(step, step.rows) for _, step in steps])
+        for i, step in steps:
             try:
-                answers[i] = finish_step(model, step, out[0])
+                answers[i] = finish_step(model, step)
             except Exception as e:  # noqa: BLE001
                 answers[i] = e
     return answers
