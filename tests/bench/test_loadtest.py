@@ -4,6 +4,7 @@ import json
 
 from splitlm.bench.loadtest import LoadConfig, markdown, percentile, run_loadtest
 from splitlm.cli import main
+from splitlm.cloud.server import BackgroundServer
 
 
 def test_percentile():
@@ -14,22 +15,31 @@ def test_percentile():
 def test_loadtest_batched_and_baseline(tiny_split):
     doc = run_loadtest(LoadConfig(sessions=3, max_new_tokens=6, rtt_ms=20, max_batch=4, prefill_tokens=40,
                                   edge=str(tiny_split / "edge")))
-    batched, single = doc["results"]
+    batched, single = doc["configurations"]
     assert (batched["name"], single["name"]) == ("batched", "max-batch-1")
-    for r in doc["results"]:
-        assert r["errors"] == 0 and r["all_identical"] and r["tokens"] == 18
-        assert r["step_p50_ms"] >= 20 * 0.9  # at least the emulated round trip
+    assert single["cloud_args"] == ["--max-batch", "1"]
+    for r in doc["configurations"]:
+        assert r["errors"] == 0 and r["identical_outputs"] == r["sessions"] == 3 and r["tokens"] == 18
+        assert r["step_latency_ms"]["p50"] >= 20 * 0.9  # at least the emulated round trip
+        assert r["step_latency_ms"]["p50"] <= r["step_latency_ms"]["p95"] <= r["step_latency_ms"]["p99"]
+        assert r["per_session_tok_s"] > 0 and r["ttft_s"]["p50"] > 0
         p = r["prefill_interference"]
         assert p["prefill_tokens"] == 40 and p["prefill_error"] is None and p["errors"] == 0
+    for key in ("sessions", "aggregate_tok_s", "per_session_tok_s", "step_latency_ms", "ttft_s", "errors",
+                "identical_outputs"):
+        assert doc[key] == batched[key], key
     assert doc["speedup"] > 0
     assert "| batched | 3 |" in markdown(doc)
 
 
-def test_loadtest_cli_writes_json(tiny_split, tmp_path, capsys):
-    rc = main(["loadtest", "--edge", str(tiny_split / "edge"), "--sessions", "2", "--max-new-tokens", "3",
-               "--rtt-ms", "0", "--prefill-tokens", "0", "--out", str(tmp_path)])
+def test_loadtest_against_a_running_cloud_prints_json(tiny_split, tmp_path, capsys):
+    with BackgroundServer(tiny_split / "cloud") as server:
+        rc = main(["loadtest", "--edge", str(tiny_split / "edge"), "--cloud", server.url, "--sessions", "2",
+                   "--max-new-tokens", "3", "--rtt-ms", "10", "--prefill-tokens", "0", "--out", str(tmp_path),
+                   "--json"])
     assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "splitlm.loadtest/1" and doc["identical_outputs"] == 2 and doc["errors"] == 0
+    assert [c["name"] for c in doc["configurations"]] == ["cloud"] and "speedup" not in doc
     (path,) = tmp_path.glob("loadtest-*.json")
-    doc = json.loads(path.read_text())
-    assert doc["schema"] == "splitlm.loadtest/1" and all(r["all_identical"] for r in doc["results"])
-    assert "aggregate tok/s batched / max-batch 1" in capsys.readouterr().out
+    assert json.loads(path.read_text())["sessions"] == 2

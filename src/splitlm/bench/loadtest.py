@@ -1,25 +1,29 @@
-"""`splitlm loadtest`: many edges against one cloud behind an emulated WAN, batched vs `--max-batch 1`.
+"""`splitlm loadtest`: many edges against one cloud behind an emulated WAN.
 
-    splitlm loadtest --sessions 8 --rtt-ms 80 --max-new-tokens 32
+    splitlm loadtest --sessions 16 --rtt-ms 80 --max-new-tokens 32          # batched vs --max-batch 1
+    splitlm loadtest --edge split/edge --cloud ws://HOST:8765 --sessions 8 --json   # a running cloud
 
-Set-up: for each cloud configuration (batched: `serve-cloud --max-batch N`; baseline:
-`--max-batch 1`, one request per pass, the cloud before the scheduler) a `splitlm serve-cloud
---threads 1` subprocess serves the split; one WAN emulator thread of this process delays each
-direction by RTT/2; the N edge sessions are threads of this process sharing one `Edge` (its
-connection pool gives each session its own connection) with 1 torch thread. Both configurations
-run in the same invocation, one after the other, so that the machine's noise hits both.
+Set-up: without `--cloud`, two clouds are started in turn from the edge shard's sibling `cloud/`,
+each a `splitlm serve-cloud --threads 1` subprocess: `--max-batch N` (batched) and `--max-batch 1`
+(one request per pass, the cloud before the scheduler), so both are measured in one run and the
+machine's noise hits both. With `--cloud URL` the edges use that cloud (one configuration). A WAN
+emulator thread of this process delays each direction by RTT/2. The N edge sessions are **threads**
+of this process sharing one `Edge` (its connection pool gives each session its own connection and
+cloud session), each torch op on 1 thread; torch releases the GIL, so the sessions' edge compute
+overlaps on the machine's cores.
 
 Per configuration:
 1. steady decoding: the N sessions start together (a barrier) and each generates
    `--max-new-tokens` greedy tokens from its prompt (`benchmarks/prompts.json`, in turn):
-   aggregate tok/s (all sessions' tokens / wall time), p50/p99 step latency (time between a
-   session's consecutive decoding steps, prefill excluded), errors, and whether every session's
-   tokens equal its single-session output (each prompt alone on the baseline cloud, no emulator);
-2. prefill interference: N-1 sessions decode; once each has made a few steps, one more session
-   sends a `--prefill-tokens` prompt. Reported: the decoders' p50 step latency before the prefill,
-   the p50 and the worst of the steps that overlapped it, and the prefill's own time.
+   aggregate tok/s (all tokens / wall time), per-session tok/s, TTFT, step latency p50/p95/p99
+   (time between a session's consecutive decoding steps), errors, and how many sessions' tokens
+   equal their single-session output (each prompt alone beforehand, no emulator);
+2. prefill interference (`--prefill-tokens`, default 2048; 0 skips it): N-1 sessions decode; once
+   each has made a few steps, one more session sends a prompt of that many tokens. Reported: the
+   decoders' p50 step latency before the prefill, the p50 and the worst step that overlapped it,
+   the worst step's delay over the p50, and the prefill's own time.
 
-Results: a table on stdout and `OUT/loadtest-<timestamp>.json`.
+Results: a table on stdout (`--json`: the JSON document instead) and `OUT/loadtest-<timestamp>.json`.
 """
 
 from __future__ import annotations
@@ -49,14 +53,16 @@ class LoadConfig:
     rtt_ms: float = 80.0
     max_batch: int = 16  # the batched configuration's --max-batch (the baseline is 1)
     spec: str = "none"  # the sessions' decoding mode (none = one token per round trip)
-    prefill_tokens: int = 512  # the interfering prompt's length (0 = skip phase 2)
+    prefill_tokens: int = 2048  # the interfering prompt's length (0 = skip phase 2)
     wire_dtype: str = "fp32"  # fp32: outputs comparable bit for bit with the single-session run
     model: str = "default"
     head: int = 2
     tail: int | None = None
     edge: str = ""  # a pre-split edge shard (its cloud is the sibling cloud/); "" = split --model here
+    cloud: str = ""  # a running cloud's URL; "" = start clouds from the edge's sibling cloud shard
     prompts: str = ""
     out: str = str(DEFAULT_OUT)
+    json: bool = False
 
 
 @dataclass
@@ -64,6 +70,7 @@ class SessionRun:
     tokens: list[int] = field(default_factory=list)
     steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each decoding step
     start: float = 0.0
+    first: float = 0.0  # when the first token arrived
     end: float = 0.0
     error: str | None = None
 
@@ -96,6 +103,8 @@ def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=No
                 run.steps.append((last, now))
                 if after_steps is not None and len(run.steps) == STEPS_BEFORE_PREFILL:
                     after_steps.wait()
+            else:
+                run.first = now
             first, last = False, now
             run.tokens.extend(tokens)
     except Exception as e:  # noqa: BLE001 - a load test counts failures
@@ -115,17 +124,25 @@ def concurrently(edge, prompts: list[list[int]], max_new: int, spec) -> list[Ses
     return runs
 
 
+def quantiles(values: list[float], scale: float = 1.0, digits: int = 1) -> dict:
+    return {f"p{q}": None if (v := percentile(values, q)) is None else round(v * scale, digits) for q in (50, 95, 99)}
+
+
 def steady(runs: list[SessionRun], reference: list[list[int]]) -> dict:
     lat = [x for r in runs for x in r.latencies]
     wall = max(r.end for r in runs) - min(r.start for r in runs)
     tokens = sum(len(r.tokens) for r in runs)
-    identical = [r.tokens == ref for r, ref in zip(runs, reference, strict=True)]
+    per_session = [len(r.tokens) / (r.end - r.start) for r in runs if r.end > r.start and r.tokens]
+    identical = sum(r.tokens == ref for r, ref in zip(runs, reference, strict=True))
     return {"sessions": len(runs), "tokens": tokens, "wall_s": round(wall, 3),
             "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None,
-            "step_p50_ms": ms(percentile(lat, 50)), "step_p99_ms": ms(percentile(lat, 99)), "steps": len(lat),
+            "per_session_tok_s": round(sum(per_session) / len(per_session), 2) if per_session else None,
+            "per_session_tok_s_min": round(min(per_session), 2) if per_session else None,
+            "step_latency_ms": quantiles(lat, 1000), "steps": len(lat),
+            "ttft_s": quantiles([r.first - r.start for r in runs if r.first], 1, 3),
             "errors": sum(r.error is not None for r in runs),
             "error_messages": sorted({r.error for r in runs if r.error})[:5],
-            "identical": sum(identical), "all_identical": all(identical)}
+            "identical_outputs": identical}
 
 
 def ms(x: float | None) -> float | None:
@@ -153,9 +170,11 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
     p0, p1 = prefill.start, prefill.end
     before = [b - a for r in runs for a, b in r.steps if b <= p0]
     during = [b - a for r in runs for a, b in r.steps if b > p0 and a < p1]
+    worst, typical = (max(during) if during else None), percentile(before, 50)
     return {"prefill_tokens": len(long_prompt), "prefill_s": round(p1 - p0, 3), "prefill_error": prefill.error,
-            "decode_p50_before_ms": ms(percentile(before, 50)), "decode_p50_during_ms": ms(percentile(during, 50)),
-            "decode_max_during_ms": ms(max(during) if during else None), "steps_during": len(during),
+            "decode_p50_before_ms": ms(typical), "decode_p50_during_ms": ms(percentile(during, 50)),
+            "decode_max_during_ms": ms(worst), "steps_during": len(during),
+            "max_delay_ms": ms(worst - typical) if worst is not None and typical is not None else None,
             "errors": sum(r.error is not None for r in runs)}
 
 
@@ -170,29 +189,41 @@ def long_prompt_ids(tokenizer, n: int, vocab_size: int) -> list[int]:
     return tokenizer(text[: n * 8]).input_ids[:n]
 
 
-def run_config(name: str, cloud_dir: Path, edge_dir: Path, extra: list[str], config: LoadConfig,
-               prompts: list[list[int]], reference: list[list[int]], spec) -> dict:
-    from splitlm.bench.wan import WanConfig, WanEmulator
+@contextlib.contextmanager
+def cloud_url(cloud_dir: Path, extra: list[str] | None, url: str):
+    """`url` as given, or a cloud started here with `extra` serve-cloud arguments."""
+    if extra is None:
+        yield url
+        return
     from splitlm.cloud.local import cloud_process
+
+    with cloud_process(cloud_dir, "cpu", "fp32", extra) as port:
+        yield f"ws://127.0.0.1:{port}"
+
+
+def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompts: list[list[int]],
+               reference: list[list[int]], spec) -> dict:
+    from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.edge import Edge
 
-    progress(f"{name}: serve-cloud {' '.join(extra)}, {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
+    progress(f"{name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
     with contextlib.ExitStack() as stack:
-        port = stack.enter_context(cloud_process(cloud_dir, "cpu", "fp32", extra))
-        url = f"ws://127.0.0.1:{port}"
+        url = cloud
         if config.rtt_ms > 0:
-            wan = stack.enter_context(WanEmulator(upstream=("127.0.0.1", port), config=WanConfig(config.rtt_ms, seed=0)))
+            host, _, port = cloud.split("://", 1)[1].rstrip("/").rpartition(":")
+            wan = stack.enter_context(WanEmulator(upstream=(host.strip("[]"), int(port)),
+                                                  config=WanConfig(config.rtt_ms, seed=0)))
             url = wan.url_for("ws")
         edge = stack.enter_context(Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
         concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
-        result = {"name": name, "cloud_args": extra, **steady(concurrently(edge, prompts, config.max_new_tokens, spec),
-                                                               reference)}
+        result = {"name": name, **steady(concurrently(edge, prompts, config.max_new_tokens, spec), reference)}
         if config.prefill_tokens:
             long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
             result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
                                                           config.max_new_tokens, spec)
-    progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {result['step_p50_ms']} ms, "
-             f"p99 {result['step_p99_ms']} ms, identical {result['identical']}/{result['sessions']}")
+    lat = result["step_latency_ms"]
+    progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+             f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}")
     return result
 
 
@@ -201,7 +232,6 @@ def run_loadtest(config: LoadConfig) -> dict:
 
     from splitlm.bench.prompts import default_prompts_path, load_prompts, tokenize
     from splitlm.bench.suite import BenchConfig, resolve_split
-    from splitlm.cloud.local import cloud_process
     from splitlm.edge import Edge
     from splitlm.edge.runtime import as_spec
     from splitlm.model.loading import resolve_model
@@ -213,16 +243,19 @@ def run_loadtest(config: LoadConfig) -> dict:
     prompt_set = load_prompts(config.prompts or default_prompts_path())
     if config.edge:  # no reference model needed: outputs are compared with the single-session run
         edge_dir, cloud_dir = Path(config.edge), Path(config.edge).parent / "cloud"
-        if not (edge_dir / "manifest.json").is_file() or not (cloud_dir / "manifest.json").is_file():
-            raise SplitLMError(f"--edge {edge_dir}: expected a split's edge shard with its cloud shard in "
-                               f"{cloud_dir}")
+        if not (edge_dir / "manifest.json").is_file():
+            raise SplitLMError(f"--edge {edge_dir}: not an edge shard (no manifest.json)")
     else:
         split_dir, _ = resolve_split(BenchConfig(model=config.model, head=config.head, tail=config.tail),
                                      resolve_model(config.model))
         edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
+    if not config.cloud and not (cloud_dir / "manifest.json").is_file():
+        raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
     baseline = ["--max-batch", "1"]
-    with cloud_process(cloud_dir, "cpu", "fp32", baseline) as port, \
-            Edge(edge_dir, f"ws://127.0.0.1:{port}", wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
+    configs = ([("cloud", None)] if config.cloud else
+               [("batched", ["--max-batch", str(config.max_batch)]), ("max-batch-1", baseline)])
+    with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
+            Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
         if edge.tokenizer is not None:
             tokenize(prompt_set, edge.tokenizer)
             ids = [p.ids for p in prompt_set]
@@ -238,34 +271,38 @@ def run_loadtest(config: LoadConfig) -> dict:
                 raise SplitLMError(f"the single-session reference failed: {run.error}")
             reference.append(run.tokens)
     started = time.time()
-    configs = [("batched", ["--max-batch", str(config.max_batch)]), ("max-batch-1", baseline)]
-    results = [run_config(name, cloud_dir, edge_dir, extra, config, prompts, reference, spec)
-               for name, extra in configs]
-    batched, single = results
+    results = []
+    for name, extra in configs:
+        with cloud_url(cloud_dir, extra, config.cloud) as url:
+            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
+                            "cloud_args": extra})
     doc = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
            "config": asdict(config), "cpu_count": os.cpu_count(),
            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
-           "threads": {"cloud": 1, "edges": "1 torch thread, one Python thread per session"},
-           "results": results}
-    if batched["aggregate_tok_s"] and single["aggregate_tok_s"]:
-        doc["speedup"] = round(batched["aggregate_tok_s"] / single["aggregate_tok_s"], 2)
+           "threads": {"cloud": "serve-cloud --threads 1", "edges": "one thread per session in this process, "
+                       "torch on 1 thread"},
+           **{k: v for k, v in results[0].items() if k != "name"}, "configurations": results}
+    if len(results) == 2 and results[0]["aggregate_tok_s"] and results[1]["aggregate_tok_s"]:
+        doc["speedup"] = round(results[0]["aggregate_tok_s"] / results[1]["aggregate_tok_s"], 2)
     return doc
 
 
 def markdown(doc: dict) -> str:
-    lines = ["| cloud | sessions | tok/s | step p50 ms | step p99 ms | errors | identical |",
-             "|---|---|---|---|---|---|---|"]
-    for r in doc["results"]:
-        lines.append(f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['step_p50_ms']} | "
-                     f"{r['step_p99_ms']} | {r['errors']} | {r['identical']}/{r['sessions']} |")
-    if any("prefill_interference" in r for r in doc["results"]):
-        lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during ms | max during ms |",
-                  "|---|---|---|---|---|---|"]
-        for r in doc["results"]:
+    lines = ["| cloud | sessions | tok/s | per session | TTFT p50 s | step p50 / p95 / p99 ms | errors | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in doc["configurations"]:
+        lat = r["step_latency_ms"]
+        lines.append(f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['per_session_tok_s']} | "
+                     f"{r['ttft_s']['p50']} | {lat['p50']} / {lat['p95']} / {lat['p99']} | {r['errors']} | "
+                     f"{r['identical_outputs']}/{r['sessions']} |")
+    if any("prefill_interference" in r for r in doc["configurations"]):
+        lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during | max during | "
+                      "max delay ms |", "|---|---|---|---|---|---|---|"]
+        for r in doc["configurations"]:
             p = r.get("prefill_interference")
             if p:
                 lines.append(f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
-                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} |")
+                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |")
     if "speedup" in doc:
         lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
     return "\n".join(lines)
@@ -285,20 +322,27 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
     p.add_argument("--head", type=int, default=d.head)
     p.add_argument("--tail", type=int, default=None)
-    p.add_argument("--edge", default="", metavar="DIR", help="a pre-split edge shard (its cloud shard is DIR/../cloud)")
+    p.add_argument("--edge", default="", metavar="DIR",
+                   help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
+    p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")
     p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
 
 
 def loadtest_main(args) -> int:
     config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
                         args.prefill_tokens, args.wire_dtype, args.model, args.head, args.tail, args.edge,
-                        args.prompts, args.out)
+                        args.cloud, args.prompts, args.out, args.json)
     doc = run_loadtest(config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"loadtest-{doc['started'].replace(':', '')}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(markdown(doc))
-    print(f"\nwrote {path}")
-    return 0 if all(r["all_identical"] and not r["errors"] for r in doc["results"]) else 1
+    if config.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(markdown(doc))
+        print(f"\nwrote {path}")
+    ok = all(r["identical_outputs"] == r["sessions"] and not r["errors"] for r in doc["configurations"])
+    return 0 if ok else 1
