@@ -52,7 +52,6 @@ def cmd_split(args) -> int:
 def cmd_serve_cloud(args) -> int:
     import asyncio
 
-    from splitlm.cloud.budget import parse_bytes
     from splitlm.cloud.scheduler import BatchConfig
     from splitlm.cloud.server import CloudServer
     from splitlm.cloud.sessions import ServerLimits
@@ -60,7 +59,7 @@ def cmd_serve_cloud(args) -> int:
     set_threads(args.threads)
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
-                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=parse_bytes(args.kv_budget))
+                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20)
     server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
                          allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
@@ -432,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="rows of one causal request (a prefill) per pass; longer ones run in chunks, "
                         "interleaved with other sessions' steps")
-    p.add_argument("--kv-budget", default="0", metavar="BYTES",
-                   help="KV cache memory of all sessions, e.g. 2GiB; beyond it OPEN/FORWARD get CAPACITY "
+    p.add_argument("--kv-budget-mb", type=non_negative_int, default=0, metavar="MB",
+                   help="KV cache memory of all sessions in MiB; beyond it OPEN/FORWARD get CAPACITY "
                         "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)")
     p.add_argument("--identity", metavar="KEY", default=None,
                    help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "

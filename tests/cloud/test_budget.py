@@ -5,22 +5,13 @@ import time
 import pytest
 import torch
 
-from splitlm import SplitLMError
-from splitlm.cloud.budget import KVBudget, parse_bytes
+from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.edge.api_requests import cloud_failure
 from splitlm.model.shards import Manifest, load_cloud
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
-
-
-def test_parse_bytes():
-    assert parse_bytes("0") == 0 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GiB") == 2 * 2**30
-    assert parse_bytes("1.5G") == int(1.5 * 2**30) and parse_bytes("4e9") == 4 * 10**9 and parse_bytes("3kb") == 3000
-    for bad in ("lots", "-1G", "12XB"):
-        with pytest.raises(SplitLMError):
-            parse_bytes(bad)
 
 
 def test_bytes_per_entry_and_whole_blocks(tiny_split):
@@ -73,6 +64,7 @@ def test_capacity_refuses_new_sessions_and_growth_and_frees_on_close(tiny_split)
         assert server.server.sessions.kv_reserved == 0
 
 
-def test_the_local_api_answers_503_at_capacity():
-    assert cloud_failure(CloudError("full", ErrorCode.CAPACITY)).status == 503
+def test_the_local_api_answers_503_with_retry_after_at_capacity():
+    full = cloud_failure(CloudError("full", ErrorCode.CAPACITY))
+    assert full.status == 503 and full.code == "cloud_capacity" and int(full.headers["Retry-After"]) > 0
     assert cloud_failure(CloudError("gone")).status == 502

@@ -19,26 +19,10 @@ import os
 
 import torch
 
-from splitlm import SplitLMError
 from splitlm.model.kv_cache import BLOCK
 
 AUTO_DEVICE_FRACTION = 0.9  # of the device memory free after loading the weights (CUDA)
 AUTO_HOST_FRACTION = 0.25  # of the physical memory (CPU)
-UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-         "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """`512MiB`, `2GiB`, `1.5G`, `4e9`, `0` (automatic)."""
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("kmgtib")
-    try:
-        value = float(number) * UNITS[s[len(number):]]
-    except (KeyError, ValueError):
-        raise SplitLMError(f"not a size in bytes: {text!r} (e.g. 512MiB, 2GiB)") from None
-    if value < 0:
-        raise SplitLMError(f"a size in bytes cannot be negative: {text!r}")
-    return int(value)
 
 
 def auto_budget(device: torch.device) -> int:

@@ -123,7 +123,7 @@ class EdgeAPI:
     async def api_error(self, request: Request, exc: APIError) -> JSONResponse:
         self.metrics.errors.inc(type=exc.type)
         self.metrics.requests.inc(endpoint=request.url.path, status=str(exc.status))
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         message = {404: f"unknown URL {request.method} {request.url.path}",
