@@ -130,3 +130,15 @@ def test_layering(package, forbidden):
         if package == "model":
             bad -= {"splitlm"}  # SplitLMError lives in the package root
         assert not bad, f"{path.name} imports {bad}"
+
+
+def test_server_info_keeps_the_documented_order_and_reads_partial_limits():
+    from splitlm.transport.messages import Limits, ServerInfo
+
+    info = ServerInfo("splitlm/0.1.0", "ab" * 16, Limits(8192, 2048, 67108864))
+    meta = info.to_meta()
+    assert list(meta) == ["server", "fingerprint", "limits"]
+    assert list(meta["limits"]) == ["max_tokens_per_session", "max_tokens_per_forward", "max_frame_bytes"]
+    assert ServerInfo.from_meta(meta) == info
+    partial = ServerInfo.from_meta({"server": "x", "limits": {"max_frame_bytes": 5, "other": 1, "max_tokens_per_forward": "9"}})
+    assert partial.limits == Limits(max_frame_bytes=5)

@@ -46,7 +46,17 @@ from splitlm.transport.frames import (
 )
 from splitlm.transport.handshake import hello_keys, server_handshake
 from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolve_identity
-from splitlm.transport.messages import Closed, Forward, Open, Opened, PolicyChange, PolicyOk, Result
+from splitlm.transport.messages import (
+    Closed,
+    Forward,
+    Limits,
+    Open,
+    Opened,
+    PolicyChange,
+    PolicyOk,
+    Result,
+    ServerInfo,
+)
 
 log = logging.getLogger("splitlm.cloud")
 
@@ -356,10 +366,8 @@ class CloudServer:
             raise ProtocolError(ErrorCode.UNKNOWN_CLIENT, f"client key {conn.client} is not on this cloud's list of "
                                 "allowed clients (ask its operator to add your .pub file)")
         lim = self.limits
-        info = {"server": f"splitlm/{__version__}", "fingerprint": self.manifest.fingerprint,
-                "limits": {"max_tokens_per_session": lim.max_tokens_per_session,
-                           "max_tokens_per_forward": lim.max_tokens_per_forward,
-                           "max_frame_bytes": lim.max_frame_bytes}}
+        info = ServerInfo(f"splitlm/{__version__}", self.manifest.fingerprint,
+                          Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes)).to_meta()
         ok, channel, _ = server_handshake(self.identity, frame, data, info, next(conn.seq_out), self.rekey, conn.window)
         conn.channel, conn.client_key = channel, client_key
         log.info("conn %d: HELLO from client %s", conn.id, conn.client)

@@ -34,7 +34,17 @@ from splitlm.transport.keys import (
     parse_key_spec,
     resolve_identity,
 )
-from splitlm.transport.messages import Close, Control, Forward, Open, Opened, PolicyChange, PolicyOk, Result
+from splitlm.transport.messages import (
+    Close,
+    Control,
+    Forward,
+    Open,
+    Opened,
+    PolicyChange,
+    PolicyOk,
+    Result,
+    ServerInfo,
+)
 from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger("splitlm.client")
@@ -169,6 +179,7 @@ class CloudClient:
             log.warning("trusting the cloud key %s of %s on first use (recorded in %s)", cloud_fp, host, record.path)
         self.cloud_fingerprint = cloud_fp
         self.server_info: dict[str, Any] = info
+        self.info = ServerInfo.from_meta(info)
         return channel
 
     def _open(self, data: bytes) -> Frame:

@@ -8,6 +8,7 @@ with the code of §7 (`BAD_FRAME` for tensor descriptions, `BAD_REQUEST` for con
 need the model or the session (shapes, positions, budgets) stay with the cloud.
 
     request           reply
+    (HELLO)      ->   ServerInfo (HELLO_OK's encrypted payload; the handshake itself is `handshake.py`)
     Open         ->   Opened
     Forward      ->   Result
     PolicyChange ->   PolicyOk
@@ -44,6 +45,32 @@ def parse_policy(value) -> CachePolicy:
 def _expect(frame: Frame, msg_type: MsgType) -> None:
     if frame.type != msg_type:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected {msg_type.name}, got {frame.type.name}")
+
+
+@dataclass
+class Limits:
+    """The cloud's limits an edge must respect (docs/protocol.md §8), sent in HELLO_OK."""
+    max_tokens_per_session: int | None = None  # None: not announced
+    max_tokens_per_forward: int | None = None
+    max_frame_bytes: int | None = None
+
+
+@dataclass
+class ServerInfo:
+    """HELLO_OK's encrypted server information (§4)."""
+    server: str = ""
+    fingerprint: str = ""
+    limits: Limits = field(default_factory=Limits)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"server": self.server, "fingerprint": self.fingerprint,
+                "limits": {k: v for k, v in vars(self.limits).items() if v is not None}}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ServerInfo:
+        limits = meta.get("limits") if isinstance(meta.get("limits"), dict) else {}
+        known = {k: v for k, v in limits.items() if k in vars(Limits()) and type(v) is int}
+        return cls(str(meta.get("server", "")), str(meta.get("fingerprint", "")), Limits(**known))
 
 
 @dataclass
