@@ -13,11 +13,11 @@ def test_percentile():
 
 
 def test_loadtest_batched_and_baseline(tiny_split):
-    doc = run_loadtest(LoadConfig(sessions=3, max_new_tokens=6, rtt_ms=20, max_batch=4, prefill_tokens=40,
+    doc = run_loadtest(LoadConfig(sessions=3, max_new_tokens=6, rtt_ms=20, max_batch=4, prefill_tokens=40, prefill_chunk=16,
                                   edge=str(tiny_split / "edge")))
     batched, single = doc["configurations"]
     assert (batched["name"], single["name"]) == ("batched", "max-batch-1")
-    assert single["cloud_args"] == ["--max-batch", "1"]
+    assert single["cloud_args"] == ["--max-batch", "1", "--prefill-chunk", "16"]
     for r in doc["configurations"]:
         assert r["errors"] == 0 and r["identical_outputs"] == r["sessions"] == 3 and r["tokens"] == 18
         assert r["step_latency_ms"]["p50"] >= 20 * 0.9  # at least the emulated round trip
@@ -25,6 +25,7 @@ def test_loadtest_batched_and_baseline(tiny_split):
         assert r["per_session_tok_s"] > 0 and r["ttft_s"]["p50"] > 0
         p = r["prefill_interference"]
         assert p["prefill_tokens"] == 40 and p["prefill_error"] is None and p["errors"] == 0
+        assert p["chunk_tokens"] == 16 and p["chunk_compute_ms"] > 0
     for key in ("sessions", "aggregate_tok_s", "per_session_tok_s", "step_latency_ms", "ttft_s", "errors",
                 "identical_outputs"):
         assert doc[key] == batched[key], key

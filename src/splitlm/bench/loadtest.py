@@ -54,6 +54,7 @@ class LoadConfig:
     max_batch: int = 16  # the batched configuration's --max-batch (the baseline is 1)
     spec: str = "none"  # the sessions' decoding mode (none = one token per round trip)
     prefill_tokens: int = 2048  # the interfering prompt's length (0 = skip phase 2)
+    prefill_chunk: int = 256  # the clouds' --prefill-chunk (clouds started here)
     wire_dtype: str = "fp32"  # fp32: outputs comparable bit for bit with the single-session run
     model: str = "default"
     head: int = 2
@@ -72,6 +73,7 @@ class SessionRun:
     start: float = 0.0
     first: float = 0.0  # when the first token arrived
     end: float = 0.0
+    cloud_compute_s: float = 0.0  # the RESULTs' compute_s, summed
     error: str | None = None
 
     @property
@@ -97,7 +99,8 @@ def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=No
     run.start = last = time.perf_counter()
     first = True
     try:
-        for tokens, _ in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
+        for tokens, stats in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
+            run.cloud_compute_s = stats.cloud_compute_s
             now = time.perf_counter()
             if not first:
                 run.steps.append((last, now))
@@ -149,8 +152,11 @@ def ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 1)
 
 
-def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec) -> dict:
-    """N-1 sessions decode; after each made a few steps, one session prefills `long_prompt`."""
+def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec, chunk: int) -> dict:
+    """N-1 sessions decode; after each made a few steps, one session prefills `long_prompt`. First, on
+    the idle cloud, the compute of one prefill chunk (`chunk` tokens alone: the RESULT's compute_s)."""
+    alone = SessionRun()
+    decode(edge, long_prompt[:chunk], 1, spec, alone)
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
     ready = threading.Barrier(len(prompts) + 1)
@@ -171,10 +177,13 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
     before = [b - a for r in runs for a, b in r.steps if b <= p0]
     during = [b - a for r in runs for a, b in r.steps if b > p0 and a < p1]
     worst, typical = (max(during) if during else None), percentile(before, 50)
+    chunk_ms = alone.cloud_compute_s * 1000 if alone.error is None else None
     return {"prefill_tokens": len(long_prompt), "prefill_s": round(p1 - p0, 3), "prefill_error": prefill.error,
+            "chunk_tokens": min(chunk, len(long_prompt)), "chunk_compute_ms": round(chunk_ms, 1) if chunk_ms else None,
             "decode_p50_before_ms": ms(typical), "decode_p50_during_ms": ms(percentile(during, 50)),
             "decode_max_during_ms": ms(worst), "steps_during": len(during),
             "max_delay_ms": ms(worst - typical) if worst is not None and typical is not None else None,
+            "max_delay_chunks": round((worst - typical) * 1000 / chunk_ms, 2) if chunk_ms and during and typical else None,
             "errors": sum(r.error is not None for r in runs)}
 
 
@@ -220,7 +229,7 @@ def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompt
         if config.prefill_tokens:
             long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
             result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
-                                                          config.max_new_tokens, spec)
+                                                          config.max_new_tokens, spec, config.prefill_chunk)
     lat = result["step_latency_ms"]
     progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
              f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}")
@@ -251,9 +260,10 @@ def run_loadtest(config: LoadConfig) -> dict:
         edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
     if not config.cloud and not (cloud_dir / "manifest.json").is_file():
         raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
-    baseline = ["--max-batch", "1"]
+    chunk = ["--prefill-chunk", str(config.prefill_chunk)]
+    baseline = ["--max-batch", "1", *chunk]
     configs = ([("cloud", None)] if config.cloud else
-               [("batched", ["--max-batch", str(config.max_batch)]), ("max-batch-1", baseline)])
+               [("batched", ["--max-batch", str(config.max_batch), *chunk]), ("max-batch-1", baseline)])
     with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
             Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
         if edge.tokenizer is not None:
@@ -297,12 +307,13 @@ def markdown(doc: dict) -> str:
                      f"{r['identical_outputs']}/{r['sessions']} |")
     if any("prefill_interference" in r for r in doc["configurations"]):
         lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during | max during | "
-                      "max delay ms |", "|---|---|---|---|---|---|---|"]
+                      "max delay ms | one chunk's compute ms | delay in chunks |", "|---|---|---|---|---|---|---|---|---|"]
         for r in doc["configurations"]:
             p = r.get("prefill_interference")
             if p:
                 lines.append(f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
-                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |")
+                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |"
+                             f" {p['chunk_compute_ms']} ({p['chunk_tokens']} tokens) | {p['max_delay_chunks']} |")
     if "speedup" in doc:
         lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
     return "\n".join(lines)
@@ -317,7 +328,9 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
     p.add_argument("--spec", default=d.spec, help="decoding mode of the sessions (default none: one token per step)")
     p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
-                   help="length of the interfering prompt of phase 2 (0 = skip it)")
+                   help=f"length of the interfering prompt of phase 2 (default {d.prefill_tokens}; 0 = skip it)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"the started clouds' --prefill-chunk (default {d.prefill_chunk})")
     p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
     p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
     p.add_argument("--head", type=int, default=d.head)
@@ -332,7 +345,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
 
 def loadtest_main(args) -> int:
     config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
-                        args.prefill_tokens, args.wire_dtype, args.model, args.head, args.tail, args.edge,
+                        args.prefill_tokens, args.prefill_chunk, args.wire_dtype, args.model, args.head, args.tail, args.edge,
                         args.cloud, args.prompts, args.out, args.json)
     doc = run_loadtest(config)
     out = Path(config.out)
