@@ -145,10 +145,14 @@ def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
         with sched._cv:
             assert sched.take() == [(prefill, 16), (decode, 1)]
         assert closed.future.exception().code == ErrorCode.UNKNOWN_SESSION  # dropped, never computed
+        cancelled = job(5, 1)
+        cancelled.future.cancel()  # its waiter went away (shutdown): dropped too
+        sched._queue.append(cancelled)
         sched._queue.append(job(4, 60))  # fills the pass's room with a smaller chunk
         with sched._cv:
             pieces = sched.take()
         assert [(j.session.id, n) for j, n in pieces] == [(1, 16), (2, 1), (4, 16)]
+        assert cancelled not in sched._queue and closed not in sched._queue
     finally:
         sched.close()
 

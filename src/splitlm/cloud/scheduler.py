@@ -48,7 +48,7 @@ class BatchConfig:
             raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue finds and removes a job by itself, never by comparing tensors
 class Job:
     session: Session
     req: Forward
@@ -57,6 +57,7 @@ class Job:
     step: Step | None = None  # once its first piece runs
     first_pass: float | None = None
     passes: int = 0
+    running: bool = False  # taken into a pass (its future can no longer be cancelled)
 
     @property
     def rows(self) -> int:
@@ -114,9 +115,10 @@ class Scheduler:
         Requests of closed sessions leave the queue here, failed, never computed."""
         cfg, batch, rows, sessions = self.config, [], 0, set()
         for job in list(self._queue):
-            if job.session.closed:
+            if job.future.cancelled() or job.session.closed:
                 self._queue.remove(job)
-                job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
+                if not job.future.cancelled():
+                    job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
                 continue
             if len(batch) == cfg.max_batch:
                 break
@@ -131,6 +133,11 @@ class Scheduler:
                     n = room
                 elif batch:
                     continue
+            if not job.running:
+                if not job.future.set_running_or_notify_cancel():
+                    self._queue.remove(job)  # cancelled (the server is shutting down): never computed
+                    continue
+                job.running = True
             batch.append((job, n))
             rows += n
         return batch
