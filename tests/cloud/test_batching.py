@@ -148,7 +148,7 @@ def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
         cancelled = job(5, 1)
         cancelled.future.cancel()  # its waiter went away (shutdown): dropped too
         sched._queue.append(cancelled)
-        sched._queue.append(job(4, 60))  # fills the pass's room with a smaller chunk
+        sched._queue.append(job(4, 60))  # another long causal request: its first chunk joins the pass
         with sched._cv:
             pieces = sched.take()
         assert [(j.session.id, n) for j, n in pieces] == [(1, 16), (2, 1), (4, 16)]

@@ -174,7 +174,8 @@ class Forward:
     def to_frame(self, session: int, wire_dtype: str) -> Frame:
         """The request, `hidden` in `wire_dtype` (raises OverflowError when it does not fit that codec)."""
         specs, payload = pack_tensors({"hidden": self.hidden}, wire_dtype)
-        meta: dict[str, Any] = {"tensors": specs, "positions": [int(p) for p in self.positions]}
+        positions = self.positions.tolist() if isinstance(self.positions, torch.Tensor) else list(self.positions)
+        meta: dict[str, Any] = {"tensors": specs, "positions": positions}
         if self.mask is not None:
             meta["mask"] = pack_mask(self.mask)
         if self.keep is not None:
