@@ -17,7 +17,7 @@ def test_loadtest_batched_and_baseline(tiny_split):
                                   edge=str(tiny_split / "edge")))
     batched, single = doc["configurations"]
     assert (batched["name"], single["name"]) == ("batched", "max-batch-1")
-    assert single["cloud_args"] == ["--max-batch", "1", "--prefill-chunk", "16"]
+    assert single["cloud_args"][:4] == ["--max-batch", "1", "--prefill-chunk", "16"]
     for r in doc["configurations"]:
         assert r["errors"] == 0 and r["identical_outputs"] == r["sessions"] == 3 and r["tokens"] == 18
         assert r["step_latency_ms"]["p50"] >= 20 * 0.9  # at least the emulated round trip

@@ -150,7 +150,9 @@ def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
         sched._queue.append(cancelled)
         sched._queue.append(job(4, 60))  # another long causal request: its first chunk joins the pass
         with sched._cv:
+            after_a_chunk = sched.take()  # other steps wait: this pass runs them, no chunk
             pieces = sched.take()
+        assert after_a_chunk == [(decode, 1)]
         assert [(j.session.id, n) for j, n in pieces] == [(1, 16), (2, 1), (4, 16)]
         assert cancelled not in sched._queue and closed not in sched._queue
     finally:

@@ -92,26 +92,45 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None, after_steps=None) -> None:
-    """One session's generation, timing each decoding step; errors are recorded, not raised."""
+class Countdown:
+    """Set once `n` parties have arrived (a session that ends early arrives on its way out)."""
+
+    def __init__(self, n: int):
+        self.n, self.lock, self.event = n, threading.Lock(), threading.Event()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.n -= 1
+            if self.n <= 0:
+                self.event.set()
+
+
+def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None,
+           after_steps: Countdown | None = None) -> None:
+    """One session's generation, timing each decoding step; errors are recorded, not raised.
+    `after_steps`: arrived at after STEPS_BEFORE_PREFILL decoding steps (or at the end)."""
     if barrier is not None:
         barrier.wait()
     run.start = last = time.perf_counter()
-    first = True
+    first, arrived = True, after_steps is None
     try:
         for tokens, stats in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
             run.cloud_compute_s = stats.cloud_compute_s
             now = time.perf_counter()
             if not first:
                 run.steps.append((last, now))
-                if after_steps is not None and len(run.steps) == STEPS_BEFORE_PREFILL:
-                    after_steps.wait()
+                if not arrived and len(run.steps) == STEPS_BEFORE_PREFILL:
+                    after_steps.arrive()
+                    arrived = True
             else:
                 run.first = now
             first, last = False, now
             run.tokens.extend(tokens)
     except Exception as e:  # noqa: BLE001 - a load test counts failures
         run.error = f"{type(e).__name__}: {e}"
+    finally:
+        if not arrived:
+            after_steps.arrive()
     run.end = time.perf_counter()
 
 
@@ -159,18 +178,16 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
     decode(edge, long_prompt[:chunk], 1, spec, alone)
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
-    ready = threading.Barrier(len(prompts) + 1)
+    ready = Countdown(len(prompts))
     threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
                for p, r in zip(prompts, runs, strict=True)]
     for t in threads:
         t.start()
     prefill = SessionRun()
-    try:
-        ready.wait(300)
-    except threading.BrokenBarrierError:
-        prefill.error = "the decoders did not reach the prefill point"
-    else:
+    if ready.event.wait(300):
         decode(edge, long_prompt, 1, spec, prefill)
+    else:
+        prefill.error = "the decoders did not reach the prefill point"
     for t in threads:
         t.join()
     p0, p1 = prefill.start, prefill.end
@@ -260,7 +277,10 @@ def run_loadtest(config: LoadConfig) -> dict:
         edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
     if not config.cloud and not (cloud_dir / "manifest.json").is_file():
         raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
-    chunk = ["--prefill-chunk", str(config.prefill_chunk)]
+    # one client key for all sessions (they share an Edge): lift the per-client session limit
+    n = config.sessions + 2
+    chunk = ["--prefill-chunk", str(config.prefill_chunk), "--max-sessions-per-client", str(n),
+             "--max-sessions", str(max(64, n))]
     baseline = ["--max-batch", "1", *chunk]
     configs = ([("cloud", None)] if config.cloud else
                [("batched", ["--max-batch", str(config.max_batch), *chunk]), ("max-batch-1", baseline)])

@@ -5,8 +5,10 @@ takes, in that order, as much as fits (`BatchConfig`): at most `max_batch` sessi
 `max_batch_tokens` rows, at most one request per session (a session's requests stay in order),
 and at most `prefill_chunk` rows of any one causal request. A longer causal request (a prefill,
 context rows) therefore runs in chunks over several passes, keeping its place in the queue, and
-the steps of other sessions that arrive meanwhile join each pass: a 2,048-token prefill delays
-them by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
+the steps of other sessions that arrive meanwhile join the passes: after a pass with a chunk, the
+next pass runs only the other waiting steps (when there are any), so a step that arrives during a
+chunk's pass waits for that pass but not also for the next chunk, and a 2,048-token prefill delays
+the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
 a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone. A pass runs the
 middle layers once over its pieces (`sessions.run_pass`: rows packed for the dense layers,
 attention per session on its own cache). Requests of a session that was closed meanwhile (CLOSE,
@@ -89,6 +91,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopped = False
+        self._ran_long = False  # the last pass ran a chunk of a long request
         self.passes = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="splitlm-compute")
         self._thread.start()
@@ -114,6 +117,9 @@ class Scheduler:
         """The next pass as (job, rows to run) pieces, in queue order (call with the lock held).
         Requests of closed sessions leave the queue here, failed, never computed."""
         cfg, batch, rows, sessions = self.config, [], 0, set()
+        # after a pass that ran a chunk of a long request, the next one runs only the other steps (if
+        # any wait): a step that arrived during a chunk's pass waits for that pass, not also for the next chunk
+        defer_long = self._ran_long and any(not self.long(j) for j in self._queue)
         for job in list(self._queue):
             if job.future.cancelled() or job.session.closed:
                 self._queue.remove(job)
@@ -126,6 +132,8 @@ class Scheduler:
             if sid in sessions:  # one piece per session and pass; its later requests wait behind it
                 continue
             sessions.add(sid)
+            if defer_long and self.long(job):
+                continue
             n = min(job.remaining, cfg.prefill_chunk) if job.chunkable else job.remaining
             room = cfg.max_batch_tokens - rows
             if n > room:
@@ -140,7 +148,12 @@ class Scheduler:
                 job.running = True
             batch.append((job, n))
             rows += n
+        self._ran_long = any(self.long(j) for j, _ in batch)
         return batch
+
+    def long(self, job: Job) -> bool:
+        """A causal request that runs in chunks (longer than one)."""
+        return job.chunkable and job.rows > self.config.prefill_chunk
 
     def _fail(self, job: Job, error: BaseException) -> None:
         with self._cv:
