@@ -44,3 +44,11 @@ def test_loadtest_against_a_running_cloud_prints_json(tiny_split, tmp_path, caps
     assert [c["name"] for c in doc["configurations"]] == ["cloud"] and "speedup" not in doc
     (path,) = tmp_path.glob("loadtest-*.json")
     assert json.loads(path.read_text())["sessions"] == 2
+
+
+def test_loadtest_keeps_the_callers_thread_count(tiny_split):
+    import torch
+
+    before = torch.get_num_threads()
+    run_loadtest(LoadConfig(sessions=1, max_new_tokens=2, rtt_ms=0, prefill_tokens=0, edge=str(tiny_split / "edge")))
+    assert torch.get_num_threads() == before

@@ -256,15 +256,23 @@ def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompt
 def run_loadtest(config: LoadConfig) -> dict:
     import torch
 
+    if config.sessions < 1 or config.max_new_tokens < 1 or config.max_batch < 1:
+        raise SplitLMError("--sessions, --max-new-tokens and --max-batch must be at least 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(config)
+    finally:
+        torch.set_num_threads(threads)  # a caller in this process (tests) keeps its own setting
+
+
+def _run(config: LoadConfig) -> dict:
     from splitlm.bench.prompts import default_prompts_path, load_prompts, tokenize
     from splitlm.bench.suite import BenchConfig, resolve_split
     from splitlm.edge import Edge
     from splitlm.edge.runtime import as_spec
     from splitlm.model.loading import resolve_model
 
-    if config.sessions < 1 or config.max_new_tokens < 1 or config.max_batch < 1:
-        raise SplitLMError("--sessions, --max-new-tokens and --max-batch must be at least 1")
-    torch.set_num_threads(1)
     spec = as_spec(config.spec)
     prompt_set = load_prompts(config.prompts or default_prompts_path())
     if config.edge:  # no reference model needed: outputs are compared with the single-session run
