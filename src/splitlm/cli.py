@@ -52,15 +52,17 @@ def cmd_split(args) -> int:
 def cmd_serve_cloud(args) -> int:
     import asyncio
 
+    from splitlm.cloud.scheduler import BatchConfig
     from splitlm.cloud.server import CloudServer
     from splitlm.cloud.sessions import ServerLimits
 
     set_threads(args.threads)
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
-                          max_frame_bytes=args.max_frame_mb * 2**20)
+                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20)
     server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
-                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -315,7 +317,7 @@ def edge_security_kwargs(args) -> dict:
 
 
 def cache_policy_arg(text: str) -> str:
-    from splitlm.cloud.policy import CachePolicy
+    from splitlm.transport.policy import CachePolicy
 
     try:
         return str(CachePolicy.parse(text))
@@ -422,6 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frame-mb", type=positive_int, default=64)
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--max-batch", type=positive_int, default=16,
+                   help="sessions whose steps share one pass of the layers (1 = one request at a time)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
+                   help="token rows per pass (a larger token tree runs alone)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256,
+                   help="rows of one causal request (a prefill) per pass; longer ones run in chunks, "
+                        "interleaved with other sessions' steps")
+    p.add_argument("--kv-budget-mb", type=non_negative_int, default=0, metavar="MB",
+                   help="KV cache memory of all sessions in MiB; beyond it OPEN/FORWARD get CAPACITY "
+                        "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)")
     p.add_argument("--identity", metavar="KEY", default=None,
                    help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "
                         "created on first use)")
@@ -523,6 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(p)
     p.set_defaults(func=bench_main)
+
+    p = sub.add_parser("loadtest", help="many edges against one cloud behind an emulated WAN: batched vs --max-batch 1")
+    from splitlm.bench.loadtest import add_loadtest_arguments, loadtest_main
+
+    add_loadtest_arguments(p)
+    p.set_defaults(func=loadtest_main)
 
     try:
         from splitlm.bench.wan import add_wan_arguments, wan_main

@@ -115,6 +115,11 @@ class Histogram(Metric):
             entry = self._values.get(self._key(labels))
             return entry[0][-1] if entry else 0
 
+    def sum(self, **labels) -> float:
+        with self._lock:
+            entry = self._values.get(self._key(labels))
+            return entry[1] if entry else 0.0
+
     def samples(self) -> list[str]:
         lines = []
         for key, (counts, total) in sorted(self._values.items()):

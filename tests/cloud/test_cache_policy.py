@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
+from splitlm.transport.policy import CachePolicy
 
 PROMPT = [5, 6, 7, 9, 11, 5, 6]
 

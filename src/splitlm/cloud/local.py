@@ -37,9 +37,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, lo
 
 
 @contextlib.contextmanager
-def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto") -> Iterator[int]:
+def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto",
+                  extra_args: list[str] = ()) -> Iterator[int]:
     """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess on loopback (on `device`,
-    computing in `dtype`); yields its port.
+    computing in `dtype`, with `extra_args`, e.g. ``["--max-batch", "1"]``); yields its port.
 
     The server uses the default cloud identity of the config dir (pin it with
     `default_identity("cloud").fingerprint`)."""
@@ -48,7 +49,8 @@ def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "aut
         log = Path(tmp) / "stderr.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
-                                     "--port", str(port), "--threads", "1", "--device", device, "--dtype", dtype],
+                                     "--port", str(port), "--threads", "1", "--device", device, "--dtype", dtype,
+                                     *extra_args],
                                     stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_healthy(port, proc, log=log)

@@ -25,18 +25,11 @@ from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
 from splitlm import metrics as m
-from splitlm.cloud.policy import CachePolicy
-from splitlm.cloud.sessions import (
-    Control,
-    ForwardRequest,
-    ServerLimits,
-    SessionTable,
-    compute,
-    validate,
-)
+from splitlm.cloud.budget import KVBudget
+from splitlm.cloud.scheduler import BatchConfig, Scheduler
+from splitlm.cloud.sessions import ServerLimits, SessionTable, validate
 from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_cloud
-from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.crypto import Channel, RekeyPolicy, ReplayWindow
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
@@ -49,22 +42,29 @@ from splitlm.transport.frames import (
     decode_header,
     encode_frame,
     error_frame,
-    pack_tensors,
-    unpack_mask,
-    unpack_tensors,
     unpack_vocab,
 )
 from splitlm.transport.handshake import hello_keys, server_handshake
 from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolve_identity
+from splitlm.transport.messages import (
+    Closed,
+    Forward,
+    Limits,
+    Open,
+    Opened,
+    PolicyChange,
+    PolicyOk,
+    Result,
+    ServerInfo,
+)
 
 log = logging.getLogger("splitlm.cloud")
 
 
-def int_list(value, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(i) is int for i in value):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of integers")
-    return value
-
+# frames (and tensor payloads) from this size on are decrypted, decoded, validated, encoded and sealed
+# on the codec pool, not on the event loop (smaller ones cost less than the thread hop)
+OFFLOAD_BYTES = 64 * 2**10
+CODEC_THREADS = 2
 
 # errors after which the connection is closed (the ERROR frame is sent first); VERSION_MISMATCH only
 # before the handshake (afterwards an unauthenticated frame must not be able to end the connection)
@@ -92,10 +92,16 @@ class Connection:
     def ready(self) -> bool:
         return self.channel is not None
 
-    async def send(self, frame: Frame, plaintext: bool = False) -> None:
+    async def send(self, frame: Frame, plaintext: bool = False, codec: ThreadPoolExecutor | None = None) -> None:
+        """Number, seal and send a frame; with `codec`, a large one is sealed on that pool (the
+        connection's frames are still sealed one at a time, in order)."""
         frame.seq = next(self.seq_out)
         if self.channel is not None and not plaintext:
-            await self.ws.send(self.channel.seal(frame))
+            if codec is not None and len(frame.payload) >= OFFLOAD_BYTES:
+                data = await asyncio.get_running_loop().run_in_executor(codec, self.channel.seal, frame)
+            else:
+                data = self.channel.seal(frame)
+            await self.ws.send(data)
         else:
             await self.ws.send(encode_frame(frame))
 
@@ -118,6 +124,19 @@ class CloudMetrics:
                                            "Time from a request's arrival to its reply being sent, by type.",
                                            ["type"])
         self.sessions = r.gauge("splitlm_cloud_sessions", "Open sessions.")
+        self.kv_reserved = r.gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.")
+        self.kv_budget = r.gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (CAPACITY beyond it).")
+        self.batch_size = r.histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
+                                      buckets=m.TOKENS)
+        self.batch_rows = r.histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
+                                      buckets=m.TOKENS)
+        self.pass_seconds = r.histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.")
+        self.queue_seconds = r.histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.")
+
+    def on_pass(self, sessions: int, rows: int, seconds: float) -> None:
+        self.batch_size.observe(sessions)
+        self.batch_rows.observe(rows)
+        self.pass_seconds.observe(seconds)
 
 
 class CloudServer:
@@ -131,6 +150,7 @@ class CloudServer:
         None = any client may connect (still encrypted; a warning is logged).
     tls_cert, tls_key: serve wss:// with this certificate chain and key (on top of the encryption).
     rekey: when this side's sending keys rotate.
+    batch: the scheduler's limits per pass (`BatchConfig`; max_batch=1: one request at a time).
     """
 
     def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *,
@@ -138,17 +158,19 @@ class CloudServer:
                  identity: Identity | str | Path | None = None,
                  allowed_clients: str | Path | list | AllowedClients | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
-                 rekey: RekeyPolicy | None = None):
+                 rekey: RekeyPolicy | None = None, batch: BatchConfig | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_cloud(shard_dir, self.device, self.dtype)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
-        self.sessions = SessionTable(self.limits)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitlm-compute")
+        self.budget = KVBudget.for_model(self.model, self.limits.kv_budget_bytes)
+        self.sessions = SessionTable(self.limits, self.budget)
         self.conn_ids = itertools.count(1)
         self.stats = {"connections": 0, "forwards": 0, "tokens": 0, "errors": 0}
         self.metrics = CloudMetrics()
+        self.scheduler = Scheduler(self.model, batch, self.metrics.on_pass)
+        self.codec = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="splitlm-codec")
         self.identity = resolve_identity(identity, "cloud")
         self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
                         else AllowedClients(allowed_clients))
@@ -184,6 +206,8 @@ class CloudServer:
                                                      f"dtype={dtype_name(self.dtype)}\n")
         if request.path == "/metrics":
             self.metrics.sessions.set(len(self.sessions.sessions))
+            self.metrics.kv_reserved.set(self.sessions.kv_reserved)
+            self.metrics.kv_budget.set(self.budget.budget_bytes)
             response = connection.respond(HTTPStatus.OK, self.metrics.registry.render())
             del response.headers["Content-Type"]  # Headers is a multi-dict: replace, not add
             response.headers["Content-Type"] = m.CONTENT_TYPE
@@ -261,7 +285,7 @@ class CloudServer:
                 ref, session = header.seq, header.session
             except ProtocolError:
                 pass
-            frame = self._decode(conn, data)
+            frame = await self.offload(len(data), self._decode, conn, data)
             if frame.type == MsgType.HELLO:
                 if conn.channel is not None:
                     raise ProtocolError(ErrorCode.BAD_REQUEST, "the handshake is already done")
@@ -270,7 +294,7 @@ class CloudServer:
             start = time.perf_counter()
             reply = await self.handle(conn, frame)
             reply.meta["ref"] = frame.seq
-            await conn.send(reply)
+            await conn.send(reply, codec=self.codec)
             self.metrics.requests.inc(type=frame.type.name)
             self.metrics.request_seconds.observe(time.perf_counter() - start, type=frame.type.name)
         except ProtocolError as err:
@@ -293,32 +317,22 @@ class CloudServer:
     async def handle(self, conn: Connection, frame: Frame) -> Frame:
         owner = conn.client_key
         if frame.type == MsgType.OPEN:
-            wire = frame.meta.get("wire_dtype", "fp16")
-            if not isinstance(wire, str) or wire not in WIRE_DTYPES:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
-            policy = self.parse_policy(frame.meta.get("cache_policy", "session"))
-            vocab = self.parse_vocab(frame.meta.get("vocab"))
-            s = self.sessions.open(owner, wire, len(self.model.middle.layers), conn.id, policy)
+            req = Open.from_frame(frame)
+            vocab = self.parse_vocab(req.vocab)
+            s = self.sessions.open(owner, req.wire_dtype, len(self.model.middle.layers), conn.id, req.cache_policy)
             s.vocab = None if vocab is None else to_device(vocab, self.device)
-            meta = {"wire_dtype": wire, "cache_policy": str(policy), "topology": self.manifest.topology}
+            vocab_size = None
             if self.model.split_head:
-                meta["vocab_size"] = self.model.cfg.vocab_size if vocab is None else vocab.numel()
-            return Frame(MsgType.OPENED, s.id, meta=meta)
+                vocab_size = self.model.cfg.vocab_size if vocab is None else vocab.numel()
+            return Opened(s.id, req.wire_dtype, req.cache_policy, self.manifest.topology, vocab_size).to_frame()
         if frame.type == MsgType.FORWARD:
             return await self.forward(conn, frame)
         if frame.type == MsgType.POLICY:
             return self.policy(conn, frame)
         if frame.type == MsgType.CLOSE:
             self.sessions.close(frame.session, owner, conn.id)
-            return Frame(MsgType.CLOSED, frame.session)
+            return Closed(frame.session).to_frame()
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected message {frame.type.name}")
-
-    @staticmethod
-    def parse_policy(value) -> CachePolicy:
-        try:
-            return CachePolicy.parse(value)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
     def parse_vocab(self, value) -> torch.Tensor | None:
         """OPEN's `vocab` (packed bits of the authorised ids): split-head clouds only; None = every id."""
@@ -332,16 +346,12 @@ class CloudServer:
     def policy(self, conn: Connection, frame: Frame) -> Frame:
         """Tighten a session's cache policy and/or revoke (wipe) its cache now."""
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
-        revoke = frame.meta.get("revoke", False)
-        if type(revoke) is not bool:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "revoke must be true or false")
-        new = frame.meta.get("cache_policy")
-        if new is not None:
-            session.tighten(self.parse_policy(new), frame.meta.get("key"))
-        if revoke:
+        req = PolicyChange.from_frame(frame)
+        if req.cache_policy is not None:
+            session.tighten(req.cache_policy, req.key)
+        if req.revoke:
             session.wipe()
-        return Frame(MsgType.POLICY_OK, session.id, meta={"cache_policy": str(session.policy),
-                                                           "cache_len": session.cache_shape[0]})
+        return PolicyOk(session.id, session.policy, session.cache_shape[0]).to_frame()
 
     async def hello(self, conn: Connection, frame: Frame, data: bytes) -> None:
         if frame.meta.get("version") != VERSION:
@@ -356,55 +366,49 @@ class CloudServer:
             raise ProtocolError(ErrorCode.UNKNOWN_CLIENT, f"client key {conn.client} is not on this cloud's list of "
                                 "allowed clients (ask its operator to add your .pub file)")
         lim = self.limits
-        info = {"server": f"splitlm/{__version__}", "fingerprint": self.manifest.fingerprint,
-                "limits": {"max_tokens_per_session": lim.max_tokens_per_session,
-                           "max_tokens_per_forward": lim.max_tokens_per_forward,
-                           "max_frame_bytes": lim.max_frame_bytes}}
+        info = ServerInfo(f"splitlm/{__version__}", self.manifest.fingerprint,
+                          Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes)).to_meta()
         ok, channel, _ = server_handshake(self.identity, frame, data, info, next(conn.seq_out), self.rekey, conn.window)
         conn.channel, conn.client_key = channel, client_key
         log.info("conn %d: HELLO from client %s", conn.id, conn.client)
         await conn.ws.send(ok)
 
+    async def offload(self, size: int, fn, *args):
+        """fn(*args) on the codec pool when `size` (bytes) is large, else here on the event loop."""
+        if size < OFFLOAD_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.codec, fn, *args)
+
+    def parse_forward(self, session, frame: Frame) -> tuple[Forward, int]:
+        """The request, checked (`validate`); with the entries its cache holds during the pass."""
+        max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
+        req = Forward.from_frame(frame, max_elems)
+        return req, validate(req, session, self.model, self.limits)
+
     async def forward(self, conn: Connection, frame: Frame) -> Frame:
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
-        meta = frame.meta
-        max_elems = self.limits.max_tokens_per_forward * self.model.cfg.hidden_size  # context rows included
-        tensors = unpack_tensors(frame, max_elems)
-        if "hidden" not in tensors:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "FORWARD carries no 'hidden' tensor")
-        hidden = tensors["hidden"]
-        t = hidden.shape[0] if hidden.dim() else 0
-        positions = torch.tensor(int_list(meta.get("positions"), "positions"), dtype=torch.long)
-        keep = None if meta.get("keep") is None else int_list(meta["keep"], "keep")
-        crop = meta.get("crop")
-        if crop is not None and type(crop) is not int:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "crop must be an integer")
-        context = meta.get("context", 0)
-        if type(context) is not int or not 0 <= context < max(t, 1):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "context must be an integer below the number of rows")
-        control = Control.from_meta(meta.get("control"))
-        mask = None if meta.get("mask") is None else unpack_mask(meta["mask"], t - context)
-        rows = None if meta.get("rows") is None else int_list(meta["rows"], "rows")
-        req = ForwardRequest(hidden, positions, mask, keep, crop, context, control, rows)
-        validate(req, session, self.model, self.limits)
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
+        req, entries = await self.offload(len(frame.payload), self.parse_forward, session, frame)
+        t = req.new_tokens
         if self.model.split_head:
-            self.check_reply_size(session, t - context if rows is None else len(rows), control.dtype)
-        out = await loop.run_in_executor(self.executor, compute, self.model, session, req)
-        compute_s = time.perf_counter() - start
-        self.stats["forwards"] += 1
-        self.stats["tokens"] += t - context
-        self.metrics.round_trips.inc()
-        self.metrics.tokens.inc(t - context)
-        self.metrics.tokens_per_round_trip.observe(t - context)
-        self.metrics.compute_seconds.observe(compute_s)
+            self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
+        self.sessions.reserve(session, entries)  # CAPACITY when the KV budget cannot hold the step
         try:
-            specs, payload = pack_tensors(out, control.dtype or session.wire_dtype)
+            done = await self.scheduler.run(session, req)
+        finally:
+            self.sessions.settle(session)
+        self.stats["forwards"] += 1
+        self.stats["tokens"] += t
+        self.metrics.round_trips.inc()
+        self.metrics.tokens.inc(t)
+        self.metrics.tokens_per_round_trip.observe(t)
+        self.metrics.compute_seconds.observe(done.compute_s)
+        self.metrics.queue_seconds.observe(done.queue_s)
+        result = Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s)
+        try:
+            return await self.offload(sum(x.nbytes for x in done.tensors.values()), result.to_frame,
+                                      req.control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-        return Frame(MsgType.RESULT, session.id, meta={"tensors": specs, "compute_s": compute_s,
-                                                       "cache_len": session.cache_shape[0]}, payload=payload)
 
     def check_reply_size(self, session, rows: int, dtype: str | None) -> None:
         """A split-head RESULT holds `rows` × (d + S) values: refuse one over max_frame_bytes before computing."""
@@ -433,6 +437,8 @@ class CloudServer:
             log.info("serving %s (layers [%d,%d), fingerprint %s) on %s on %s://%s:%d", self.manifest.role,
                      *self.manifest.cloud_layers, self.manifest.fingerprint, describe(self.device, self.dtype),
                      scheme, host, self.port)
+            log.info("KV budget %.1f MiB (%d bytes per entry: %d entries in all)", self.budget.budget_bytes / 2**20,
+                     self.budget.bytes_per_entry, self.budget.entries)
             log.info("cloud identity %s (%s)", self.fingerprint,
                      self.identity.path or "in memory")
             if self.allowed is None:
@@ -446,6 +452,8 @@ class CloudServer:
                 await (stop.wait() if stop is not None else asyncio.Future())
             finally:
                 expiry.cancel()
+                self.scheduler.close()
+                self.codec.shutdown(wait=False)
 
 
 class BackgroundServer:

@@ -1,5 +1,5 @@
 """Cloud sessions: one KV cache per session under its cache policy, the limits that protect the
-server, the control tuple of a request, one forward step."""
+server, and the forward steps of several sessions in one pass."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitlm.cloud.policy import CachePolicy
+from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.shards import CloudModel
-from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.errors import ErrorCode, ProtocolError
+from splitlm.transport.messages import Forward
+from splitlm.transport.policy import CachePolicy
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServerLimits:
     idle_timeout_s: float = 600.0
     hello_timeout_s: float = 10.0
     max_bad_frames: int = 64  # undecodable / unauthenticated / replayed frames before the connection is closed
+    kv_budget_bytes: int = 0  # what all sessions' KV caches may take on the device (`cloud.budget`); 0 = automatic
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Session:
     vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending, on the model's device
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    kv_reserved: int = 0  # bytes of the KV budget this session holds (`cloud.budget`)
+    closed: bool = False  # closed, dropped with its connection or expired: queued requests are not computed
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -74,49 +78,35 @@ class Session:
         self.cache = KVCache(self.cache.num_layers)
 
 
-@dataclass
-class Control:
-    """The edge's control tuple for one request (the seed paper's (flagCache, LCache, dtype, l))."""
-    cache: bool = True  # flagCache: may the cloud use the history it holds? False = wipe it first
-    window: int | None = None  # LCache: at most this many past entries; tightens the session for good
-    dtype: str | None = None  # the reply's wire dtype (None = the session's)
-    split: int | None = None  # l: the layer the edge's hidden states come from (must be the shard's)
-    key: bytes | None = None  # a sealed session's cache key, for this request only
-
-    @classmethod
-    def from_meta(cls, meta) -> Control:
-        if meta is None:
-            return cls()
-        if not isinstance(meta, dict):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control must be a map")
-        c = cls(meta.get("cache", True), meta.get("window"), meta.get("dtype"), meta.get("split"), meta.get("key"))
-        if type(c.cache) is not bool:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.cache must be true or false")
-        if c.window is not None and (type(c.window) is not int or c.window < 1):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.window must be an integer >= 1")
-        if c.dtype is not None and (not isinstance(c.dtype, str) or c.dtype not in WIRE_DTYPES):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown control.dtype {c.dtype!r}")
-        if c.split is not None and type(c.split) is not int:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "control.split must be an integer")
-        return c
-
-
-@dataclass
-class ForwardRequest:
-    hidden: torch.Tensor  # [C + T, D]: C context rows (re-sent history), then T new tokens
-    positions: torch.Tensor  # [C + T]
-    mask: torch.Tensor | None  # [T, T] bool among the new tokens, None = causal
-    keep: list[int] | None  # entries of the previous step to keep (applied first)
-    crop: int | None  # truncate the cache to this length (applied before keep)
-    context: int = 0  # C
-    control: Control = field(default_factory=Control)
-    rows: list[int] | None = None  # split-head: the new tokens whose logits the edge wants (None = all)
-
-
 class SessionTable:
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    """The open sessions; with a `budget`, what their KV caches reserve of it (CAPACITY when full)."""
+
+    def __init__(self, limits: ServerLimits, budget: KVBudget | None = None):
+        self.limits, self.budget = limits, budget
         self.sessions: dict[int, Session] = {}
+
+    @property
+    def kv_reserved(self) -> int:
+        return sum(s.kv_reserved for s in self.sessions.values())
+
+    def _check_capacity(self, more: int, what: str) -> None:
+        if self.budget is not None and self.kv_reserved + more > self.budget.budget_bytes:
+            raise ProtocolError(ErrorCode.CAPACITY, f"the cloud's KV memory is fully used ({what}); "
+                                                    "retry later or use another cloud")
+
+    def reserve(self, session: Session, entries: int) -> None:
+        """Reserve what `session`'s cache holds while a pass appends to it (`entries` during the pass),
+        or answer CAPACITY (nothing changes)."""
+        if self.budget is None:
+            return
+        need = max(session.cache.nbytes(), self.budget.need(entries))
+        self._check_capacity(need - session.kv_reserved, f"{entries} entries do not fit")
+        session.kv_reserved = need
+
+    def settle(self, session: Session) -> None:
+        """After a pass: the session keeps what its cache still allocates (at least one block)."""
+        if self.budget is not None:
+            session.kv_reserved = max(session.cache.nbytes(), self.budget.need(session.cache_shape[0]))
 
     def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0,
              policy: CachePolicy | None = None) -> Session:
@@ -126,10 +116,12 @@ class SessionTable:
         if sum(s.owner == owner for s in self.sessions.values()) >= self.limits.max_sessions_per_client:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                                 f"at most {self.limits.max_sessions_per_client} sessions per client")
+        first = self.budget.need(1) if self.budget is not None else 0
+        self._check_capacity(first, "no room for a new session")
         sid = secrets.randbits(63) or 1
         while sid in self.sessions:
             sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy())
+        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy(), kv_reserved=first)
         self.sessions[sid] = session
         return session
 
@@ -141,24 +133,28 @@ class SessionTable:
         session.last_used = time.monotonic()
         return session
 
+    def _remove(self, sid: int) -> None:
+        self.sessions.pop(sid).closed = True
+
     def close(self, sid: int, owner: bytes, conn: int | None = None) -> None:
         self.get(sid, owner, conn)
-        del self.sessions[sid]
+        self._remove(sid)
 
     def drop_connection(self, conn: int) -> None:
         for sid in [s.id for s in self.sessions.values() if s.conn == conn]:
-            del self.sessions[sid]
+            self._remove(sid)
 
     def expire(self) -> int:
         cutoff = time.monotonic() - self.limits.idle_timeout_s
         stale = [s.id for s in self.sessions.values() if s.last_used < cutoff]
         for sid in stale:
-            del self.sessions[sid]
+            self._remove(sid)
         return len(stale)
 
 
-def validate(req: ForwardRequest, session: Session, model: CloudModel, limits: ServerLimits) -> None:
-    """Check a forward request against the model, the session and its policy before touching any state."""
+def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLimits) -> int:
+    """Check a forward request against the model, the session and its policy before touching any state.
+    Returns the entries its cache holds during the pass (after crop and keep, with the new rows)."""
     cfg = model.cfg
     if req.hidden.dim() != 2 or req.hidden.shape[1] != cfg.hidden_size:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {cfg.hidden_size}], got {list(req.hidden.shape)}")
@@ -209,6 +205,7 @@ def validate(req: ForwardRequest, session: Session, model: CloudModel, limits: S
     if length + rows > limits.max_tokens_per_session:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                             f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}")
+    return length + rows
 
 
 def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
@@ -221,14 +218,37 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
     return full
 
 
-@torch.inference_mode()
-def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> torch.Tensor:
-    """One request: restore (unseal), crop, keep, run, then apply the policy (wipe, trim or seal)."""
+@dataclass
+class Step:
+    """One request made ready for the layers: the session's cache restored, cropped and kept, the rows
+    on the model's device. A causal request (no mask) may run in chunks over several passes."""
+    session: Session
+    req: Forward
+    hidden: torch.Tensor  # [1, C + T, D] float32 (the residual stream)
+    positions: torch.Tensor  # [C + T]
+    mask: torch.Tensor | None  # [C + T, C + T] bool, None = causal
+    start: int  # the cache's length before the step (after crop and keep)
+    done: int = 0  # rows already run
+    outs: list[torch.Tensor] = field(default_factory=list)  # their outputs, [rows, D] each
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[1]
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether its rows may run in several passes: only when they are causal among themselves
+        (each chunk then sees every earlier row in the cache, as one pass would)."""
+        return self.req.mask is None
+
+
+def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
+    """Restore (unseal), wipe, crop, keep and tighten, in the order of docs/protocol.md §6.1."""
     ctl = req.control
-    weight = next(model.parameters())
+    device = next(model.parameters()).device
     if session.sealed is not None:  # raises SEALED_KEY before any state changes
         session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter,
-                               session.cache.num_layers, weight.device)
+                               session.cache.num_layers, device)
         session.sealed, session.sealed_shape = None, (0, 0)
     cache = session.cache
     if not ctl.cache:
@@ -239,39 +259,77 @@ def run_forward(model: CloudModel, session: Session, req: ForwardRequest) -> tor
         cache.keep(req.keep)
     if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
         session.tighten(CachePolicy("window", ctl.window))
-    c, t = req.context, req.hidden.shape[0] - req.context
-    mask = context_mask(c, req.mask, t)
-    hidden = to_device(req.hidden, weight.device, torch.float32)[None]  # [1, C + T, D] (the residual stream)
-    positions = to_device(req.positions, weight.device)
-    mask = None if mask is None else to_device(mask, weight.device)
-    out = model(hidden, positions, mask, cache)[0][c:]  # [T, D]
-    cache.pending_start += c  # context rows are history, not part of the step's pending block
-    session.tokens_processed += t
+    mask = context_mask(req.context, req.mask, req.new_tokens)
+    return Step(session, req, to_device(req.hidden, device, torch.float32)[None], to_device(req.positions, device),
+                None if mask is None else to_device(mask, device), cache.length)
+
+
+def run_pass(model: CloudModel, pieces: list[tuple[Step, int]]) -> None:
+    """One pass of the layers over the next `n` rows of each step (at most one piece per session):
+    rows packed for the dense layers, attention per session on its own cache (`forward_packed`)."""
+    xs, positions, masks, caches = [], [], [], []
+    for step, n in pieces:
+        lo, hi = step.done, step.done + n
+        whole = lo == 0 and hi == step.rows
+        if not whole and not step.chunkable:
+            raise ValueError("only a causal request runs in chunks")
+        xs.append(step.hidden[:, lo:hi])
+        positions.append(step.positions[lo:hi])
+        masks.append(step.mask if whole else None)  # a chunk of causal rows: causal, all earlier rows cached
+        caches.append(step.session.cache)
+    outs = model.middle.forward_packed(xs, positions, masks, caches)
+    for (step, n), out in zip(pieces, outs, strict=True):
+        step.outs.append(out[0])
+        step.done += n
+
+
+def finish_step(model: CloudModel, step: Step) -> dict[str, torch.Tensor]:
+    """After the step's last rows ran: apply the policy (wipe, trim or seal); the reply's tensors in
+    host memory (the one copy back)."""
+    session, req = step.session, step.req
+    cache, c = session.cache, req.context
+    out = (step.outs[0] if len(step.outs) == 1 else torch.cat(step.outs))[c:]  # [T, D]
+    cache.pending_start = step.start + c  # the T new tokens; context rows are history
+    session.tokens_processed += req.new_tokens
     policy = session.policy
     if policy.retention == 0:
         cache.clear()
     elif policy.mode == "window":
         cache.retain_last(policy.window)
     elif policy.sealed:
-        session.seal(ctl.key)
-    return out
+        session.seal(req.control.key)
+    if not model.split_head:
+        return {"hidden": to_host(out)}
+    from splitlm.model.splithead import cloud_head
+
+    h_end, logits = cloud_head(model, out if req.rows is None else out[req.rows], session.vocab)
+    return {"hidden": to_host(h_end), "logits": to_host(logits)}
 
 
 @torch.inference_mode()
-def run_split_head(model: CloudModel, session: Session, req: ForwardRequest) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-head request: the layers, then the cloud's part of the LM head for the asked rows:
-    (normed h[:, :d] [R, d], partial logits [R, S] over the session's authorised ids)."""
-    from splitlm.model.splithead import cloud_head
+def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
+    """Several sessions' requests (at most one per session), whole, in one pass of the layers.
+    Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
+    answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
+    steps: list[tuple[int, Step]] = []
+    for i, (session, req) in enumerate(jobs):
+        try:
+            steps.append((i, begin_step(model, session, req)))
+        except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
+            answers[i] = e
+    if steps:
+        run_pass(model, [(step, step.rows) for _, step in steps])
+        for i, step in steps:
+            try:
+                answers[i] = finish_step(model, step)
+            except Exception as e:  # noqa: BLE001
+                answers[i] = e
+    return answers
 
-    out = run_forward(model, session, req)  # [T, D]
-    if req.rows is not None:
-        out = out[req.rows]
-    return cloud_head(model, out, session.vocab)
 
-
-def compute(model: CloudModel, session: Session, req: ForwardRequest) -> dict[str, torch.Tensor]:
-    """One request on the model's device; the reply's tensors in host memory (the one copy back)."""
-    if model.split_head:
-        h_end, logits = run_split_head(model, session, req)
-        return {"hidden": to_host(h_end), "logits": to_host(logits)}
-    return {"hidden": to_host(run_forward(model, session, req))}
+def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
+    """One request alone on the model's device; the reply's tensors in host memory."""
+    (answer,) = compute_batch(model, [(session, req)])
+    if isinstance(answer, Exception):
+        raise answer
+    return answer

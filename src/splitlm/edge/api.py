@@ -34,7 +34,14 @@ from starlette.routing import Route
 from splitlm import SplitLMError
 from splitlm import metrics as m
 from splitlm.decoding.speculative import SpecConfig
-from splitlm.edge.api_requests import APIError, GenerationRequest, invalid, parse_chat, parse_completion
+from splitlm.edge.api_requests import (
+    APIError,
+    GenerationRequest,
+    cloud_failure,
+    invalid,
+    parse_chat,
+    parse_completion,
+)
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
 
@@ -116,7 +123,7 @@ class EdgeAPI:
     async def api_error(self, request: Request, exc: APIError) -> JSONResponse:
         self.metrics.errors.inc(type=exc.type)
         self.metrics.requests.inc(endpoint=request.url.path, status=str(exc.status))
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         message = {404: f"unknown URL {request.method} {request.url.path}",
@@ -242,7 +249,7 @@ class EdgeAPI:
             try:
                 result = await job
             except (CloudError, SplitLMError) as e:
-                raise APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error") from None
+                raise cloud_failure(e) from None
             finally:
                 cancel.set()
             self.metrics.finished(endpoint, result, time.perf_counter() - start)
@@ -250,7 +257,7 @@ class EdgeAPI:
             return JSONResponse(self.completion_body(rid, chat, result))
         first = await queue.get()  # a failure before the first token still gets an error status
         if first is None and isinstance(job.exception(), CloudError | SplitLMError):
-            raise APIError(502, f"the cloud failed: {job.exception()}", "server_error", code="cloud_error")
+            raise cloud_failure(job.exception())
         self.metrics.requests.inc(endpoint=endpoint, status="200")
         return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, start),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -287,7 +294,7 @@ class EdgeAPI:
             try:
                 result = job.result()
             except (CloudError, SplitLMError) as e:
-                err = APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
+                err = cloud_failure(e)
             except Exception as e:  # a bug: the stream ends with an error event, the server goes on
                 log.exception("internal error while streaming")
                 err = APIError(500, f"internal error: {type(e).__name__}", "server_error")

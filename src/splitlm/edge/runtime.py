@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitlm import SplitLMError
-from splitlm.cloud.policy import CachePolicy
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.pipeline import pipelined_decode
@@ -33,6 +32,7 @@ from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
+from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
@@ -148,14 +148,14 @@ class Edge:
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
-        cache_policy: what the cloud may keep between requests (`splitlm.cloud.policy`): none,
+        cache_policy: what the cloud may keep between requests (`splitlm.transport.policy`): none,
         session, window:N or sealed; each session may choose its own.
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
         file; a split-head cloud computes partial logits for these only.
         device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
         default auto: CUDA in bf16 where present, else the CPU in fp32)."""
         try:
-            self.cache_policy = str(CachePolicy.parse(cache_policy or "session"))
+            self.cache_policy = CachePolicy.parse(cache_policy or "session")  # parsed once, here
         except ValueError as e:
             raise SplitLMError(str(e)) from None
         self.edge_dir = Path(edge_dir)
@@ -194,7 +194,7 @@ class Edge:
         self._clients.give(self.client)
         if self.split_head:
             frame = min(self.client.max_frame_bytes,
-                        self.client.server_info.get("limits", {}).get("max_frame_bytes", self.client.max_frame_bytes))
+                        self.client.info.limits.max_frame_bytes or self.client.max_frame_bytes)
             per_row = wire_nbytes(self.wire_dtype, [1, self.vocab.size]) + \
                 wire_nbytes(self.wire_dtype, [1, self.model.manifest.d_end])
             self.max_logit_rows = max(1, (frame - 4096) // per_row)  # the cloud keeps 4 KiB for metadata and framing
@@ -210,7 +210,7 @@ class Edge:
             self._connections.discard(client)
         client.close()
 
-    def _open_cloud_session(self, cache_policy: str, vocab: bytes | None = None) -> tuple[CloudClient, int]:
+    def _open_cloud_session(self, cache_policy: CachePolicy, vocab: bytes | None = None) -> tuple[CloudClient, int]:
         """A connection of this thread's own and a new cloud session on it."""
         client, pooled = self._clients.take()
         try:
@@ -257,7 +257,7 @@ class Edge:
     @property
     def context_length(self) -> int:
         """Most tokens (prompt + generated) a request may hold: the model's and the cloud's limit."""
-        cloud = self.client.server_info.get("limits", {}).get("max_tokens_per_session")
+        cloud = self.client.info.limits.max_tokens_per_session
         return min(self.cfg.max_position_embeddings, cloud or self.cfg.max_position_embeddings)
 
     def corpus_documents(self) -> list[str]:
@@ -286,7 +286,7 @@ class Edge:
                 self._drafts[draft] = make_draft_lm(draft, self.model, self.edge_dir)
             return self._drafts[draft]
 
-    def open_session(self, cache_policy: str | None = None) -> EdgeSession:
+    def open_session(self, cache_policy: str | CachePolicy | None = None) -> EdgeSession:
         return EdgeSession(self, cache_policy)
 
     def conversation(self, system: str | None = None, spec: SpecConfig | str | None = None,

@@ -16,9 +16,9 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
-from splitlm.cloud.policy import CachePolicy
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward
+from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
     from splitlm.edge.runtime import Edge
@@ -97,13 +97,13 @@ class EdgeSession:
     def __init__(self, edge: Edge, cache_policy: str | CachePolicy | None = None):
         self.edge = edge
         try:
-            self.policy = CachePolicy.parse(cache_policy or edge.cache_policy)
+            self.policy = CachePolicy.parse(cache_policy) if cache_policy else edge.cache_policy
         except ValueError as e:
             raise SplitLMError(str(e)) from None
         self.key = AESGCM.generate_key(bit_length=256) if self.policy.sealed else None  # never leaves this session
         self.wire_dtype = edge.wire_dtype
         authorised = edge.vocab.packed() if edge.split_head and not edge.vocab.everything else None
-        self.client, self.id = edge._open_cloud_session(str(self.policy), authorised)
+        self.client, self.id = edge._open_cloud_session(self.policy, authorised)
         self.head_cache = edge.model.head.new_cache()
         self.tail_cache = edge.model.tail.new_cache()
         self.history = torch.zeros(0, edge.cfg.hidden_size, device=edge.device)  # [L, D] fp32 (the residual stream)
@@ -210,7 +210,7 @@ class EdgeSession:
             return
         if new.sealed and self.key is None:
             self.key = AESGCM.generate_key(bit_length=256)
-        self.client.policy(self.id, cache_policy=str(new), key=self.key if new.sealed else None)
+        self.client.policy(self.id, cache_policy=new, key=self.key if new.sealed else None)
         self.policy = new
         if new.retention == 0:
             self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
@@ -245,7 +245,7 @@ class EdgeSession:
         self.settle(keep)
         window, rows_cap = self.policy.window, self.edge.max_logit_rows
         want = list(range(len(ids))) if rows is None else rows
-        per_forward = self.client.server_info.get("limits", {}).get("max_tokens_per_forward")
+        per_forward = self.client.info.limits.max_tokens_per_forward
         room = max(1, per_forward - self._context_rows()) if per_forward else None  # re-sent context rows count
         exceeded = [cap for cap, n in ((window, len(ids)), (rows_cap, len(want)), (room, len(ids)))
                     if cap is not None and n > cap]

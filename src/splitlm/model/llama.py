@@ -8,6 +8,7 @@ weights load without renaming. Every forward takes explicit positions and an exp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -77,6 +78,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+@dataclass
+class Part:
+    """One sequence of a (packed) pass: its T rows' rotary tables and masks, and its cache."""
+    t: int
+    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # local (Gemma's sliding layers)? -> (cos, sin) [B, T, hd]
+    masks: dict[int | None, torch.Tensor]  # sliding window (None = full attention) -> [1, 1, T, S+T] bool
+    cache: KVCache | None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,13 +102,31 @@ class Attention(nn.Module):
         self.qk_norm = cfg.gemma
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
-        b, t, _ = x.shape  # [B, T, D]
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+    def forward(self, x: torch.Tensor, parts: list[Part], layer: int, window: int | None = None,
+                local: bool = False) -> torch.Tensor:
+        """x [B, N, D]: the rows of one or more sequences packed along dim 1 (`parts`, in order).
+        The projections run once over all N rows; rotary embedding, the cache and attention per part.
+        `layer`: the index in the caches; `window`: the layer's sliding window; `local`: its own rotary base."""
+        b = x.shape[0]
+        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, N, H*hd], [B, N, Hkv*hd] x2
+        ys, start = [], 0
+        for part in parts:
+            t = part.t
+            q = q_all.narrow(1, start, t).reshape(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, H, T, hd]
+            k = k_all.narrow(1, start, t).reshape(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            v = v_all.narrow(1, start, t).reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
+            ys.append(self.attend(q, k, v, part.rope[local], part.masks[window],
+                                  part.cache, layer))
+            start += t
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [B, N, H*hd]
+        return self.o_proj(y)
+
+    def attend(self, q, k, v, rope, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """One sequence: q [B, H, T, hd], k and v [B, Hkv, T, hd] -> [B, T, H*hd]."""
+        b, _, t, _ = q.shape
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
@@ -108,7 +136,7 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, T, hd]
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return y.transpose(1, 2).reshape(b, t, -1)
 
 
 class MLP(nn.Module):
@@ -144,12 +172,12 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(d, eps, g)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer) -> torch.Tensor:
-        x = x.float()  # [B, T, D]
+    def forward(self, x, parts: list[Part], layer: int, window: int | None = None, local: bool = False) -> torch.Tensor:
+        x = x.float()  # [B, N, D]: every part's rows (norms and MLP are row-wise)
         if self.gemma:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer))
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), parts, layer, window, local))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        x = x + self.self_attn(self.input_layernorm(x), parts, layer, window, local)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,12 +226,33 @@ class LayerStack(nn.Module):
         new_mask: torch.Tensor | None = None,  # [T, T] bool, None = causal
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        t = x.shape[1]
+        return self.forward_packed([x], [positions], [new_mask], [cache])[0]
+
+    def forward_packed(
+        self,
+        xs: list[torch.Tensor],  # per sequence [B, T_i, D]
+        positions: list[torch.Tensor],  # per sequence [B, T_i] or [T_i]
+        new_masks: list[torch.Tensor | None],  # per sequence [T_i, T_i] bool, None = causal
+        caches: list[KVCache | None],
+    ) -> list[torch.Tensor]:
+        """Several independent sequences in one pass: their rows are packed ([B, sum T_i, D]) for
+        the norms, projections and MLP; rotary tables, masks, caches and attention stay per sequence.
+        Returns each sequence's output [B, T_i, D]."""
         if len(self.layers) == 0:
-            if cache is not None:
-                cache.begin(t)
-            return x
-        dev = x.device
+            for x, cache in zip(xs, caches, strict=True):
+                if cache is not None:
+                    cache.begin(x.shape[1])
+            return list(xs)
+        parts = [self.plan(x, p, m, c) for x, p, m, c in zip(xs, positions, new_masks, caches, strict=True)]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [B, N, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, parts, i, self.windows[i], self.local_rope[i])
+        return [x] if len(xs) == 1 else list(x.split([p.t for p in parts], dim=1))
+
+    def plan(self, x: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None,
+             cache: KVCache | None) -> Part:
+        """One sequence's rotary tables and masks (per window), its append begun in `cache`."""
+        t, dev = x.shape[1], x.device
         positions = (positions.view(1, -1) if positions.dim() == 1 else positions).to(dev)  # [B or 1, T]
         new_mask = causal_mask(t, dev) if new_mask is None else new_mask
         past = 0 if cache is None else cache.length
@@ -218,9 +267,7 @@ class LayerStack(nn.Module):
         rope = {False: rope_cos_sin(self.inv_freq, positions, dtype)}
         if any(self.local_rope):
             rope[True] = rope_cos_sin(self.inv_freq_local, positions, dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *rope[self.local_rope[i]], masks[self.windows[i]], cache, i)
-        return x
+        return Part(t, rope, masks, cache)
 
     def load_global_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load from a state dict keyed by global layer names (`model.layers.{i}.*`)."""

@@ -24,9 +24,6 @@ from splitlm.transport.frames import (
     MsgType,
     decode_frame,
     decode_header,
-    pack_mask,
-    pack_tensors,
-    unpack_tensors,
 )
 from splitlm.transport.handshake import ClientHandshake
 from splitlm.transport.keys import (
@@ -37,6 +34,18 @@ from splitlm.transport.keys import (
     parse_key_spec,
     resolve_identity,
 )
+from splitlm.transport.messages import (
+    Close,
+    Control,
+    Forward,
+    Open,
+    Opened,
+    PolicyChange,
+    PolicyOk,
+    Result,
+    ServerInfo,
+)
+from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger("splitlm.client")
 
@@ -170,6 +179,7 @@ class CloudClient:
             log.warning("trusting the cloud key %s of %s on first use (recorded in %s)", cloud_fp, host, record.path)
         self.cloud_fingerprint = cloud_fp
         self.server_info: dict[str, Any] = info
+        self.info = ServerInfo.from_meta(info)
         return channel
 
     def _open(self, data: bytes) -> Frame:
@@ -213,27 +223,23 @@ class CloudClient:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply
 
-    def open_session(self, wire_dtype: str, cache_policy: str = "session", vocab: bytes | None = None) -> int:
+    def open_session(self, wire_dtype: str, cache_policy: str | CachePolicy = "session",
+                     vocab: bytes | None = None) -> int:
         """A new session; `vocab`: the authorised token ids as packed bits (split-head clouds only)."""
-        meta: dict[str, Any] = {"wire_dtype": wire_dtype, "cache_policy": cache_policy}
-        if vocab is not None:
-            meta["vocab"] = vocab
-        return self.request(Frame(MsgType.OPEN, meta=meta)).session
+        return self.open(Open(wire_dtype, cache_policy, vocab)).session
 
-    def policy(self, session: int, cache_policy: str | None = None, revoke: bool = False,
-               key: bytes | None = None) -> dict[str, Any]:
+    def open(self, request: Open) -> Opened:
+        return Opened.from_frame(self.request(request.to_frame()))
+
+    def policy(self, session: int, cache_policy: str | CachePolicy | None = None, revoke: bool = False,
+               key: bytes | None = None) -> PolicyOk:
         """Tighten the session's cache policy and/or wipe its cache now; returns the cloud's answer."""
-        meta: dict[str, Any] = {"revoke": revoke}
-        if cache_policy is not None:
-            meta["cache_policy"] = cache_policy
-        if key is not None:
-            meta["key"] = key
-        return self.request(Frame(MsgType.POLICY, session, meta=meta)).meta
+        return PolicyOk.from_frame(self.request(PolicyChange(cache_policy, revoke, key).to_frame(session)))
 
     def forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
                 mask: torch.Tensor | None = None, keep: list[int] | None = None,
                 crop: int | None = None, context: int = 0,
-                control: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                control: Control | dict | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Send hidden [C + T, D] (C re-sent context rows, then T new tokens) through the cloud's layers;
         returns hidden [T, D] of the new tokens and the reply metadata."""
         out, meta = self.forward_tensors(session, hidden, positions, wire_dtype, mask, keep, crop, context, control,
@@ -242,7 +248,7 @@ class CloudClient:
 
     def forward_tensors(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
                         mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                        crop: int | None = None, context: int = 0, control: dict[str, Any] | None = None,
+                        crop: int | None = None, context: int = 0, control: Control | dict | None = None,
                         rows: list[int] | None = None,
                         max_reply_elements: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """`forward`, returning every tensor of the RESULT (a split-head cloud's `hidden` and `logits`
@@ -252,31 +258,25 @@ class CloudClient:
 
     def send_forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
                      mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                     crop: int | None = None, context: int = 0, control: dict[str, Any] | None = None,
+                     crop: int | None = None, context: int = 0, control: Control | dict | None = None,
                      rows: list[int] | None = None, max_reply_elements: int = 0) -> PendingForward:
         """Send a FORWARD (arguments as `forward_tensors`) and return at once; `receive_forward` gets
         its reply. Several may be in flight on one connection: the cloud answers them in order."""
+        request = Forward(hidden, torch.as_tensor(positions, dtype=torch.long), mask, keep, crop, context,
+                          Control() if control is None else control, rows)
+        return self.submit_forward(session, request, wire_dtype, max_reply_elements)
+
+    def submit_forward(self, session: int, request: Forward, wire_dtype: str,
+                       max_reply_elements: int = 0) -> PendingForward:
+        """Send a typed FORWARD (its `hidden` in `wire_dtype`) without waiting for the RESULT."""
         t0 = time.perf_counter()
         try:
-            specs, payload = pack_tensors({"hidden": hidden}, wire_dtype)
+            frame = request.to_frame(session, wire_dtype)
         except OverflowError as e:
             raise CloudError(str(e)) from None
         self.serialize_s += time.perf_counter() - t0
-        meta: dict[str, Any] = {"tensors": specs, "positions": positions}
-        if mask is not None:
-            meta["mask"] = pack_mask(mask)
-        if keep is not None:
-            meta["keep"] = keep
-        if crop is not None:
-            meta["crop"] = crop
-        if context:
-            meta["context"] = context
-        if control is not None:
-            meta["control"] = control
-        if rows is not None:
-            meta["rows"] = rows
         start = time.perf_counter()
-        frame = self._submit(Frame(MsgType.FORWARD, session, meta=meta, payload=payload))
+        frame = self._submit(frame)
         return PendingForward(frame, start, max_reply_elements)
 
     def receive_forward(self, pending: PendingForward) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -289,16 +289,14 @@ class CloudClient:
         reply.meta["wait_s"] = now - waited
         t0 = time.perf_counter()
         try:
-            out = unpack_tensors(reply, pending.max_reply_elements)
+            result = Result.from_frame(reply, pending.max_reply_elements)
         except ProtocolError as e:
             raise CloudError(f"bad RESULT from the cloud: {e}", e.code) from None
         self.serialize_s += time.perf_counter() - t0
-        if "hidden" not in out:
-            raise CloudError("the cloud's RESULT carries no hidden tensor")
-        return out, reply.meta
+        return result.tensors, reply.meta
 
     def close_session(self, session: int) -> None:
-        self.request(Frame(MsgType.CLOSE, session))
+        self.request(Close().to_frame(session))
 
     def close(self) -> None:
         self.ws.close()

@@ -24,6 +24,7 @@ class ErrorCode(IntEnum):
     SERVER_KEY_MISMATCH = 16  # edge-side only: the cloud's static key is not the pinned / known one
     POLICY = 17  # a request the session's cache policy forbids, or an attempt to loosen the policy
     SEALED_KEY = 18  # a sealed session's request without its cache key, or with a key that does not open it
+    CAPACITY = 19  # the cloud's KV memory budget cannot hold a new session or this step now (retry later)
 
 
 class ProtocolError(Exception):

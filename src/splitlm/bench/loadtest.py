@@ -1,0 +1,389 @@
+"""`splitlm loadtest`: many edges against one cloud behind an emulated WAN.
+
+    splitlm loadtest --sessions 16 --rtt-ms 80 --max-new-tokens 32          # batched vs --max-batch 1
+    splitlm loadtest --edge split/edge --cloud ws://HOST:8765 --sessions 8 --json   # a running cloud
+
+Set-up: without `--cloud`, two clouds are started in turn from the edge shard's sibling `cloud/`,
+each a `splitlm serve-cloud --threads 1` subprocess: `--max-batch N` (batched) and `--max-batch 1`
+(one request per pass, the cloud before the scheduler), so both are measured in one run and the
+machine's noise hits both. With `--cloud URL` the edges use that cloud (one configuration). A WAN
+emulator thread of this process delays each direction by RTT/2. The N edge sessions are **threads**
+of this process sharing one `Edge` (its connection pool gives each session its own connection and
+cloud session), each torch op on 1 thread; torch releases the GIL, so the sessions' edge compute
+overlaps on the machine's cores.
+
+Per configuration:
+1. steady decoding: the N sessions start together (a barrier) and each generates
+   `--max-new-tokens` greedy tokens from its prompt (`benchmarks/prompts.json`, in turn):
+   aggregate tok/s (all tokens / wall time), per-session tok/s, TTFT, step latency p50/p95/p99
+   (time between a session's consecutive decoding steps), errors, and how many sessions' tokens
+   equal their single-session output (each prompt alone beforehand, no emulator);
+2. prefill interference (`--prefill-tokens`, default 2048; 0 skips it): N-1 sessions decode; once
+   each has made a few steps, one more session sends a prompt of that many tokens. Reported: the
+   decoders' p50 step latency before the prefill, the p50 and the worst step that overlapped it,
+   the worst step's delay over the p50, and the prefill's own time.
+
+Results: a table on stdout (`--json`: the JSON document instead) and `OUT/loadtest-<timestamp>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from splitlm import SplitLMError
+
+SCHEMA = "splitlm.loadtest/1"
+DEFAULT_OUT = Path("benchmarks") / "results"
+WARMUP_TOKENS = 2
+STEPS_BEFORE_PREFILL = 4
+
+
+@dataclass
+class LoadConfig:
+    sessions: int = 8
+    max_new_tokens: int = 32
+    rtt_ms: float = 80.0
+    max_batch: int = 16  # the batched configuration's --max-batch (the baseline is 1)
+    spec: str = "none"  # the sessions' decoding mode (none = one token per round trip)
+    prefill_tokens: int = 2048  # the interfering prompt's length (0 = skip phase 2)
+    prefill_chunk: int = 256  # the clouds' --prefill-chunk (clouds started here)
+    wire_dtype: str = "fp32"  # fp32: outputs comparable bit for bit with the single-session run
+    model: str = "default"
+    head: int = 2
+    tail: int | None = None
+    edge: str = ""  # a pre-split edge shard (its cloud is the sibling cloud/); "" = split --model here
+    cloud: str = ""  # a running cloud's URL; "" = start clouds from the edge's sibling cloud shard
+    prompts: str = ""
+    out: str = str(DEFAULT_OUT)
+    json: bool = False
+
+
+@dataclass
+class SessionRun:
+    tokens: list[int] = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each decoding step
+    start: float = 0.0
+    first: float = 0.0  # when the first token arrived
+    end: float = 0.0
+    cloud_compute_s: float = 0.0  # the RESULTs' compute_s, summed
+    error: str | None = None
+
+    @property
+    def latencies(self) -> list[float]:
+        return [b - a for a, b in self.steps]
+
+
+def progress(msg: str) -> None:
+    print(f"[loadtest] {msg}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+class Countdown:
+    """Set once `n` parties have arrived (a session that ends early arrives on its way out)."""
+
+    def __init__(self, n: int):
+        self.n, self.lock, self.event = n, threading.Lock(), threading.Event()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.n -= 1
+            if self.n <= 0:
+                self.event.set()
+
+
+def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None,
+           after_steps: Countdown | None = None) -> None:
+    """One session's generation, timing each decoding step; errors are recorded, not raised.
+    `after_steps`: arrived at after STEPS_BEFORE_PREFILL decoding steps (or at the end)."""
+    if barrier is not None:
+        barrier.wait()
+    run.start = last = time.perf_counter()
+    first, arrived = True, after_steps is None
+    try:
+        for tokens, stats in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
+            run.cloud_compute_s = stats.cloud_compute_s
+            now = time.perf_counter()
+            if not first:
+                run.steps.append((last, now))
+                if not arrived and len(run.steps) == STEPS_BEFORE_PREFILL:
+                    after_steps.arrive()
+                    arrived = True
+            else:
+                run.first = now
+            first, last = False, now
+            run.tokens.extend(tokens)
+    except Exception as e:  # noqa: BLE001 - a load test counts failures
+        run.error = f"{type(e).__name__}: {e}"
+    finally:
+        if not arrived:
+            after_steps.arrive()
+    run.end = time.perf_counter()
+
+
+def concurrently(edge, prompts: list[list[int]], max_new: int, spec) -> list[SessionRun]:
+    runs = [SessionRun() for _ in prompts]
+    barrier = threading.Barrier(len(prompts))
+    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier), daemon=True)
+               for p, r in zip(prompts, runs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return runs
+
+
+def quantiles(values: list[float], scale: float = 1.0, digits: int = 1) -> dict:
+    return {f"p{q}": None if (v := percentile(values, q)) is None else round(v * scale, digits) for q in (50, 95, 99)}
+
+
+def steady(runs: list[SessionRun], reference: list[list[int]]) -> dict:
+    lat = [x for r in runs for x in r.latencies]
+    wall = max(r.end for r in runs) - min(r.start for r in runs)
+    tokens = sum(len(r.tokens) for r in runs)
+    per_session = [len(r.tokens) / (r.end - r.start) for r in runs if r.end > r.start and r.tokens]
+    identical = sum(r.tokens == ref for r, ref in zip(runs, reference, strict=True))
+    return {"sessions": len(runs), "tokens": tokens, "wall_s": round(wall, 3),
+            "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "per_session_tok_s": round(sum(per_session) / len(per_session), 2) if per_session else None,
+            "per_session_tok_s_min": round(min(per_session), 2) if per_session else None,
+            "step_latency_ms": quantiles(lat, 1000), "steps": len(lat),
+            "ttft_s": quantiles([r.first - r.start for r in runs if r.first], 1, 3),
+            "errors": sum(r.error is not None for r in runs),
+            "error_messages": sorted({r.error for r in runs if r.error})[:5],
+            "identical_outputs": identical}
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 1)
+
+
+def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec, chunk: int) -> dict:
+    """N-1 sessions decode; after each made a few steps, one session prefills `long_prompt`. First, on
+    the idle cloud, the compute of one prefill chunk (`chunk` tokens alone: the RESULT's compute_s)."""
+    alone = SessionRun()
+    decode(edge, long_prompt[:chunk], 1, spec, alone)
+    runs = [SessionRun() for _ in prompts]
+    barrier = threading.Barrier(len(prompts))
+    ready = Countdown(len(prompts))
+    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
+               for p, r in zip(prompts, runs, strict=True)]
+    for t in threads:
+        t.start()
+    prefill = SessionRun()
+    if ready.event.wait(300):
+        decode(edge, long_prompt, 1, spec, prefill)
+    else:
+        prefill.error = "the decoders did not reach the prefill point"
+    for t in threads:
+        t.join()
+    p0, p1 = prefill.start, prefill.end
+    before = [b - a for r in runs for a, b in r.steps if b <= p0]
+    during = [b - a for r in runs for a, b in r.steps if b > p0 and a < p1]
+    worst, typical = (max(during) if during else None), percentile(before, 50)
+    chunk_ms = alone.cloud_compute_s * 1000 if alone.error is None else None
+    return {"prefill_tokens": len(long_prompt), "prefill_s": round(p1 - p0, 3), "prefill_error": prefill.error,
+            "chunk_tokens": min(chunk, len(long_prompt)), "chunk_compute_ms": round(chunk_ms, 1) if chunk_ms else None,
+            "decode_p50_before_ms": ms(typical), "decode_p50_during_ms": ms(percentile(during, 50)),
+            "decode_max_during_ms": ms(worst), "steps_during": len(during),
+            "max_delay_ms": ms(worst - typical) if worst is not None and typical is not None else None,
+            "max_delay_chunks": round((worst - typical) * 1000 / chunk_ms, 2) if chunk_ms and during and typical else None,
+            "errors": sum(r.error is not None for r in runs)}
+
+
+def long_prompt_ids(tokenizer, n: int, vocab_size: int) -> list[int]:
+    """n tokens of ordinary text (Python's pydoc topics, which every Python has); without a tokenizer
+    (test models), n ids."""
+    if tokenizer is None:
+        return [(5 * i) % (vocab_size - 3) + 3 for i in range(n)]
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    return tokenizer(text[: n * 8]).input_ids[:n]
+
+
+@contextlib.contextmanager
+def cloud_url(cloud_dir: Path, extra: list[str] | None, url: str):
+    """`url` as given, or a cloud started here with `extra` serve-cloud arguments."""
+    if extra is None:
+        yield url
+        return
+    from splitlm.cloud.local import cloud_process
+
+    with cloud_process(cloud_dir, "cpu", "fp32", extra) as port:
+        yield f"ws://127.0.0.1:{port}"
+
+
+def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompts: list[list[int]],
+               reference: list[list[int]], spec) -> dict:
+    from splitlm.bench.wan import WanConfig, WanEmulator
+    from splitlm.edge import Edge
+
+    progress(f"{name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
+    with contextlib.ExitStack() as stack:
+        url = cloud
+        if config.rtt_ms > 0:
+            host, _, port = cloud.split("://", 1)[1].rstrip("/").rpartition(":")
+            wan = stack.enter_context(WanEmulator(upstream=(host.strip("[]"), int(port)),
+                                                  config=WanConfig(config.rtt_ms, seed=0)))
+            url = wan.url_for("ws")
+        edge = stack.enter_context(Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
+        concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
+        result = {"name": name, **steady(concurrently(edge, prompts, config.max_new_tokens, spec), reference)}
+        if config.prefill_tokens:
+            long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
+            result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
+                                                          config.max_new_tokens, spec, config.prefill_chunk)
+    lat = result["step_latency_ms"]
+    progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+             f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}")
+    return result
+
+
+def run_loadtest(config: LoadConfig) -> dict:
+    import torch
+
+    if config.sessions < 1 or config.max_new_tokens < 1 or config.max_batch < 1:
+        raise SplitLMError("--sessions, --max-new-tokens and --max-batch must be at least 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(config)
+    finally:
+        torch.set_num_threads(threads)  # a caller in this process (tests) keeps its own setting
+
+
+def _run(config: LoadConfig) -> dict:
+    from splitlm.bench.prompts import default_prompts_path, load_prompts, tokenize
+    from splitlm.bench.suite import BenchConfig, resolve_split
+    from splitlm.edge import Edge
+    from splitlm.edge.runtime import as_spec
+    from splitlm.model.loading import resolve_model
+
+    spec = as_spec(config.spec)
+    prompt_set = load_prompts(config.prompts or default_prompts_path())
+    if config.edge:  # no reference model needed: outputs are compared with the single-session run
+        edge_dir, cloud_dir = Path(config.edge), Path(config.edge).parent / "cloud"
+        if not (edge_dir / "manifest.json").is_file():
+            raise SplitLMError(f"--edge {edge_dir}: not an edge shard (no manifest.json)")
+    else:
+        split_dir, _ = resolve_split(BenchConfig(model=config.model, head=config.head, tail=config.tail),
+                                     resolve_model(config.model))
+        edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
+    if not config.cloud and not (cloud_dir / "manifest.json").is_file():
+        raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
+    # one client key for all sessions (they share an Edge): lift the per-client session limit
+    n = config.sessions + 2
+    chunk = ["--prefill-chunk", str(config.prefill_chunk), "--max-sessions-per-client", str(n),
+             "--max-sessions", str(max(64, n))]
+    baseline = ["--max-batch", "1", *chunk]
+    configs = ([("cloud", None)] if config.cloud else
+               [("batched", ["--max-batch", str(config.max_batch), *chunk]), ("max-batch-1", baseline)])
+    with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
+            Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
+        if edge.tokenizer is not None:
+            tokenize(prompt_set, edge.tokenizer)
+            ids = [p.ids for p in prompt_set]
+        else:  # a test model without a tokenizer: prompts of token ids
+            ids = [[(7 * i + 3 * j) % (edge.cfg.vocab_size - 3) + 3 for j in range(3 + i % 5)] for i in range(8)]
+        prompts = [ids[i % len(ids)] for i in range(config.sessions)]
+        progress(f"reference: each of {config.sessions} prompts alone")
+        reference = []
+        for p in prompts:
+            run = SessionRun()
+            decode(edge, p, config.max_new_tokens, spec, run)
+            if run.error:
+                raise SplitLMError(f"the single-session reference failed: {run.error}")
+            reference.append(run.tokens)
+    started = time.time()
+    results = []
+    for name, extra in configs:
+        with cloud_url(cloud_dir, extra, config.cloud) as url:
+            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
+                            "cloud_args": extra})
+    doc = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
+           "config": asdict(config), "cpu_count": os.cpu_count(),
+           "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+           "threads": {"cloud": "serve-cloud --threads 1", "edges": "one thread per session in this process, "
+                       "torch on 1 thread"},
+           **{k: v for k, v in results[0].items() if k != "name"}, "configurations": results}
+    if len(results) == 2 and results[0]["aggregate_tok_s"] and results[1]["aggregate_tok_s"]:
+        doc["speedup"] = round(results[0]["aggregate_tok_s"] / results[1]["aggregate_tok_s"], 2)
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    lines = ["| cloud | sessions | tok/s | per session | TTFT p50 s | step p50 / p95 / p99 ms | errors | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in doc["configurations"]:
+        lat = r["step_latency_ms"]
+        lines.append(f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['per_session_tok_s']} | "
+                     f"{r['ttft_s']['p50']} | {lat['p50']} / {lat['p95']} / {lat['p99']} | {r['errors']} | "
+                     f"{r['identical_outputs']}/{r['sessions']} |")
+    if any("prefill_interference" in r for r in doc["configurations"]):
+        lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during | max during | "
+                      "max delay ms | one chunk's compute ms | delay in chunks |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in doc["configurations"]:
+            p = r.get("prefill_interference")
+            if p:
+                lines.append(f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
+                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |"
+                             f" {p['chunk_compute_ms']} ({p['chunk_tokens']} tokens) | {p['max_delay_chunks']} |")
+    if "speedup" in doc:
+        lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
+    return "\n".join(lines)
+
+
+def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
+    d = LoadConfig()
+    p.add_argument("--sessions", type=int, default=d.sessions, help=f"concurrent edge sessions (default {d.sessions})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per session")
+    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
+    p.add_argument("--spec", default=d.spec, help="decoding mode of the sessions (default none: one token per step)")
+    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
+                   help=f"length of the interfering prompt of phase 2 (default {d.prefill_tokens}; 0 = skip it)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"the started clouds' --prefill-chunk (default {d.prefill_chunk})")
+    p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
+    p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
+    p.add_argument("--head", type=int, default=d.head)
+    p.add_argument("--tail", type=int, default=None)
+    p.add_argument("--edge", default="", metavar="DIR",
+                   help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
+    p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")
+    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+
+
+def loadtest_main(args) -> int:
+    config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
+                        args.prefill_tokens, args.prefill_chunk, args.wire_dtype, args.model, args.head, args.tail, args.edge,
+                        args.cloud, args.prompts, args.out, args.json)
+    doc = run_loadtest(config)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"loadtest-{doc['started'].replace(':', '')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    if config.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(markdown(doc))
+        print(f"\nwrote {path}")
+    ok = all(r["identical_outputs"] == r["sessions"] and not r["errors"] for r in doc["configurations"])
+    return 0 if ok else 1

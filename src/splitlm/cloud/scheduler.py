@@ -1,0 +1,221 @@
+"""The batching scheduler: one compute thread runs the ready steps of all sessions in shared passes.
+
+Requests arrive from the event loop (`submit`, thread-safe) and queue in arrival order. Each pass
+takes, in that order, as much as fits (`BatchConfig`): at most `max_batch` sessions and
+`max_batch_tokens` rows, at most one request per session (a session's requests stay in order),
+and at most `prefill_chunk` rows of any one causal request. A longer causal request (a prefill,
+context rows) therefore runs in chunks over several passes, keeping its place in the queue, and
+the steps of other sessions that arrive meanwhile join the passes: after a pass with a chunk, the
+next pass runs only the other waiting steps (when there are any), so a step that arrives during a
+chunk's pass waits for that pass but not also for the next chunk, and a 2,048-token prefill delays
+the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
+a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone. A pass runs the
+middle layers once over its pieces (`sessions.run_pass`: rows packed for the dense layers,
+attention per session on its own cache). Requests of a session that was closed meanwhile (CLOSE,
+its connection ended, expiry) are dropped without being computed.
+
+While a pass runs, new requests queue and join the next one, so batches form by themselves under
+load and a lone edge never waits for company (no gathering delay). `max_batch = 1` is the old
+one-request-at-a-time cloud (and the baseline of `splitlm loadtest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from splitlm.cloud.sessions import Session, Step, begin_step, finish_step, run_pass
+from splitlm.model.shards import CloudModel
+from splitlm.transport.errors import ErrorCode, ProtocolError
+from splitlm.transport.messages import Forward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchConfig:
+    max_batch: int = 16  # sessions per pass (1 = no batching)
+    max_batch_tokens: int = 2048  # rows per pass (context rows included); an unchunkable larger request runs alone
+    prefill_chunk: int = 256  # rows of one causal request per pass (longer ones are chunked)
+
+    def __post_init__(self):
+        if min(self.max_batch, self.max_batch_tokens, self.prefill_chunk) < 1:
+            raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
+
+
+@dataclass(eq=False)  # identity: the queue finds and removes a job by itself, never by comparing tensors
+class Job:
+    session: Session
+    req: Forward
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    step: Step | None = None  # once its first piece runs
+    first_pass: float | None = None
+    passes: int = 0
+    running: bool = False  # taken into a pass (its future can no longer be cancelled)
+
+    @property
+    def rows(self) -> int:
+        return self.req.hidden.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.rows - (self.step.done if self.step is not None else 0)
+
+    @property
+    def chunkable(self) -> bool:
+        return self.req.mask is None
+
+
+@dataclass
+class Done:
+    """A request's outcome: its reply tensors, how long it waited for its first pass, how long it took."""
+    tensors: dict[str, torch.Tensor]
+    queue_s: float
+    compute_s: float  # from submit to output (queue_s included)
+    passes: int  # passes it took (more than one: chunked)
+
+
+class Scheduler:
+    def __init__(self, model: CloudModel, config: BatchConfig | None = None, on_pass=None):
+        """`on_pass(sessions, rows, seconds)`: called on the compute thread after each pass (metrics)."""
+        self.model, self.config = model, config or BatchConfig()
+        self.on_pass = on_pass
+        self._queue: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._ran_long = False  # the last pass ran a chunk of a long request
+        self.passes = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="splitlm-compute")
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, session: Session, req: Forward) -> Future:
+        """Queue a validated request; the future's result is a `Done` (or the error that failed it)."""
+        job = Job(session, req)
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the scheduler is stopped")
+            self._queue.append(job)
+            self._cv.notify()
+        return job.future
+
+    async def run(self, session: Session, req: Forward) -> Done:
+        return await asyncio.wrap_future(self.submit(session, req))
+
+    def take(self) -> list[tuple[Job, int]]:
+        """The next pass as (job, rows to run) pieces, in queue order (call with the lock held).
+        Requests of closed sessions leave the queue here, failed, never computed."""
+        cfg, batch, rows, sessions = self.config, [], 0, set()
+        # after a pass that ran a chunk of a long request, the next one runs only the other steps (if
+        # any wait): a step that arrived during a chunk's pass waits for that pass, not also for the next chunk
+        defer_long = self._ran_long and any(not self.long(j) for j in self._queue)
+        for job in list(self._queue):
+            if job.future.cancelled() or job.session.closed:
+                self._queue.remove(job)
+                if not job.future.cancelled():
+                    job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
+                continue
+            if len(batch) == cfg.max_batch:
+                break
+            sid = job.session.id
+            if sid in sessions:  # one piece per session and pass; its later requests wait behind it
+                continue
+            sessions.add(sid)
+            if defer_long and self.long(job):
+                continue
+            n = min(job.remaining, cfg.prefill_chunk) if job.chunkable else job.remaining
+            room = cfg.max_batch_tokens - rows
+            if n > room:
+                if job.chunkable and room > 0:
+                    n = room
+                elif batch:
+                    continue
+            if not job.running:
+                if not job.future.set_running_or_notify_cancel():
+                    self._queue.remove(job)  # cancelled (the server is shutting down): never computed
+                    continue
+                job.running = True
+            batch.append((job, n))
+            rows += n
+        self._ran_long = any(self.long(j) for j, _ in batch)
+        return batch
+
+    def long(self, job: Job) -> bool:
+        """A causal request that runs in chunks (longer than one)."""
+        return job.chunkable and job.rows > self.config.prefill_chunk
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        with self._cv:
+            if job in self._queue:
+                self._queue.remove(job)
+        job.future.set_exception(error)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    for job in self._queue:
+                        job.future.set_exception(RuntimeError("the cloud is shutting down"))
+                    self._queue.clear()
+                    return
+                pieces = self.take()
+            if pieces:
+                self._pass(pieces)
+
+    @torch.inference_mode()
+    def _pass(self, pieces: list[tuple[Job, int]]) -> None:
+        start = time.perf_counter()
+        ready = []
+        for job, n in pieces:
+            if job.step is None:
+                try:
+                    job.step = begin_step(self.model, job.session, job.req)
+                except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
+                    self._fail(job, e)
+                    continue
+                job.first_pass = start
+            ready.append((job, n))
+        if not ready:
+            return
+        try:
+            run_pass(self.model, [(job.step, n) for job, n in ready])
+        except Exception as e:  # noqa: BLE001 - a bug in the pass fails its requests, not the server
+            log.exception("a pass of %d request(s) failed", len(ready))
+            for job, _ in ready:
+                self._fail(job, e)
+            return
+        self.passes += 1
+        for job, _ in ready:
+            job.passes += 1
+            if job.remaining:
+                continue
+            try:
+                tensors = finish_step(self.model, job.step)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                continue
+            with self._cv:
+                self._queue.remove(job)
+            end = time.perf_counter()
+            job.future.set_result(Done(tensors, job.first_pass - job.submitted, end - job.submitted, job.passes))
+        if self.on_pass is not None:
+            self.on_pass(len(ready), sum(n for _, n in ready), time.perf_counter() - start)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(10)
