@@ -269,16 +269,6 @@ class LayerStack(nn.Module):
             rope[True] = rope_cos_sin(self.inv_freq_local, positions, dtype)
         return Part(t, rope, masks, cache)
 
-    def load_global_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load from a state dict keyed by global layer names (`model.layers.{i}.*`)."""
-        local = {}
-        for i in range(self.start, self.end):
-            prefix = f"model.layers.{i}."
-            for name, tensor in state.items():
-                if name.startswith(prefix):
-                    local[f"layers.{i - self.start}.{name[len(prefix):]}"] = tensor
-        self.load_state_dict(local, strict=True)
-
 
 class Transformer(nn.Module):
     """The whole model in one process: embedding, all layers, final norm, LM head."""
@@ -298,10 +288,3 @@ class Transformer(nn.Module):
     def forward(self, ids, positions, new_mask=None, cache=None) -> torch.Tensor:
         x = embed(self.embed_tokens, ids, self.cfg)
         return self.logits(self.stack(x, positions, new_mask, cache))  # [B, T, V]
-
-    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.embed_tokens.weight.data.copy_(state["model.embed_tokens.weight"])
-        self.norm.weight.data.copy_(state["model.norm.weight"])
-        if self.lm_head is not None:
-            self.lm_head.weight.data.copy_(state["lm_head.weight"])
-        self.stack.load_global_state(state)
