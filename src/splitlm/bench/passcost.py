@@ -21,20 +21,8 @@ from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.device import dtype_name
 from splitlm.model.llama import LayerStack
-from splitlm.model.synthetic import (
-    LLAMA3_8B,
-    QWEN2_SMALL,
-    TINYLLAMA_1B,
-    SyntheticSpec,
-    make_tensor,
-    tensor_specs,
-)
-
-SMOLLM2_135M = SyntheticSpec("smollm2-135m", dict(
-    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True), dtype="fp32")
-SHAPES = {s.name: s for s in (SMOLLM2_135M, TINYLLAMA_1B, LLAMA3_8B, QWEN2_SMALL)}
+from splitlm.model.materialise import real_buffers
+from splitlm.model.synthetic import SHAPES, SyntheticSpec, make_tensor, tensor_specs
 
 
 @dataclass
@@ -64,9 +52,7 @@ def middle_layers(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype,
         name = f"model.layers.{head + int(j)}.{leaf}"
         state[key] = make_tensor(spec.seed, name, specs[name], device)
     stack.load_state_dict(state, assign=True)
-    fresh = LayerStack(cfg, head, head)  # its RoPE tables, fp32
-    for name, buf in fresh.named_buffers(recurse=False):
-        setattr(stack, name, buf.to(device))
+    real_buffers(stack, device)  # its RoPE tables, fp32
     return stack.eval()
 
 

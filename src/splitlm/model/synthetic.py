@@ -75,6 +75,11 @@ QWEN2_SMALL = SyntheticSpec("qwen2-small", dict(
     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
     rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
     bos_token_id=None, eos_token_id=2, torch_dtype="float32"), dtype="fp32", max_file_mb=64)
+SMOLLM2_135M = SyntheticSpec("smollm2-135m", dict(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True), dtype="fp32")
+SHAPES = {s.name: s for s in (SMOLLM2_135M, TINYLLAMA_1B, LLAMA3_8B, QWEN2_SMALL)}
 
 
 def tensor_specs(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, TensorSpec]:
