@@ -171,3 +171,16 @@ def audit_docs() -> list[str]:
     from splitlm.audit.data import default_documents
 
     return default_documents()[:24]
+
+
+def scrape_metrics(text: str) -> dict[str, float]:
+    """A /metrics page parsed by prometheus_client's own parser, as {'name{label="v",...}': value}
+    (labels sorted); a page it cannot parse fails the test."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out

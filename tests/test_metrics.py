@@ -1,39 +1,36 @@
-"""The Prometheus text format of our small metrics registry."""
+"""Both servers' metrics come from prometheus_client registries of their own, and docs/api.md names
+exactly the metrics they export."""
+import re
+from pathlib import Path
 
-import pytest
+from conftest import scrape_metrics
+from prometheus_client import generate_latest
 
-from splitlm.metrics import Registry, parse
+from splitlm.cloud.server import CloudMetrics
+from splitlm.edge.api import EdgeMetrics
 
-
-def test_counters_gauges_and_histograms_render_in_the_text_format():
-    r = Registry()
-    c = r.counter("x_requests_total", "Requests.", ["status"])
-    g = r.gauge("x_in_flight", "In flight.")
-    h = r.histogram("x_seconds", "Latency.", buckets=(0.1, 1.0))
-    c.inc(status="200")
-    c.inc(2, status='4"0\\0')
-    g.inc()
-    g.inc()
-    g.dec()
-    for v in (0.05, 0.5, 5.0):
-        h.observe(v)
-    text = r.render()
-    assert "# HELP x_requests_total Requests.\n# TYPE x_requests_total counter\n" in text
-    assert '# TYPE x_seconds histogram' in text
-    values = parse(text)
-    assert values['x_requests_total{status="200"}'] == 1
-    assert values['x_requests_total{status="4\\"0\\\\0"}'] == 2  # quotes and backslashes escaped
-    assert values["x_in_flight"] == 1
-    assert [values[f'x_seconds_bucket{{le="{b}"}}'] for b in ("0.1", "1", "+Inf")] == [1, 2, 3]  # cumulative
-    assert values["x_seconds_count"] == 3 and values["x_seconds_sum"] == pytest.approx(5.55)
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 
 
-def test_wrong_labels_and_negative_counts_are_refused():
-    r = Registry()
-    c = r.counter("y_total", "Y.", ["kind"])
-    with pytest.raises(ValueError):
-        c.inc(other="a")
-    with pytest.raises(ValueError):
-        c.inc(-1, kind="a")
-    assert parse(r.render()) == {}  # nothing observed yet: no samples for a labelled counter
-    assert parse(Registry().counter("z_total", "Z.").render()) == {"z_total": 0}
+def exported(registry) -> set[str]:
+    return {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
+
+
+def documented(side: str) -> set[str]:
+    return set(re.findall(rf"`(splitlm_{side}_[a-z_]+)", DOC))
+
+
+def test_docs_name_every_metric_and_no_other():
+    assert documented("edge") == exported(EdgeMetrics().registry)
+    assert documented("cloud") == exported(CloudMetrics().registry)
+
+
+def test_registries_are_per_server_and_parse():
+    a, b = CloudMetrics(), CloudMetrics()
+    a.requests.labels(type="FORWARD").inc(3)
+    a.tokens_per_round_trip.observe(5)
+    values = scrape_metrics(generate_latest(a.registry).decode())
+    assert values['splitlm_cloud_requests_total{type="FORWARD"}'] == 3
+    assert values['splitlm_cloud_tokens_per_round_trip_bucket{le="8.0"}'] == 1
+    assert values["splitlm_cloud_tokens_per_round_trip_count"] == 1
+    assert 'splitlm_cloud_requests_total{type="FORWARD"}' not in scrape_metrics(generate_latest(b.registry).decode())

@@ -54,7 +54,7 @@ def test_capacity_refuses_new_sessions_and_growth_and_frees_on_close(tiny_split)
             none = client.open_session("fp32", "none")  # keeps nothing between requests: one block reserved
             client.forward(none, h[:5], list(range(5)), "fp32", control={"cache": False})
             assert server.server.sessions.sessions[none].kv_reserved == BLOCK_BYTES
-            text = server.server.metrics.registry.render()
+            text = server.server.metrics.render().decode()
             assert "splitlm_cloud_kv_budget_bytes" in text and "splitlm_cloud_kv_reserved_bytes" in text
         finally:
             client.close()

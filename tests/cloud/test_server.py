@@ -8,7 +8,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from splitlm import metrics
+from conftest import scrape_metrics
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.shards import Manifest
@@ -89,8 +89,8 @@ def test_healthz(tiny_server, fingerprint):
 def test_metrics_count_round_trips_tokens_and_errors(tiny_server, fingerprint):
     def scrape():
         with urllib.request.urlopen(tiny_server.url.replace("ws://", "http://") + "/metrics", timeout=5) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            return metrics.parse(r.read().decode())
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
+            return scrape_metrics(r.read().decode())
 
     before = scrape()
     raw = Raw(tiny_server.url)
@@ -104,7 +104,7 @@ def test_metrics_count_round_trips_tokens_and_errors(tiny_server, fingerprint):
     after = scrape()
     assert after["splitlm_cloud_round_trips_total"] - before["splitlm_cloud_round_trips_total"] == 2
     assert after["splitlm_cloud_tokens_total"] - before["splitlm_cloud_tokens_total"] == 5
-    assert after['splitlm_cloud_tokens_per_round_trip_bucket{le="2"}'] >= 1
+    assert after['splitlm_cloud_tokens_per_round_trip_bucket{le="2.0"}'] >= 1
     assert after['splitlm_cloud_requests_total{type="FORWARD"}'] >= 2
     assert after['splitlm_cloud_errors_total{code="UNKNOWN_SESSION"}'] >= 1
     assert after["splitlm_cloud_compute_seconds_count"] == after["splitlm_cloud_round_trips_total"]

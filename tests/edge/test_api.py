@@ -12,8 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import hf_greedy
-from splitlm import metrics
+from conftest import hf_greedy, scrape_metrics
 from splitlm.cloud.local import free_port, wait_healthy
 
 openai = pytest.importorskip("openai")
@@ -185,7 +184,7 @@ def test_metrics(api, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hello", temperature=-1)
     with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
-        values = metrics.parse(r.read().decode())
+        values = scrape_metrics(r.read().decode())
     assert values['splitlm_edge_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert values['splitlm_edge_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
     assert values['splitlm_edge_errors_total{type="invalid_request_error"}'] >= 1
@@ -199,7 +198,7 @@ def test_metrics(api, client):
 def test_a_client_that_goes_away_stops_its_generation(api, client, bundled_server):
     def in_flight():
         with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
-            return metrics.parse(r.read().decode())["splitlm_edge_requests_in_flight"]
+            return scrape_metrics(r.read().decode())["splitlm_edge_requests_in_flight"]
 
     stream = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1000,
                                        stream=True)

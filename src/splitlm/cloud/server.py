@@ -20,11 +20,19 @@ from http import HTTPStatus
 from pathlib import Path
 
 import torch
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from splitlm import SplitLMError, __version__
-from splitlm import metrics as m
 from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.sessions import ServerLimits, SessionTable, validate
@@ -59,6 +67,10 @@ from splitlm.transport.messages import (
 )
 
 log = logging.getLogger("splitlm.cloud")
+
+disable_created_metrics()  # no *_created series: the counters' start times are noise on a dashboard
+SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 # frames (and tensor payloads) from this size on are decrypted, decoded, validated, encoded and sealed
@@ -107,36 +119,46 @@ class Connection:
 
 
 class CloudMetrics:
-    """What `GET /metrics` reports (no label carries a key, a session id or any tensor data)."""
+    """What `GET /metrics` reports (no label carries a key, a session id or any tensor data); a
+    `prometheus_client` registry of its own, so that servers in one process never share counts."""
 
     def __init__(self):
-        r = self.registry = m.Registry()
-        self.connections = r.counter("splitlm_cloud_connections_total", "WebSocket connections accepted.")
-        self.requests = r.counter("splitlm_cloud_requests_total", "Requests answered, by message type.", ["type"])
-        self.round_trips = r.counter("splitlm_cloud_round_trips_total", "FORWARD requests computed (one per edge round trip).")
-        self.tokens = r.counter("splitlm_cloud_tokens_total", "Token positions run through the middle layers.")
-        self.tokens_per_round_trip = r.histogram("splitlm_cloud_tokens_per_round_trip",
-                                                 "Token positions per FORWARD (trees and windows included).",
-                                                 buckets=m.TOKENS)
-        self.errors = r.counter("splitlm_cloud_errors_total", "ERROR frames sent, by error code.", ["code"])
-        self.compute_seconds = r.histogram("splitlm_cloud_compute_seconds", "Compute time of one FORWARD.")
-        self.request_seconds = r.histogram("splitlm_cloud_request_seconds",
-                                           "Time from a request's arrival to its reply being sent, by type.",
-                                           ["type"])
-        self.sessions = r.gauge("splitlm_cloud_sessions", "Open sessions.")
-        self.kv_reserved = r.gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.")
-        self.kv_budget = r.gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (CAPACITY beyond it).")
-        self.batch_size = r.histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
-                                      buckets=m.TOKENS)
-        self.batch_rows = r.histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
-                                      buckets=m.TOKENS)
-        self.pass_seconds = r.histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.")
-        self.queue_seconds = r.histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.")
+        r = self.registry = CollectorRegistry()
+        self.connections = Counter("splitlm_cloud_connections_total", "WebSocket connections accepted.", registry=r)
+        self.requests = Counter("splitlm_cloud_requests_total", "Requests answered, by message type.", ["type"],
+                                registry=r)
+        self.round_trips = Counter("splitlm_cloud_round_trips_total",
+                                   "FORWARD requests computed (one per edge round trip).", registry=r)
+        self.tokens = Counter("splitlm_cloud_tokens_total", "Token positions run through the middle layers.", registry=r)
+        self.tokens_per_round_trip = Histogram("splitlm_cloud_tokens_per_round_trip",
+                                               "Token positions per FORWARD (trees and windows included).",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.errors = Counter("splitlm_cloud_errors_total", "ERROR frames sent, by error code.", ["code"], registry=r)
+        self.compute_seconds = Histogram("splitlm_cloud_compute_seconds", "Compute time of one FORWARD.",
+                                         buckets=SECOND_BUCKETS, registry=r)
+        self.request_seconds = Histogram("splitlm_cloud_request_seconds",
+                                         "Time from a request's arrival to its reply being sent, by type.",
+                                         ["type"], buckets=SECOND_BUCKETS, registry=r)
+        self.sessions = Gauge("splitlm_cloud_sessions", "Open sessions.", registry=r)
+        self.kv_reserved = Gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.",
+                                 registry=r)
+        self.kv_budget = Gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (CAPACITY beyond it).", registry=r)
+        self.batch_size = Histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_rows = Histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.",
+                                      buckets=SECOND_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.",
+                                       buckets=SECOND_BUCKETS, registry=r)
 
     def on_pass(self, sessions: int, rows: int, seconds: float) -> None:
         self.batch_size.observe(sessions)
         self.batch_rows.observe(rows)
         self.pass_seconds.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class CloudServer:
@@ -208,9 +230,9 @@ class CloudServer:
             self.metrics.sessions.set(len(self.sessions.sessions))
             self.metrics.kv_reserved.set(self.sessions.kv_reserved)
             self.metrics.kv_budget.set(self.budget.budget_bytes)
-            response = connection.respond(HTTPStatus.OK, self.metrics.registry.render())
+            response = connection.respond(HTTPStatus.OK, self.metrics.render().decode())
             del response.headers["Content-Type"]  # Headers is a multi-dict: replace, not add
-            response.headers["Content-Type"] = m.CONTENT_TYPE
+            response.headers["Content-Type"] = CONTENT_TYPE_LATEST
             return response
         return None
 
@@ -247,7 +269,7 @@ class CloudServer:
     async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None,
                          plaintext: bool = False) -> None:
         self.stats["errors"] += 1
-        self.metrics.errors.inc(code=err.code.name)
+        self.metrics.errors.labels(code=err.code.name).inc()
         log.info("conn %d (client %s): %s", conn.id, conn.client, err)  # messages never hold tensor data
         try:
             await conn.send(error_frame(err, session, ref=ref), plaintext)
@@ -295,8 +317,8 @@ class CloudServer:
             reply = await self.handle(conn, frame)
             reply.meta["ref"] = frame.seq
             await conn.send(reply, codec=self.codec)
-            self.metrics.requests.inc(type=frame.type.name)
-            self.metrics.request_seconds.observe(time.perf_counter() - start, type=frame.type.name)
+            self.metrics.requests.labels(type=frame.type.name).inc()
+            self.metrics.request_seconds.labels(type=frame.type.name).observe(time.perf_counter() - start)
         except ProtocolError as err:
             # AUTH_FAILED after HELLO goes out in the clear: the client's keys differ from ours
             plaintext = conn.channel is not None and not conn.authenticated and err.code == ErrorCode.AUTH_FAILED

@@ -25,6 +25,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,7 +41,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from splitlm import SplitLMError
-from splitlm import metrics as m
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.api_requests import (
     APIError,
@@ -46,6 +54,9 @@ from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
 
 log = logging.getLogger("splitlm.api")
+disable_created_metrics()  # no *_created series
+SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKENS_PER_ROUND_TRIP = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 
 
 @dataclass
@@ -59,21 +70,27 @@ class APIConfig:
 
 
 class EdgeMetrics:
+    """What `GET /metrics` reports, in a `prometheus_client` registry of this server's own."""
+
     def __init__(self):
-        r = self.registry = m.Registry()
-        self.requests = r.counter("splitlm_edge_requests_total", "HTTP API requests by route and status.",
-                                  ["endpoint", "status"])
-        self.in_flight = r.gauge("splitlm_edge_requests_in_flight", "Generation requests in progress.")
-        self.prompt_tokens = r.counter("splitlm_edge_prompt_tokens_total", "Prompt tokens of generation requests.")
-        self.completion_tokens = r.counter("splitlm_edge_completion_tokens_total", "Generated tokens.")
-        self.round_trips = r.counter("splitlm_edge_round_trips_total", "Cloud round trips (prefill included).")
-        self.tokens_per_round_trip = r.histogram("splitlm_edge_tokens_per_round_trip",
-                                                 "Per request: generated tokens per decoding round trip.",
-                                                 buckets=m.TOKENS_PER_ROUND_TRIP)
-        self.bytes = r.counter("splitlm_edge_bytes_total", "Bytes exchanged with the cloud.", ["direction"])
-        self.errors = r.counter("splitlm_edge_errors_total", "Failed requests by error type.", ["type"])
-        self.latency = r.histogram("splitlm_edge_request_seconds", "Generation request duration.", ["endpoint"])
-        self.ttft = r.histogram("splitlm_edge_time_to_first_token_seconds", "Prompt in to first token out.")
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splitlm_edge_requests_total", "HTTP API requests by route and status.",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("splitlm_edge_requests_in_flight", "Generation requests in progress.", registry=r)
+        self.prompt_tokens = Counter("splitlm_edge_prompt_tokens_total", "Prompt tokens of generation requests.",
+                                     registry=r)
+        self.completion_tokens = Counter("splitlm_edge_completion_tokens_total", "Generated tokens.", registry=r)
+        self.round_trips = Counter("splitlm_edge_round_trips_total", "Cloud round trips (prefill included).",
+                                   registry=r)
+        self.tokens_per_round_trip = Histogram("splitlm_edge_tokens_per_round_trip",
+                                               "Per request: generated tokens per decoding round trip.",
+                                               buckets=TOKENS_PER_ROUND_TRIP, registry=r)
+        self.bytes = Counter("splitlm_edge_bytes_total", "Bytes exchanged with the cloud.", ["direction"], registry=r)
+        self.errors = Counter("splitlm_edge_errors_total", "Failed requests by error type.", ["type"], registry=r)
+        self.latency = Histogram("splitlm_edge_request_seconds", "Generation request duration.", ["endpoint"],
+                                 buckets=SECOND_BUCKETS, registry=r)
+        self.ttft = Histogram("splitlm_edge_time_to_first_token_seconds", "Prompt in to first token out.",
+                              buckets=SECOND_BUCKETS, registry=r)
 
     def finished(self, endpoint: str, result: GenerationResult, seconds: float) -> None:
         s = result.stats
@@ -82,9 +99,9 @@ class EdgeMetrics:
         self.round_trips.inc(s.round_trips)
         if s.decode_round_trips:
             self.tokens_per_round_trip.observe(s.tokens_per_round_trip)
-        self.bytes.inc(s.bytes_up, direction="up")
-        self.bytes.inc(s.bytes_down, direction="down")
-        self.latency.observe(seconds, endpoint=endpoint)
+        self.bytes.labels(direction="up").inc(s.bytes_up)
+        self.bytes.labels(direction="down").inc(s.bytes_down)
+        self.latency.labels(endpoint=endpoint).observe(seconds)
         self.ttft.observe(s.prefill_s)
 
 
@@ -121,8 +138,8 @@ class EdgeAPI:
 
     # -- errors and auth ---------------------------------------------------------------------------
     async def api_error(self, request: Request, exc: APIError) -> JSONResponse:
-        self.metrics.errors.inc(type=exc.type)
-        self.metrics.requests.inc(endpoint=request.url.path, status=str(exc.status))
+        self.metrics.errors.labels(type=exc.type).inc()
+        self.metrics.requests.labels(endpoint=request.url.path, status=str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
@@ -164,7 +181,7 @@ class EdgeAPI:
 
     async def models(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        self.metrics.requests.inc(endpoint="/v1/models", status="200")
+        self.metrics.requests.labels(endpoint="/v1/models", status="200").inc()
         return JSONResponse({"object": "list", "data": [self.model_card()]})
 
     async def model(self, request: Request) -> JSONResponse:
@@ -173,7 +190,7 @@ class EdgeAPI:
         return JSONResponse(self.model_card())
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.registry.render(), media_type=m.CONTENT_TYPE)
+        return Response(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: Request) -> Response:
         return PlainTextResponse("ok\n")
@@ -253,12 +270,12 @@ class EdgeAPI:
             finally:
                 cancel.set()
             self.metrics.finished(endpoint, result, time.perf_counter() - start)
-            self.metrics.requests.inc(endpoint=endpoint, status="200")
+            self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
             return JSONResponse(self.completion_body(rid, chat, result))
         first = await queue.get()  # a failure before the first token still gets an error status
         if first is None and isinstance(job.exception(), CloudError | SplitLMError):
             raise cloud_failure(job.exception())
-        self.metrics.requests.inc(endpoint=endpoint, status="200")
+        self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
         return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, start),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -301,7 +318,7 @@ class EdgeAPI:
             else:
                 err = None
             if err is not None:
-                self.metrics.errors.inc(type=err.type)
+                self.metrics.errors.labels(type=err.type).inc()
                 yield sse(err.body())
                 return
             if result is None:
