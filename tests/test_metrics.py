@@ -3,9 +3,9 @@ exactly the metrics they export."""
 import re
 from pathlib import Path
 
-from conftest import scrape_metrics
 from prometheus_client import generate_latest
 
+from conftest import scrape_metrics
 from splitlm.cloud.server import CloudMetrics
 from splitlm.edge.api import EdgeMetrics
 

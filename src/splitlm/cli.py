@@ -72,6 +72,7 @@ def cmd_serve_cloud(args) -> int:
 
 def cmd_generate(args) -> int:
     from splitlm.edge import Edge
+    from splitlm.edge.results import print_stats
 
     set_threads(args.threads)
     sampling = sampling_config(args)
@@ -137,12 +138,6 @@ def cmd_chat(args) -> int:
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         spec=spec_arg(args))
-
-
-def print_stats(s) -> None:
-    print(f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
-          f"TTFT {s.prefill_s * 1000:.0f} ms, {s.tokens_per_s:.1f} tok/s, "
-          f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]", file=sys.stderr)
 
 
 def cmd_train_draft(args) -> int:

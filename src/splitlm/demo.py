@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 from splitlm.cloud.local import cloud_process
-from splitlm.model.loading import cache_root, log
+from splitlm.model.loading import log
+from splitlm.model.shards import cached_split
 
 DEMO_PROMPT = "In three short sentences, explain why sending text to a cloud model can leak private data."
-
-
-def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail-local", d_end: int | None = None):
-    from splitlm.model.shards import split_model
-
-    name = model.replace("/", "_").strip("_.") or "model"
-    kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"
-    out = cache_root() / "splits" / f"{name}-k{head}{kind}-fp32"
-    if not (out / "edge" / "manifest.json").is_file() or not (out / "cloud" / "manifest.json").is_file():
-        split_model(model, head, tail, out, topology=topology, d_end=d_end)
-    return out
 
 
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
              wire_dtype: str = "auto", rtt_ms: float = 80.0, spec: str = "auto", device: str = "auto",
              dtype: str = "auto", cloud_device: str = "auto", cloud_dtype: str = "auto") -> int:
     from splitlm.bench.wan import WanConfig, WanEmulator
-    from splitlm.cli import print_stats
     from splitlm.edge import Edge
+    from splitlm.edge.results import print_stats
     from splitlm.transport.keys import default_identity
 
     split_dir = cached_split(model)

@@ -100,9 +100,8 @@ def harden_split(spec: str, head: int, tail: int, out, docs: list[str], config: 
     Returns the hardening's measured cost (agreement, perplexity, how far the uplink moved)."""
     from pathlib import Path
 
-    from splitlm.audit.data import build_corpus
-    from splitlm.audit.run import load_for_audit, quality
-    from splitlm.audit.views import batched
+    from splitlm.audit.data import build_corpus, load_for_audit
+    from splitlm.audit.views import batched, quality
     from splitlm.model.shards import check_split, split_model
     from splitlm.model.weights import read_shard_state, write_state
 

@@ -4,14 +4,12 @@ defence's cost. Returns a JSON-ready dict; `report.py` writes it out."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from splitlm import SplitLMError
 from splitlm.audit.attacks import (
@@ -23,10 +21,10 @@ from splitlm.audit.attacks import (
     train_mlp_probe,
     whitebox,
 )
-from splitlm.audit.data import AuditCorpus, build_corpus
+from splitlm.audit.data import AuditCorpus, build_corpus, load_for_audit  # noqa: F401 (re-exported)
 from splitlm.audit.defences import Defence, parse_defence
 from splitlm.audit.harden import HardenConfig, harden_head, relative_distance
-from splitlm.audit.views import SplitView, batched
+from splitlm.audit.views import SplitView, batched, quality
 from splitlm.model.llama import Transformer
 
 ATTACKS = ("nn", "lens", "probe", "whitebox")
@@ -72,18 +70,6 @@ def shift_next(ranked: torch.Tensor, frequent: torch.Tensor) -> torch.Tensor:
     out[:, 1:] = ranked[:, :-1]
     out[:, 0] = frequent[: ranked.shape[-1]]
     return out
-
-
-def quality(view: SplitView, down: torch.Tensor, ids: torch.Tensor, ref_argmax: torch.Tensor) -> dict[str, float]:
-    """Teacher-forced agreement of the next-token argmax with the undefended model, and perplexity."""
-    agree, nll, n = 0, 0.0, 0
-    with torch.no_grad():
-        for i in range(0, ids.shape[0], 16):
-            logits = view.logits(down[i:i + 16]).float()  # [b, S, V]
-            agree += int((logits.argmax(-1) == ref_argmax[i:i + 16]).sum())
-            nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[i:i + 16, 1:].flatten(), reduction="sum"))
-            n += ids[i:i + 16, 1:].numel()
-    return {"agreement": agree / ref_argmax.numel(), "ppl": math.exp(nll / n)}
 
 
 def depth_cost(model: Transformer, view: SplitView, ids: torch.Tensor, tail: int) -> dict[str, float]:
@@ -213,17 +199,3 @@ def corpus_summary(corpus: AuditCorpus) -> dict:
     return {"train_tokens": corpus.train.numel(), "held_out_tokens": corpus.held_out.numel(),
             "train_docs": corpus.train_docs, "held_out_docs": corpus.held_out_docs,
             "seq_len": corpus.train.shape[1]}
-
-
-def load_for_audit(spec: str):
-    """(model, encode, model_dir) for a model spec; the tokenizer comes from the model directory."""
-    from transformers import AutoTokenizer
-
-    from splitlm.model.loading import load_model
-
-    model, model_dir = load_model(spec)
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure means the audit cannot read text
-        raise SplitLMError(f"{model_dir}: cannot load its tokenizer ({e})") from e
-    return model, (lambda text: tok.encode(text, add_special_tokens=False)), model_dir

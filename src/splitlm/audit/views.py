@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from splitlm.model.llama import LayerStack, Transformer, embed
@@ -48,3 +51,15 @@ def batched(fn, x: torch.Tensor, batch: int = 16) -> torch.Tensor:
     """fn over the first dimension of x in batches, without gradients."""
     with torch.no_grad():
         return torch.cat([fn(x[i:i + batch]) for i in range(0, x.shape[0], batch)])
+
+
+def quality(view: SplitView, down: torch.Tensor, ids: torch.Tensor, ref_argmax: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced agreement of the next-token argmax with the undefended model, and perplexity."""
+    agree, nll, n = 0, 0.0, 0
+    with torch.no_grad():
+        for i in range(0, ids.shape[0], 16):
+            logits = view.logits(down[i:i + 16]).float()  # [b, S, V]
+            agree += int((logits.argmax(-1) == ref_argmax[i:i + 16]).sum())
+            nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[i:i + 16, 1:].flatten(), reduction="sum"))
+            n += ids[i:i + 16, 1:].numel()
+    return {"agreement": agree / ref_argmax.numel(), "ppl": math.exp(nll / n)}

@@ -15,7 +15,6 @@ model's end-of-sequence ids or after `max_new_tokens`.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,6 +114,8 @@ class BenchContext:
     @cached_property
     def hf(self):
         """The full model in `transformers` (fp32, eval mode), shared by contexts in one process."""
+        from splitlm.model.loading import load_hf
+
         return load_hf(str(self.model_dir))
 
     @cached_property
@@ -151,16 +152,6 @@ class BenchContext:
 
     def close(self) -> None:
         self.set_cloud_url(None)
-
-
-@functools.lru_cache(maxsize=1)
-def load_hf(model_dir: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @mode("local-hf", network=False, help="the full model in transformers on this machine, no network")

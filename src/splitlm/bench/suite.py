@@ -100,9 +100,8 @@ def link(port: int, rtt_ms: float, config: BenchConfig) -> Iterator[str]:
 
 def resolve_split(config: BenchConfig, model_dir: Path):
     """(split directory, edge manifest) of the run: `--edge DIR`'s split, or one made (and cached) here."""
-    from splitlm.demo import cached_split
     from splitlm.model.loading import file_sha256, safetensors_files
-    from splitlm.model.shards import Manifest
+    from splitlm.model.shards import Manifest, cached_split
 
     if config.edge:
         edge_dir = Path(config.edge)

@@ -274,8 +274,7 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
     import torch
     from transformers import AutoTokenizer
 
-    from splitlm.bench.modes import load_hf
-    from splitlm.model.loading import resolve_model
+    from splitlm.model.loading import load_hf, resolve_model
 
     start = time.perf_counter()
     model_dir = resolve_model(model_spec)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from splitlm import SplitLMError
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecConfig
-from splitlm.edge.runtime import Edge, GenerationResult, Stream
+from splitlm.edge.results import GenerationResult, Stream
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -32,7 +32,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Conversation:
-    def __init__(self, edge: Edge, system: str | None = None, spec: SpecConfig | None = None,
+    """`edge`: the `splitlm.edge.Edge` whose model and cloud connection the turns use."""
+
+    def __init__(self, edge, system: str | None = None, spec: SpecConfig | None = None,
                  cache_policy: str | None = None, sampling: SamplingConfig | None = None):
         if edge.tokenizer is None or not edge.tokenizer.chat_template:
             raise SplitLMError("a conversation needs a tokenizer with a chat template")

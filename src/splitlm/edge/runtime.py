@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.decoding.warmup import find_warmup, read_warmup
+from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
@@ -38,15 +38,6 @@ if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
 
 log = logging.getLogger("splitlm.edge")
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated ids only
-    stats: GenerationStats
-    finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
-    prompt_ids: list[int] = field(default_factory=list)
 
 
 class Pool:
@@ -110,33 +101,6 @@ def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
         return spec or SpecConfig()
     except ValueError as e:
         raise SplitLMError(str(e)) from None
-
-
-class Stream:
-    """Iterate for text pieces as they are generated; `.result` holds the full result afterwards.
-
-    Built on a run that yields (text delta, None) and last (delta, the full result)."""
-
-    def __init__(self, run: Iterator[tuple[str, GenerationResult | None]]):
-        self.result: GenerationResult | None = None
-        self._pieces = self._text(run)
-
-    def _text(self, run) -> Iterator[str]:
-        try:
-            for delta, result in run:
-                if result is not None:
-                    self.result = result
-                if delta:
-                    yield delta
-        finally:
-            run.close()
-
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces
-
-    def close(self) -> None:
-        """Stop generating (the cloud session is closed)."""
-        self._pieces.close()
 
 
 class Edge:

@@ -10,7 +10,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -19,9 +18,6 @@ from splitlm import SplitLMError
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward
 from splitlm.transport.policy import CachePolicy
-
-if TYPE_CHECKING:
-    from splitlm.edge.runtime import Edge
 
 log = logging.getLogger("splitlm.edge")
 
@@ -91,10 +87,10 @@ class EdgeSession:
 
     The edge also keeps its head layers' outputs for every committed token (`history`, [L, D]), so
     that whatever the cloud does not hold under the cache policy (`none`, after `revoke`) is re-sent
-    as context rows instead of being recomputed.
+    as context rows instead of being recomputed. `edge`: the `splitlm.edge.Edge` it belongs to.
     """
 
-    def __init__(self, edge: Edge, cache_policy: str | CachePolicy | None = None):
+    def __init__(self, edge, cache_policy: str | CachePolicy | None = None):
         self.edge = edge
         try:
             self.policy = CachePolicy.parse(cache_policy) if cache_policy else edge.cache_policy

@@ -10,6 +10,7 @@ memory maps (`splitlm.model.weights`) and needs no `transformers`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -156,3 +157,14 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = torch.float3
         model = Transformer(cfg)
     assign_weights(model, weights, device, dtype or weights.dominant_dtype())
     return model.eval(), model_dir
+
+
+@functools.lru_cache(maxsize=1)
+def load_hf(model_dir: str):
+    """The full model in `transformers`, fp32, eval mode (the oracle and the bench's local-hf mode); the
+    last one loaded stays cached."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -31,7 +31,14 @@ from splitlm.model.config import ModelConfig
 from splitlm.model.device import DTYPE_NAMES, DTYPES
 from splitlm.model.greedy_head import GreedyHead
 from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
-from splitlm.model.loading import file_sha256, log, read_hf_config, resolve_model, safetensors_files
+from splitlm.model.loading import (
+    cache_root,
+    file_sha256,
+    log,
+    read_hf_config,
+    resolve_model,
+    safetensors_files,
+)
 from splitlm.model.materialise import assign_weights
 from splitlm.model.splithead import check_d_end, split_head_pieces
 from splitlm.model.weights import (
@@ -296,3 +303,13 @@ def load_cloud(shard_dir: str | Path, device: str | torch.device = "cpu", dtype:
     with torch.device("meta"):
         model = CloudModel(cfg, manifest)
     return assign_weights(model, weights, device, dtype or DTYPES[manifest.dtype]).eval()
+
+
+def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail-local", d_end: int | None = None) -> Path:
+    """A split of `model` made once under `$SPLITLM_CACHE/splits/` (what bench, demo and audit reuse)."""
+    name = model.replace("/", "_").strip("_.") or "model"
+    kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"
+    out = cache_root() / "splits" / f"{name}-k{head}{kind}-fp32"
+    if not (out / "edge" / "manifest.json").is_file() or not (out / "cloud" / "manifest.json").is_file():
+        split_model(model, head, tail, out, topology=topology, d_end=d_end)
+    return out

@@ -1,0 +1,90 @@
+"""The package's import graph has no cycles: no module imports (at the top or inside a function)
+one that imports it back, directly or through others. And the layering of the developer guide holds
+where it is cheapest to check: `model` imports nothing else of ours, the edge never imports cloud/."""
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in (SRC / "splitlm").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+        # a module "imports" the nearest enclosing module we have (splitlm.x.y.func -> splitlm.x.y)
+        resolved = set()
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name and t != "splitlm":
+                resolved.add(t)
+        graph[name] = resolved
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_layering():
+    graph = import_graph()
+    for name, targets in graph.items():
+        if name.startswith("splitlm.model"):
+            assert all(t.startswith("splitlm.model") for t in targets), (name, targets)
+        if name.startswith("splitlm.edge"):
+            assert not any(t.startswith("splitlm.cloud") for t in targets), (name, targets)
+        if not name.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench", "splitlm.__main__")):
+            assert not any(t.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench")) for t in targets), (name, targets)
