@@ -1,6 +1,6 @@
 """The package's import graph has no cycles: no module imports (at the top or inside a function)
 one that imports it back, directly or through others. And the layering of the developer guide holds
-where it is cheapest to check: `model` imports nothing else of ours, the edge never imports cloud/."""
+where it is cheapest to check: `model` imports nothing else of ours (but the progress bars), the edge never imports cloud/."""
 import ast
 from pathlib import Path
 
@@ -83,7 +83,7 @@ def test_layering():
     graph = import_graph()
     for name, targets in graph.items():
         if name.startswith("splitlm.model"):
-            assert all(t.startswith("splitlm.model") for t in targets), (name, targets)
+            assert all(t.startswith(("splitlm.model", "splitlm.progress")) for t in targets), (name, targets)
         if name.startswith("splitlm.edge"):
             assert not any(t.startswith("splitlm.cloud") for t in targets), (name, targets)
         if not name.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench", "splitlm.__main__")):

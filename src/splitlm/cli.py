@@ -32,6 +32,14 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {value}")
+    return value
+
+
 def set_threads(n: int | None) -> None:
     if n:
         import torch
@@ -76,21 +84,40 @@ def cmd_generate(args) -> int:
 
     set_threads(args.threads)
     sampling = sampling_config(args)
+    prompt = read_prompt(args)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         stop_at_eos = not args.ignore_eos
-        options = dict(chat=args.chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop)
+        chat = args.chat if args.chat is not None else edge.has_chat_template
+        options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop)
         if args.json:
-            result = edge.generate(args.prompt, args.max_new_tokens, **options)
+            result = edge.generate(prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
                               "edge": {"device": str(edge.device), "dtype": dtype_name(edge.dtype)}}))
             return 0
-        stream = edge.stream(args.prompt, args.max_new_tokens, **options)
+        stream = edge.stream(prompt, args.max_new_tokens, **options)
         for piece in stream:
             print(piece, end="", flush=True)
         print()
         print_stats(stream.result.stats)
     return 0
+
+
+def read_prompt(args) -> str:
+    """--prompt TEXT, --prompt - (stdin) or --prompt-file FILE."""
+    if args.prompt_file is not None:
+        try:
+            text = open(args.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SplitLMError(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        return args.prompt
+    text = text.rstrip("\n")
+    if not text.strip():
+        raise SplitLMError("the prompt is empty")
+    return text
 
 
 def api_key(args) -> str | None:
@@ -123,8 +150,6 @@ def cmd_serve_edge(args) -> int:
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         if args.spec == "auto":
             edge.corpus_model()  # built once now, not in the first request
-        print(f"serving model '{config.model_name}' on http://{args.host}:{args.port}/v1 "
-              f"(cloud {args.cloud}{', API key required' if config.api_key else ''})", file=sys.stderr, flush=True)
         serve(edge, config, args.host, args.port)
     return 0
 
@@ -260,10 +285,10 @@ def add_audit_parsers(sub) -> None:
     p.add_argument("--defence", default="none,noise:0.1,noise:1,quant:4",
                    help="comma list of none, noise:S, quant:B, harden[:STEPS] (default none,noise:0.1,noise:1,quant:4; "
                         "harden trains a private head per K: minutes each on a CPU)")
-    p.add_argument("--harden-steps", type=positive_int, default=20)
+    p.add_argument("--harden-steps", type=positive_int, default=20, help="training steps of the harden defence")
     p.add_argument("--harden-margin", type=float, default=0.5, help="standardised distance harden aims for")
-    p.add_argument("--probe-epochs", type=positive_int, default=2)
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--probe-epochs", type=positive_int, default=2, help="training epochs of the MLP probe")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the corpus split and the probes")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--out", required=True, help="output directory (report.md, audit.json, audit.png)")
@@ -276,12 +301,12 @@ def add_audit_parsers(sub) -> None:
     p.add_argument("--tail", type=non_negative_int, default=2, help="layers [L-M, L) stay on the edge (default 2)")
     p.add_argument("--corpus", nargs="+", metavar="FILE", default=None,
                    help="UTF-8 text files to train on (default: Python's pydoc topics)")
-    p.add_argument("--max-train-tokens", type=positive_int, default=32768)
-    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--max-train-tokens", type=positive_int, default=32768, help="training tokens of the corpus")
+    p.add_argument("--steps", type=positive_int, default=20, help="training steps")
     p.add_argument("--margin", type=float, default=0.5, help="standardised distance to aim for (default 0.5)")
     p.add_argument("--weight", type=float, default=1.0, help="weight of the distance term against the KL term")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (Adam)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the corpus split and the training")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--out", required=True, help="output directory (gets edge/, cloud/ and harden.json)")
     p.set_defaults(func=cmd_harden)
@@ -388,7 +413,6 @@ def add_vocab_option(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"splitlm {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("split", help="split a model into an edge shard and a cloud shard")
@@ -411,12 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-cloud", help="serve a cloud shard over WebSocket")
     p.add_argument("--shard", required=True, help="the cloud shard directory (DIR/cloud)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=non_negative_int, default=DEFAULT_PORT)
-    p.add_argument("--max-sessions", type=positive_int, default=64)
-    p.add_argument("--max-sessions-per-client", type=positive_int, default=8)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port to listen on (0: any free one)")
+    p.add_argument("--max-sessions", type=positive_int, default=64, help="open sessions of all clients together")
+    p.add_argument("--max-sessions-per-client", type=positive_int, default=8, help="open sessions per client key")
     p.add_argument("--max-tokens", type=positive_int, default=8192, help="KV entries per session")
-    p.add_argument("--max-frame-mb", type=positive_int, default=64)
+    p.add_argument("--max-frame-mb", type=positive_int, default=64, metavar="MB",
+                   help="largest frame a client may send, in MiB (larger ones are refused)")
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--max-batch", type=positive_int, default=16,
@@ -448,9 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text through a cloud server")
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
     p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this UTF-8 file")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when the tokenizer has one; "
+                        "--no-chat continues the text as it is)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     add_draft_option(p)
@@ -467,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
     p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     p.add_argument("--model-name", default=None,
                    help="the model id clients ask for (default: the name of the split directory)")
     p.add_argument("--api-key-file", metavar="FILE", default=None,
@@ -509,16 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
     p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
     p.add_argument("--out", default=None, help="or: write the file here")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 1150)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 2,860 for the bundled model)")
     p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
     p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=96)
-    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES)
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="tokens of the answer at most")
+    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES, help="activation codec on the wire")
     add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
     add_device_arguments(p, "cloud", what="the cloud's layers")
     p.set_defaults(func=cmd_demo)
@@ -545,24 +574,96 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser("wan", help="emulate a wide-area link: a delaying TCP proxy")
         add_wan_arguments(p)
         p.set_defaults(func=wan_main)
+    add_common_options(parser, sub)
     return parser
+
+
+class LogFormatter(logging.Formatter):
+    """Status lines as they are; warnings and errors as `splitlm: warning: ...`; servers add the time."""
+
+    def __init__(self, timestamps: bool):
+        super().__init__()
+        self.timestamps = timestamps
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        if record.levelno >= logging.WARNING:
+            text = f"splitlm: {record.levelname.lower()}: {text}"
+        if self.timestamps:
+            text = f"{self.formatTime(record, '%Y-%m-%d %H:%M:%S')} {text}"
+        return text
+
+
+def configure_logging(verbose: bool = False, quiet: bool = False, timestamps: bool = False) -> None:
+    """The one place logging is set up: splitlm's status lines on stderr (INFO; WARNING under --quiet,
+    DEBUG with -v); other libraries' warnings only."""
+    from splitlm.progress import set_quiet
+
+    set_quiet(quiet)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter(timestamps))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("splitlm").setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+def run_command(func, args) -> int:
+    """One error path for every command: a one-line `splitlm: error: ...` and a non-zero exit status
+    (1: the job failed, 2: a bad value), never a traceback for what the user can fix."""
+
+    def fail(message: str, status: int) -> int:
+        print(f"splitlm: error: {message}", file=sys.stderr)
+        return status
+
+    try:
+        return func(args) or 0
+    except SplitLMError as e:
+        return fail(str(e), 1)
+    except (ValueError, OverflowError) as e:  # bad values found after argument parsing (addresses, ranges)
+        return fail(str(e), 2)
+    except OSError as e:  # files and sockets: name the file
+        where = f"{e.filename}: " if e.filename else ""
+        return fail(f"{where}{e.strerror or e}", 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+def add_common_options(parser: argparse.ArgumentParser, subcommands) -> None:
+    """`-v` and `-q` on the main parser and after every command; every flag's help shows its default."""
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (debug lines)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or status lines, only results "
+                                                                   "and errors")
+    for p in subcommands.choices.values():
+        p.formatter_class = DefaultsHelpFormatter
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="no progress bars or status lines")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends `(default: X)` to a flag's help unless the help already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default is argparse.SUPPRESS
+                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{text} (default: {shown})".replace("%", "%%").replace("%%(", "%(") if text else f"(default: {shown})"
+
+
+SERVER_COMMANDS = ("serve-cloud", "serve-edge", "wan")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve-cloud" else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("websockets").setLevel(logging.WARNING)
-    try:
-        return args.func(args) or 0
-    except SplitLMError as e:
-        print(f"splitlm: error: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:  # bad values found after argument parsing (addresses, ranges)
-        print(f"splitlm: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    configure_logging(args.verbose, args.quiet, timestamps=args.command in SERVER_COMMANDS)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def test_hypothesis_frames_against_the_live_server(server, shard_fp, frames, han
 def test_10000_fuzzed_frames_leave_an_honest_session_unchanged(server, tiny_split, shard_fp, caplog):
     from splitlm.edge import Edge
 
-    caplog.set_level(logging.INFO, logger="splitlm.cloud")
+    caplog.set_level(logging.INFO, logger="splitlm.cloud.server")
 
     def foreign_sessions():
         try:
@@ -276,6 +276,6 @@ def test_10000_fuzzed_frames_leave_an_honest_session_unchanged(server, tiny_spli
                  "OUT_OF_ORDER", "NOT_ENCRYPTED", "NOT_READY", "RESULT", "OPENED"):
         assert codes[name] > 0, (name, codes)
     # every rejection is logged with a reason, briefly, and never with tensor contents
-    messages = [r.getMessage() for r in caplog.records if r.name == "splitlm.cloud"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "splitlm.cloud.server"]
     assert len(messages) >= 9000
     assert max(map(len, messages)) < 450 and not any("tensor(" in m for m in messages)

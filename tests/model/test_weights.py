@@ -4,6 +4,7 @@ stored dtype, clear errors for missing or damaged files, and loading on the meta
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -71,7 +72,6 @@ def test_a_sharded_checkpoint_splits_like_a_single_file(tiny_llama, tiny_split, 
 
 
 def test_missing_and_truncated_files_fail_clearly(tiny_llama, tiny_split, tmp_path):
-    import shutil
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama, ckpt)
@@ -89,9 +89,17 @@ def test_missing_and_truncated_files_fail_clearly(tiny_llama, tiny_split, tmp_pa
     small = split_model(str(tiny_llama), 2, 2, tmp_path / "small", max_file_mb=0.05)
     second = sorted((small / "cloud").glob("weights-*.safetensors"))[1]
     second.unlink()
-    with pytest.raises(SplitLMError, match=f"weight file missing: .*{second.name}"):
+    with pytest.raises(SplitLMError, match=f"{second.name}: missing"):
         load_cloud(small / "cloud")
-    files[0].write_bytes(files[0].read_bytes()[:-10])
+    good = files[0].read_bytes()
+    files[0].write_bytes(good[:-10])
+    with pytest.raises(SplitLMError, match=f"{files[0].name}: checksum mismatch"):
+        load_cloud(shard / "cloud")
+    # a shard written before checksums (no "sha256" in its index) is still read, and the header check holds
+    index = shard / "cloud" / "weights.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    del doc["metadata"]["sha256"]
+    index.write_text(json.dumps(doc))
     with pytest.raises(SplitLMError, match=f"{files[0].name} is not a valid safetensors file .*past the end"):
         load_cloud(shard / "cloud")
     (shard / "edge" / "weights.safetensors.index.json").unlink()
@@ -100,7 +108,6 @@ def test_missing_and_truncated_files_fail_clearly(tiny_llama, tiny_split, tmp_pa
 
 
 def test_older_shards_with_one_weights_file_still_load(tiny_split, tmp_path):
-    import shutil
 
     old = tmp_path / "old"
     shutil.copytree(tiny_split, old)
@@ -144,7 +151,6 @@ def test_stored_dtype_auto_and_casts(tmp_path):
 
 
 def test_loading_keeps_views_and_rewrites_never_truncate(tiny_split, tmp_path):
-    import shutil
 
     d = tmp_path / "edge"
     shutil.copytree(tiny_split / "edge", d)
@@ -183,3 +189,18 @@ def test_cli_split_options(tiny_llama, tmp_path, capsys):
     assert main(["split", "--model", str(tiny_llama), "--out", str(tmp_path / "y"), "--dtype", "bf16"]) == 0
     assert Manifest.read(tmp_path / "y" / "edge", "edge").dtype == "bf16"
     assert checkpoint_weights(tiny_llama).dominant_dtype() == torch.float32
+
+
+def test_a_shard_changed_in_place_fails_its_checksum(tiny_split, tmp_path):
+    """Same size, different bytes (weights damaged in place): refused on load, not NaNs later."""
+    shard = tmp_path / "shard"
+    shutil.copytree(tiny_split, shard)
+    index = json.loads((shard / "edge" / "weights.safetensors.index.json").read_text())
+    assert set(index["metadata"]["sha256"]) == set(index["weight_map"].values())
+    path = shard / "edge" / sorted(index["metadata"]["sha256"])[0]
+    data = bytearray(path.read_bytes())
+    data[-4:] = b"\xff\xff\xff\x7f"  # the last float of the last tensor becomes a NaN
+    path.write_bytes(bytes(data))
+    with pytest.raises(SplitLMError, match=f"{path.name}: checksum mismatch"):
+        load_edge(shard / "edge")
+    load_edge(tiny_split / "edge")  # the untouched shard verifies

@@ -361,8 +361,8 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the started clouds' --prefill-chunk (default {d.prefill_chunk})")
     p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
     p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
-    p.add_argument("--head", type=int, default=d.head)
-    p.add_argument("--tail", type=int, default=None)
+    p.add_argument("--head", type=int, default=d.head, help="layers [0, K) on the edge of the split made here")
+    p.add_argument("--tail", type=int, default=None, help="layers [L-M, L) on the edge (default 2)")
     p.add_argument("--edge", default="", metavar="DIR",
                    help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
     p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")

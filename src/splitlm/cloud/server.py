@@ -66,7 +66,7 @@ from splitlm.transport.messages import (
     ServerInfo,
 )
 
-log = logging.getLogger("splitlm.cloud")
+log = logging.getLogger(__name__)
 
 disable_created_metrics()  # no *_created series: the counters' start times are noise on a dashboard
 SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.progress import bar
 
 WARMUP_FILE = "warmup.jsonl.gz"
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "warmup"
@@ -293,7 +294,7 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     tokens = 0
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+    with gzip.open(tmp, "wt", encoding="utf-8") as f, bar(len(prompts), "warmup", unit="prompt") as shown:
         for r in kept:
             f.write(json.dumps(r) + "\n")
         for i in range(0, len(prompts), batch):
@@ -308,10 +309,8 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
                 row = row[:n]
                 tokens += len(row)
                 f.write(json.dumps({"prompt": prompt, "text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
-            done = i + len(chunk)
-            rate = tokens / (time.perf_counter() - start)
-            progress(f"{done}/{len(prompts)} prompts, {tokens} tokens, {rate:.0f} tok/s, "
-                     f"about {(len(prompts) - done) / max(done, 1) * (time.perf_counter() - start) / 60:.1f} min left")
+            shown.update(len(chunk))  # tqdm's ETA: the remaining prompts at the measured rate
+            shown.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s")
     tmp.replace(out)
     return {"out": str(out), "prompts": len(prompts), "kept": len(kept), "tokens": tokens,
             "seconds": round(time.perf_counter() - start, 1)}

@@ -4,7 +4,7 @@
     POST /v1/chat/completions     chat (messages in the model's chat template)
     POST /v1/completions          raw text or token ids
     GET  /metrics                 Prometheus text format
-    GET  /healthz                 ok
+    GET  /healthz                 the edge's state and the cloud's (200 when both are up, else 503)
 
 Both POST routes stream with `"stream": true` (server-sent events, `data: [DONE]` at the end).
 Each request runs in a worker thread with its own cloud connection and session, so concurrent
@@ -37,7 +37,7 @@ from prometheus_client import (
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitlm import SplitLMError
@@ -53,7 +53,7 @@ from splitlm.edge.api_requests import (
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
 
-log = logging.getLogger("splitlm.api")
+log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series
 SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKENS_PER_ROUND_TRIP = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
@@ -193,7 +193,10 @@ class EdgeAPI:
         return Response(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: Request) -> Response:
-        return PlainTextResponse("ok\n")
+        cloud = await asyncio.to_thread(cloud_health, self.edge._connect_args["url"], self.edge._connect_args["tls_ca"])
+        ok = cloud["status"] == "ok"
+        return JSONResponse({"status": "ok" if ok else "degraded", "model": self.config.model_name, "cloud": cloud},
+                            status_code=200 if ok else 503)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat(await self.body(request), self.config.default_temperature)
@@ -334,15 +337,77 @@ class EdgeAPI:
             cancel.set()  # the client went away (or we are done): stop generating
 
 
+def cloud_health(url: str, tls_ca: str | None = None, timeout_s: float = 3.0) -> dict:
+    """The cloud's own /healthz (on its WebSocket port): {"url", "status": "ok"|"unreachable", ...}."""
+    import ssl
+    import urllib.request
+
+    http = url.replace("wss://", "https://", 1).replace("ws://", "http://", 1).rstrip("/") + "/healthz"
+    context = ssl.create_default_context(cafile=tls_ca) if http.startswith("https://") else None
+    try:
+        with urllib.request.urlopen(http, timeout=timeout_s, context=context) as r:
+            status, fingerprint, *_ = r.read().decode().split() + ["", ""]
+    except (OSError, ValueError) as e:
+        return {"url": url, "status": "unreachable", "error": str(getattr(e, "reason", None) or e)}
+    return {"url": url, "status": "ok" if status == "ok" else status, "fingerprint": fingerprint}
+
+
+class RequestLog:
+    """ASGI middleware: one log line per request (method, route, status, duration; never any text)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            quiet = scope["path"] in ("/healthz", "/metrics")  # polled: only with -v
+            (log.debug if quiet else log.info)("%s %s %d %.0f ms", scope["method"], scope["path"], status[0],
+                                               (time.perf_counter() - start) * 1000)
+
+
+def listen_socket(host: str, port: int):
+    """A bound, listening socket, so that a busy port is an error before anything claims to serve."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise SplitLMError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except OverflowError:
+        sock.close()
+        raise SplitLMError(f"cannot listen on {host}:{port}: not a port number") from None
+    return sock
+
+
 def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the API with uvicorn until interrupted."""
     import uvicorn
 
+    sock = listen_socket(host, port)
     api = EdgeAPI(edge, config)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", host)
-    log.info("serving model '%s' on http://%s:%d/v1", config.model_name, host, port)
+    log.info("serving model '%s' on http://%s:%d/v1 (cloud %s%s)", config.model_name, host, sock.getsockname()[1],
+             edge._connect_args["url"], ", API key required" if config.api_key else "")
+    server = uvicorn.Server(uvicorn.Config(RequestLog(api.app), log_level="warning", access_log=False))
     try:
-        uvicorn.run(api.app, host=host, port=port, log_level="warning", access_log=False)
+        server.run(sockets=[sock])
     finally:
         api.close()
+        sock.close()

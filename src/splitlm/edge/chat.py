@@ -2,7 +2,9 @@
 
 One `Conversation` (one cloud session) per history: each turn sends only what the caches lack,
 as the cache policy allows (`--cache-policy`). Commands: /reset clears the history, /revoke wipes
-the cloud's copy now, /exit (or Ctrl-D) quits; Ctrl-C stops an answer (the turn is then dropped).
+the cloud's copy now, /help lists them, /exit (or Ctrl-D) quits; Ctrl-C stops an answer (the turn
+is then dropped). Any other line starting with `/` is refused as an unknown command (start it with
+`//` to send it as text). Piped input is echoed after the prompt, so a transcript reads as one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from splitlm.edge.runtime import Edge, GenerationStats
 
 PROMPT = "you> "
 ANSWER = "bot> "
+COMMANDS = {"/reset": "clear the history (a new cloud session)", "/revoke": "wipe the cloud's copy now",
+            "/help": "list the commands", "/exit": "quit (also /quit, Ctrl-D)"}
 
 
 def stats_line(s: GenerationStats, context_tokens: int) -> str:
@@ -27,13 +31,16 @@ def stats_line(s: GenerationStats, context_tokens: int) -> str:
 def read_line() -> str | None:
     """The user's next line; None at end of input."""
     try:
-        return input(PROMPT)
+        line = input(PROMPT)
     except EOFError:
         print()
         return None
     except KeyboardInterrupt:
         print()
         return ""
+    if not sys.stdin.isatty():
+        print(line, flush=True)  # input() echoes only what a terminal typed
+    return line
 
 
 def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
@@ -46,7 +53,7 @@ def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
     if getattr(spec, "mode", spec) == "auto" and (sampling is None or sampling.greedy):
         edge.corpus_model()  # built once, before the first answer
     print(f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
-          "/revoke wipes the cloud's copy, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=out, flush=True)
+          "/revoke wipes the cloud's copy, /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=out, flush=True)
     chat = edge.conversation(system, spec, sampling=sampling)
     try:
         while True:
@@ -63,6 +70,15 @@ def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
             if line.strip() == "/revoke":
                 chat.revoke()
                 print("[the cloud's copy of this conversation is wiped; the next turn re-sends it]", file=out, flush=True)
+                continue
+            if line.strip() == "/help":
+                print("\n".join(f"  {name:<8} {what}" for name, what in COMMANDS.items()), file=out, flush=True)
+                continue
+            if line.startswith("//"):
+                line = line[1:]
+            elif line.startswith("/"):
+                print(f"[unknown command {line.split()[0]}; /help lists the commands, // sends a line starting "
+                      "with /]", file=out, flush=True)
                 continue
             stream = chat.stream(line, max_new_tokens)
             print(ANSWER, end="", file=out, flush=True)

@@ -37,7 +37,7 @@ from splitlm.transport.policy import CachePolicy
 if TYPE_CHECKING:
     from splitlm.edge.conversation import Conversation
 
-log = logging.getLogger("splitlm.edge")
+log = logging.getLogger(__name__)
 
 
 class Pool:
@@ -144,7 +144,7 @@ class Edge:
             self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
         if not self.split_head:
             self.model.greedy_head()  # decides once whether its bf16 screen pays on this machine
-        log.info("edge %s: layers on %s", self.edge_dir, describe(self.device, self.dtype))
+        log.debug("edge %s: layers on %s", self.edge_dir, describe(self.device, self.dtype))
         self._corpus: NgramModel | None = None
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
@@ -224,6 +224,12 @@ class Edge:
         cloud = self.client.info.limits.max_tokens_per_session
         return min(self.cfg.max_position_embeddings, cloud or self.cfg.max_position_embeddings)
 
+    def check_fits(self, prompt_tokens: int) -> None:
+        """Refuse, before anything is sent, a prompt that leaves no room for one new token."""
+        if prompt_tokens >= self.context_length:
+            raise SplitLMError(f"the prompt has {prompt_tokens} tokens, but this model's context holds "
+                               f"{self.context_length} (prompt and answer together); shorten the prompt")
+
     def corpus_documents(self) -> list[str]:
         """Local text for the `auto` drafter: Python's pydoc topics and, when there is one for this
         model, a warm-up file of its own answers (`splitlm warmup`; bundled for the default model)."""
@@ -259,6 +265,11 @@ class Edge:
         from splitlm.edge.conversation import Conversation
 
         return Conversation(self, system, as_spec(spec), cache_policy, sampling)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether prompts can be wrapped in the model's chat template (what `--chat` defaults to)."""
+        return self.tokenizer is not None and bool(self.tokenizer.chat_template)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -310,6 +321,7 @@ class Edge:
         its caches; otherwise a session is opened and closed for this request."""
         if max_new_tokens < 1:
             raise SplitLMError("max_new_tokens must be at least 1")
+        self.check_fits(len(prompt_ids))
         sampling = sampling or SamplingConfig()
         spec = spec or SpecConfig()
         if len(prompt_ids) + max_new_tokens + SPEC_HEADROOM > self.context_length:

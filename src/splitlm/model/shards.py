@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from splitlm.model.weights import (
     shard_weights,
     write_weights,
 )
+from splitlm.progress import bar
 
 SHARD_FORMAT = "splitlm-shard/2"  # /1: one weights.safetensors; /2: an index and bounded files
 READABLE_FORMATS = ("splitlm-shard/1", SHARD_FORMAT)
@@ -86,10 +86,18 @@ class Manifest:
         path = Path(shard_dir) / "manifest.json"
         if not path.is_file():
             raise SplitLMError(f"{shard_dir}: not a splitlm shard (no manifest.json); create one with `splitlm split`")
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise SplitLMError(f"{path}: not a valid shard manifest ({e}); split the model again") from None
         if data.get("format") not in READABLE_FORMATS:
             raise SplitLMError(f"{shard_dir}: unknown shard format {data.get('format')!r}")
-        m = cls(**data)
+        try:
+            m = cls(**data)
+        except TypeError as e:
+            raise SplitLMError(f"{path}: not a valid shard manifest ({e}); split the model again") from None
         if m.role != role:
             raise SplitLMError(f"{shard_dir} is the {m.role} shard, expected the {role} shard")
         return m
@@ -199,11 +207,8 @@ def producer(weights: Weights, pieces: dict[str, Piece], specs: dict[str, Tensor
 
 
 def progress_bar(total: int, desc: str):
-    """A byte-counting progress bar on stderr, shown only on a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                disable=not sys.stderr.isatty(), leave=False)
+    """A byte-counting progress bar on stderr (`splitlm.progress`: a terminal only, never under --quiet)."""
+    return bar(total, desc, unit_bytes=True)
 
 
 class EdgeModel(nn.Module):

@@ -17,6 +17,7 @@ a writer holds one tensor at a time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from splitlm import SplitLMError
+from splitlm.progress import bar
 
 HF_INDEX = "model.safetensors.index.json"
 SHARD_PREFIX = "weights"  # a shard's files: weights-00001-of-00003.safetensors, ..., weights.safetensors.index.json
@@ -220,11 +222,37 @@ def checkpoint_weights(model_dir: Path) -> Weights:
     return Weights.from_files(model_dir, checkpoint_files(model_dir))
 
 
-def shard_weights(shard_dir: Path) -> Weights:
-    """A shard's weights: its index and files, or the one `weights.safetensors` of older shards."""
+def verify_checksums(shard_dir: Path, index: Path) -> None:
+    """Every file the index has a SHA-256 for must still have it (shards written before checksums
+    carry none and are not checked)."""
+    try:
+        checksums = json.loads(index.read_text()).get("metadata", {}).get("sha256", {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise SplitLMError(f"{index}: not a valid safetensors index ({e})") from None
+    with bar(sum((shard_dir / f).stat().st_size for f in checksums if (shard_dir / f).is_file()),
+             f"verifying {shard_dir.name}", unit_bytes=True) as shown:
+        for name, expected in sorted(checksums.items()):
+            path = shard_dir / name
+            if not path.is_file():
+                raise SplitLMError(f"{path}: missing (the shard's index lists it); split the model again")
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    shown.update(len(chunk))
+            if digest.hexdigest() != expected:
+                raise SplitLMError(f"{path}: checksum mismatch (the file is damaged or was changed after it was "
+                                   "written); split the model again")
+
+
+def shard_weights(shard_dir: Path, verify: bool = True) -> Weights:
+    """A shard's weights: its index and files, or the one `weights.safetensors` of older shards.
+    `verify`: check the files' SHA-256 checksums first (a corrupt file is an error, not NaNs later)."""
     shard_dir = Path(shard_dir)
     index = shard_dir / f"{SHARD_PREFIX}.safetensors.index.json"
     if index.is_file():
+        if verify:
+            verify_checksums(shard_dir, index)
         return _indexed(shard_dir, index)
     if (shard_dir / LEGACY_SHARD_FILE).is_file():
         return Weights.from_files(shard_dir, [shard_dir / LEGACY_SHARD_FILE])
@@ -253,8 +281,9 @@ def plan_files(specs: dict[str, TensorSpec], max_file_bytes: int) -> list[list[s
 
 
 def write_safetensors(path: Path, specs: dict[str, TensorSpec], produce: Callable[[str], torch.Tensor],
-                      done: Callable[[int], None] = lambda n: None) -> None:
-    """Write a safetensors file from its header out, one tensor at a time (`produce(name)`, on demand)."""
+                      done: Callable[[int], None] = lambda n: None) -> str:
+    """Write a safetensors file from its header out, one tensor at a time (`produce(name)`, on demand);
+    return the file's SHA-256 (hashed as it is written)."""
     names = sorted(specs, key=lambda n: -specs[n].dtype.itemsize)  # widest first: every tensor stays aligned
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -265,17 +294,22 @@ def write_safetensors(path: Path, specs: dict[str, TensorSpec], produce: Callabl
         offset += spec.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
+        for chunk in (len(text).to_bytes(8, "little"), text):
+            f.write(chunk)
+            digest.update(chunk)
         for name in names:
             t = produce(name)
             spec = specs[name]
             if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 raise ValueError(f"{name}: produced {t.dtype} {tuple(t.shape)}, planned {spec.dtype} {spec.shape}")
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(data)
+            digest.update(data)
             done(spec.nbytes)
-            del t
+            del t, data
+    return digest.hexdigest()
 
 
 def write_weights(out_dir: Path, specs: dict[str, TensorSpec], produce: Callable[[str], torch.Tensor],
@@ -289,17 +323,18 @@ def write_weights(out_dir: Path, specs: dict[str, TensorSpec], produce: Callable
     groups = plan_files(specs, int(max_file_mb * 2**20))
     n = len(groups)
     weight_map: dict[str, str] = {}
+    checksums: dict[str, str] = {}
     written = []
     for i, group in enumerate(groups, 1):
         path = out_dir / f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
-        write_safetensors(tmp, {name: specs[name] for name in group}, produce, done)
+        checksums[path.name] = write_safetensors(tmp, {name: specs[name] for name in group}, produce, done)
         os.replace(tmp, path)
         weight_map.update(dict.fromkeys(group, path.name))
         written.append(path)
     index = out_dir / f"{prefix}.safetensors.index.json"
     tmp = index.with_name(f".{index.name}.tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs.values())},
+    tmp.write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs.values()), "sha256": checksums},
                                "weight_map": weight_map}, indent=2))
     os.replace(tmp, index)
     for old in out_dir.glob(f"{prefix}*.safetensors"):

@@ -47,7 +47,7 @@ from splitlm.transport.messages import (
 )
 from splitlm.transport.policy import CachePolicy
 
-log = logging.getLogger("splitlm.client")
+log = logging.getLogger(__name__)
 
 REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
               MsgType.CLOSE: MsgType.CLOSED, MsgType.POLICY: MsgType.POLICY_OK}
@@ -175,8 +175,10 @@ class CloudClient:
         except ProtocolError as e:
             raise CloudError(f"handshake with the cloud failed: {e}", e.code) from None
         if record is not None:  # only once the cloud proved it holds the key
+            seen = any(fp == cloud_fp for _, _, fp in record.entries())  # the same cloud on another port: no news
             record.add(host, cloud_fp)
-            log.warning("trusting the cloud key %s of %s on first use (recorded in %s)", cloud_fp, host, record.path)
+            (log.debug if seen else log.warning)("trusting the cloud key %s of %s on first use (recorded in %s)",
+                                                 cloud_fp, host, record.path)
         self.cloud_fingerprint = cloud_fp
         self.server_info: dict[str, Any] = info
         self.info = ServerInfo.from_meta(info)

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from splitlm import SplitLMError
 
-log = logging.getLogger("splitlm.keys")
+log = logging.getLogger(__name__)
 
 KEY_TYPE = "splitlm-x25519"
 PUBLIC_KEY_SIZE = 32
