@@ -11,6 +11,7 @@ from splitlm import SplitLMError, __version__
 from splitlm.model.device import add_device_arguments, dtype_name
 
 DEFAULT_PORT = 8765
+log = logging.getLogger(__name__)
 
 
 def int_at_least(minimum: int):
@@ -174,7 +175,7 @@ def cmd_train_draft(args) -> int:
     if not Path(args.edge).is_dir():
         raise SplitLMError(f"edge shard {args.edge} not found")
     report = train_draft(args.model, args.edge, max_tokens=args.max_tokens,
-                         progress=lambda msg: print(f"[train-draft] {msg}", file=sys.stderr, flush=True))
+                         progress=lambda msg: log.info("[train-draft] %s", msg))
     print(json.dumps(report))
     return 0
 
@@ -191,7 +192,7 @@ def cmd_warmup(args) -> int:
         raise SplitLMError(f"edge shard {args.edge} not found")
     out = Path(args.edge) / WARMUP_FILE if args.edge is not None else Path(args.out)
     report = build_warmup(args.model, out, limit=args.limit, batch=args.batch,
-                          progress=lambda msg: print(f"[warmup] {msg}", file=sys.stderr, flush=True))
+                          progress=lambda msg: log.info("[warmup] %s", msg))
     print(json.dumps(report))
     return 0
 
@@ -596,13 +597,25 @@ class LogFormatter(logging.Formatter):
         return text
 
 
+class BarSafeHandler(logging.Handler):
+    """Writes to stderr through tqdm, so that a status line never tears a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
 def configure_logging(verbose: bool = False, quiet: bool = False, timestamps: bool = False) -> None:
     """The one place logging is set up: splitlm's status lines on stderr (INFO; WARNING under --quiet,
     DEBUG with -v); other libraries' warnings only."""
     from splitlm.progress import set_quiet
 
     set_quiet(quiet)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = BarSafeHandler()
     handler.setFormatter(LogFormatter(timestamps))
     root = logging.getLogger()
     root.handlers[:] = [handler]

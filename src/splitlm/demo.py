@@ -7,6 +7,8 @@ from splitlm.model.loading import log
 from splitlm.model.shards import cached_split
 
 DEMO_PROMPT = "In three short sentences, explain why sending text to a cloud model can leak private data."
+WARMUP_PROMPT = "Write a Python function that returns the largest of three numbers."
+WARMUP_TOKENS = 48
 
 
 def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
@@ -28,6 +30,12 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
         with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan, \
                 Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype, cloud_key=cloud_key, device=device,
                      dtype=dtype) as edge:
+            # The step budget of `auto` learns the link's round trip and the cloud's cost per token from the
+            # steps it runs (an edge that has served a request knows them); a first request starts untrained
+            # and drafts too little. One short request first, as `bench` does before it measures.
+            log("splitlm demo: one short warm-up request first, so that the speculation budget knows the link "
+                "(not shown)")
+            edge.generate(WARMUP_PROMPT, WARMUP_TOKENS, chat=True, spec=spec)
             prompt = prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
             stream = edge.stream(prompt, max_new_tokens, chat=True, spec=spec)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from splitlm.audit.views import SplitView
 from splitlm.model.llama import LayerStack
+from splitlm.progress import track
 
 
 @dataclass
@@ -68,7 +69,7 @@ def harden_head(view: SplitView, train: torch.Tensor, config: HardenConfig) -> H
     gen = torch.Generator().manual_seed(config.seed)
     positions = torch.arange(train.shape[1])
     kl = dist = torch.tensor(0.0)
-    for _ in range(config.steps):
+    for _ in track(range(config.steps), "harden", unit="step"):
         ids = train[torch.randint(0, train.shape[0], (config.batch,), generator=gen)]  # [b, S]
         x = view.embed(ids)
         with torch.no_grad():

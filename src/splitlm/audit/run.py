@@ -4,7 +4,7 @@ defence's cost. Returns a JSON-ready dict; `report.py` writes it out."""
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +26,9 @@ from splitlm.audit.defences import Defence, parse_defence
 from splitlm.audit.harden import HardenConfig, harden_head, relative_distance
 from splitlm.audit.views import SplitView, batched, quality
 from splitlm.model.llama import Transformer
+from splitlm.progress import bar
+
+logger = logging.getLogger(__name__)
 
 ATTACKS = ("nn", "lens", "probe", "whitebox")
 
@@ -61,7 +64,8 @@ class AuditConfig:
 
 
 def log(msg: str) -> None:
-    print(f"[audit] {msg}", file=sys.stderr, flush=True)
+    """A status line (logging: shown unless --quiet)."""
+    logger.info("[audit] %s", msg)
 
 
 def shift_next(ranked: torch.Tensor, frequent: torch.Tensor) -> torch.Tensor:
@@ -116,6 +120,7 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     n_dwb = max(1, min(ids.shape[0], config.down_whitebox_tokens // config.seq_len))
     ncand = config.candidates
     undefended_down = None  # the downlink white-box result without a defence (the same for every K)
+    stages = bar(len(config.heads) * (1 + len(config.defences)), "audit", unit="stage")  # probes + each defence
     for k in config.heads:
         view = SplitView(model, k, config.tail)
         depth_rows.append(depth_cost(model, view, ids, config.tail))
@@ -130,6 +135,7 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
                                                   seed=config.seed)
             del h_train
             log(f"K={k}: probes trained in {time.perf_counter() - t0:.0f} s")
+        stages.update()
         for defence in config.defences:
             t0 = time.perf_counter()
             dview, extra = view, {}
@@ -183,6 +189,8 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
                                 if r["head"] == k and r["defence"] == defence.name and r["attack"] != "freq")
             log(f"K={k} {defence.name}: agreement {qual['agreement']:.3f}, ppl {qual['ppl']:.2f}; top-1 {summary} "
                 f"({time.perf_counter() - t0:.0f} s)")
+            stages.update()
+    stages.close()
     return {
         "config": {**asdict(config), "defences": [d.name for d in config.defences]},
         "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},

@@ -31,17 +31,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.bench.suite import DEFAULT_OUT
+from splitlm.progress import track
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "splitlm.loadtest/1"
-DEFAULT_OUT = Path("benchmarks") / "results"
 WARMUP_TOKENS = 2
 STEPS_BEFORE_PREFILL = 4
 
@@ -82,7 +85,8 @@ class SessionRun:
 
 
 def progress(msg: str) -> None:
-    print(f"[loadtest] {msg}", file=sys.stderr, flush=True)
+    """A status line (logging: shown unless --quiet)."""
+    log.info("[loadtest] %s", msg)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -302,7 +306,7 @@ def _run(config: LoadConfig) -> dict:
         prompts = [ids[i % len(ids)] for i in range(config.sessions)]
         progress(f"reference: each of {config.sessions} prompts alone")
         reference = []
-        for p in prompts:
+        for p in track(prompts, "loadtest: references", unit="session"):
             run = SessionRun()
             decode(edge, p, config.max_new_tokens, spec, run)
             if run.error:
@@ -310,7 +314,7 @@ def _run(config: LoadConfig) -> dict:
             reference.append(run.tokens)
     started = time.time()
     results = []
-    for name, extra in configs:
+    for name, extra in track(configs, "loadtest", unit="cloud"):
         with cloud_url(cloud_dir, extra, config.cloud) as url:
             results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
                             "cloud_args": extra})

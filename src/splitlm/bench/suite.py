@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import re
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,10 +31,24 @@ from pathlib import Path
 
 from splitlm import SplitLMError, __version__
 from splitlm.cloud.local import cloud_process, health
+from splitlm.progress import bar, track
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "splitlm.bench/1"
-DEFAULT_MODES = "local-hf,split-seq"
-DEFAULT_OUT = Path("benchmarks") / "results"
+DEFAULT_MODES = "local-hf,split-seq,auto"
+
+
+def default_results_dir() -> Path:
+    """Where bench and loadtest write by default, outside any source tree: $SPLITLM_RESULTS, else
+    $XDG_DATA_HOME/splitlm/results, else ~/.local/share/splitlm/results."""
+    if env := os.environ.get("SPLITLM_RESULTS"):
+        return Path(env)
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "splitlm" / "results"
+
+
+DEFAULT_OUT = default_results_dir()
 WARMUP_TOKENS = 4
 
 
@@ -71,7 +85,8 @@ class BenchConfig:
 
 
 def progress(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    """A status line (logging: shown unless --quiet; bars carry the per-run progress)."""
+    log.info("[bench] %s", msg)
 
 
 def parse_rtt_list(text: str) -> list[float]:
@@ -227,6 +242,7 @@ def run_bench(config: BenchConfig) -> dict:
             for m in modes:  # warm-up (connects, first calls), not counted
                 m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
         # Interleaved: prompt 1 in every RTT and mode, then prompt 2, ...: machine noise hits all alike.
+        shown = bar(len(prompts) * len(contexts) * len(modes), "bench", unit="run")
         for i, p in enumerate(prompts, 1):
             for rtt, ctx in contexts.items():
                 for m in modes:
@@ -235,14 +251,16 @@ def run_bench(config: BenchConfig) -> dict:
                                      split_agreement[p.id] if m.network else agreement[p.id],
                                      tok.decode(run.token_ids, skip_special_tokens=True))
                     rows.append(row)
-                    progress(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
+                    shown.update()
+                    log.debug(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
                              f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
                              f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}")
+        shown.close()
         if config.memory:
             from splitlm.bench.memory import probe_memory
 
             longest = max(prompts, key=lambda p: len(p.ids))
-            for m in modes:
+            for m in track(modes, "memory probe", unit="mode"):
                 progress(f"memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
                 memory[m.name] = probe_memory(m.name, model_dir, edge_dir, f"ws://127.0.0.1:{port}" if port else None,
                                               config.wire_dtype, longest.ids, config.max_new_tokens,

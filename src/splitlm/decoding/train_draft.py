@@ -19,6 +19,7 @@ from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.draft import ADAPTER_FILE, SelfDraft
 from splitlm.model.loading import load_model
 from splitlm.model.shards import load_edge
+from splitlm.progress import bar
 
 
 @torch.inference_mode()
@@ -71,11 +72,14 @@ def train_draft(model_spec: str, edge_dir: str | Path, max_tokens: int = 8000, r
         chosen.append(s)
         budget -= len(s)
     held = held[: max(1, len(chosen) // 9)]
+    stages = bar(3, "train-draft", unit="stage")
     progress(f"hidden states of layers {k} and {j} on {sum(map(len, chosen))} tokens ({len(chosen)} chunks)")
     x, y, _ = hidden_pairs(model, chosen, k, j)
+    stages.update()
     xa = torch.cat([x, torch.ones(len(x), 1)], 1).double()  # [N, D+1]
     adapter = torch.linalg.solve(xa.T @ xa + ridge * torch.eye(xa.shape[1], dtype=torch.double),
                                  xa.T @ y.double()).float()  # [D+1, D]
+    stages.update()
     progress(f"agreement with the full model on {sum(map(len, held))} held-out tokens")
     _, _, targets = hidden_pairs(model, held, k, j)
     scores = {}
@@ -86,6 +90,8 @@ def train_draft(model_spec: str, edge_dir: str | Path, max_tokens: int = 8000, r
             hits += int((pred == tgt).sum())
             total += len(seq)
         scores[name] = hits / total
+    stages.update()
+    stages.close()
     path = edge_dir / ADAPTER_FILE
     save_file({"adapter": adapter.contiguous()}, str(path))
     return {"adapter": str(path), "train_tokens": int(len(x)), "heldout_tokens": sum(map(len, held)),
