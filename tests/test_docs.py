@@ -53,3 +53,33 @@ def test_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(target)
     assert not broken, f"{page.name}: {broken}"
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `splitlm ...` command line of the README's shell blocks (continuations joined, comments and
+    a leading `echo ... |` dropped)."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].split("|")[-1].strip()
+            if line.startswith("splitlm "):
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def test_readme_commands_parse_as_written():
+    from splitlm.cli import build_parser
+
+    commands = readme_commands()
+    assert {c[0] for c in commands} >= {"split", "serve-cloud", "generate", "chat", "serve-edge"}
+    for argv in commands:
+        build_parser().parse_args(argv)  # an unknown flag or a bad value exits here
+
+
+def test_readme_openai_example_asks_for_the_model_it_serves():
+    text = (ROOT / "README.md").read_text()
+    served = [c[c.index("--model-name") + 1] for c in readme_commands() if c[0] == "serve-edge"]
+    asked = set(re.findall(r'"model": "([^"]+)"', text))
+    assert served and asked == set(served)

@@ -1,10 +1,11 @@
 """Draft-model speculation: a separate small model and the edge's own layers; greedy stays exact."""
 
 import json
+import shutil
 
 import torch
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, save_byte_tokenizer
 from splitlm.cli import main
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.draft import ModelDraft, ModelDrafter, SelfDraft, load_adapter
@@ -52,14 +53,23 @@ def test_self_draft_and_train_draft(tmp_path, tiny_llama, tiny_split):
     assert decode(target, prompt, ModelDrafter(SelfDraft(load_edge(shard / "edge"), adapter)))[0] == ref
 
 
-def test_spec_draft_through_the_cloud(tiny_split, tiny_server, capsys):
+def test_spec_draft_through_the_cloud(tiny_split, tiny_server, capsys, tmp_path):
     with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32", cloud_key=tiny_server.fingerprint) as edge:
         ref = edge.generate([5, 6, 7, 5, 6], max_new_tokens=24, stop_at_eos=False, spec="none").token_ids
         out = edge.generate([5, 6, 7, 5, 6], max_new_tokens=24, stop_at_eos=False, spec="draft:self-raw")
     assert out.token_ids == ref and out.stats.spec_mode == "draft"
-    code = main(["generate", "--edge", str(tiny_split / "edge"), "--cloud", tiny_server.url, "--prompt", "x",
-                 "--spec", "draft", "--draft", str(tiny_split / "missing-model"), "--json"])
-    assert code != 0 or "error" in capsys.readouterr().err.lower()
+    # a draft model that does not exist: one error line naming it, exit status 1 (the edge needs a
+    # tokenizer for a text prompt, so that the draft is what fails)
+    edge = tmp_path / "edge"
+    shutil.copytree(tiny_split / "edge", edge)
+    save_byte_tokenizer(edge)
+    missing = tiny_split / "missing-model"
+    code = main(["generate", "--edge", str(edge), "--cloud", tiny_server.url, "--prompt", "x",
+                 "--spec", "draft", "--draft", str(missing), "--json"])
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error" in line]
+    assert code == 1 and captured.out == ""
+    assert len(errors) == 1 and errors[0].startswith(f"splitlm: error: model not found: '{missing}'")
 
 
 def test_sampling_with_a_draft_model_equals_sequential_sampling(tmp_path):

@@ -1,0 +1,67 @@
+"""StepBudget.choose: the tree size that maximises expected tokens per second, from the measured
+round trip, the fitted compute cost per token and the calibrated acceptance of drafted nodes."""
+
+import pytest
+
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.tree import TokenTree
+
+# root; a (score 0.9) under it and b (0.9) under a; c (0.2) under the root and d (0.9) under c.
+# Before any acceptance is seen, a score s in bin b counts as P(accept) = (b + 0.5) / 10:
+# 0.9 -> 0.95 and 0.2 -> 0.25, so the reach (the product along the path) is
+# a 0.95, b 0.9025, c 0.25, d 0.2375.
+TREE = TokenTree([1, 2, 3, 4, 5], [-1, 0, 1, 0, 3], [1.0, 0.9, 0.9, 0.2, 0.9])
+
+
+def budget(rtt_s: float, c0: float, c1: float, **kw) -> StepBudget:
+    b = StepBudget(**kw)
+    for t in (1, 5, 20, 40):  # compute = c0 + c1 * tokens exactly: the fit recovers c0, c1
+        b.observe_step(t, c0 + c1 * t, rtt_s)
+    for _ in range(20):  # the link average settles on rtt_s
+        b.observe_network(rtt_s)
+    return b
+
+
+def test_reach_is_the_product_along_the_path():
+    choice = budget(0.08, 0.002, 0.0001).choose(TREE)
+    assert choice.reach == pytest.approx([1.0, 0.95, 0.95 * 0.95, 0.25, 0.25 * 0.95])
+
+
+def test_free_compute_sends_every_node():
+    choice = budget(0.08, 0.002, 0.0001).choose(TREE)
+    assert choice.nodes == 5
+    assert choice.expected_tokens == pytest.approx(1 + 0.95 + 0.9025 + 0.25 + 0.2375)
+    assert choice.predicted_step_s == pytest.approx(0.08 + 0.002 + 0.0001 * 5)
+
+
+def test_costly_compute_stops_where_a_node_no_longer_pays():
+    # 50 ms per token: root 1/0.07 = 14.3 tok/s; + a 1.95/0.12 = 16.3; + b 2.85/0.17 = 16.8;
+    # + c 3.10/0.22 = 14.1. The best tree is root, a, b: the likeliest nodes, a subtree.
+    choice = budget(0.01, 0.01, 0.05).choose(TREE)
+    assert choice.nodes == 3
+    assert choice.expected_tokens == pytest.approx(1 + 0.95 + 0.9025)
+    assert choice.predicted_step_s == pytest.approx(0.01 + 0.01 + 0.05 * 3)
+
+
+def test_prohibitive_compute_sends_the_root_alone():
+    choice = budget(0.01, 0.01, 0.5).choose(TREE)  # a node costs 0.5 s and brings < 1 token
+    assert choice.nodes == 1 and choice.expected_tokens == 1.0
+
+
+def test_extra_tokens_count_in_the_step_time():
+    b = budget(0.01, 0.01, 0.05)
+    assert b.choose(TREE, extra_tokens=4).predicted_step_s == pytest.approx(0.02 + 0.05 * (3 + 4))
+
+
+def test_rejections_seen_shrink_the_tree():
+    b = budget(0.01, 0.01, 0.05)
+    for _ in range(20):  # a and c tested (their parent, the root, was accepted) and rejected every time
+        b.observe_acceptance(TREE, [0])
+    assert b.calibration.p(0.9) == pytest.approx(2 * 0.95 / 22)
+    assert b.choose(TREE).nodes == 1
+
+
+def test_fixed_nodes_ignores_the_cost_and_caps_at_the_tree():
+    assert budget(0.01, 0.01, 0.5, fixed_nodes=3).choose(TREE).nodes == 3
+    assert budget(0.01, 0.01, 0.5, fixed_nodes=64).choose(TREE).nodes == 5
+    assert budget(0.08, 0.002, 0.0001, max_nodes=2).choose(TREE).nodes == 2
