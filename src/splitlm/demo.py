@@ -50,4 +50,6 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
             if slow.tokens_per_s > 0:
                 log(f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per round "
                     f"trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens")
+                log("splitlm demo: one prose answer; `splitlm bench` averages 20 prompts (code gains most, prose "
+                    "least) on an idle machine: docs/results.md")
     return 0
