@@ -7,11 +7,13 @@ the model's chat template (as `splitlm generate --chat` does), `false` continues
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError
+
+log = logging.getLogger(__name__)
 
 CATEGORIES = ("code", "structured", "creative", "conversational")
 DEFAULT_PROMPTS = Path("benchmarks") / "prompts.json"
@@ -74,7 +76,7 @@ def tokenize(prompts: list[Prompt], tok) -> None:
 
     for p in prompts:
         if p.chat and not tok.chat_template:  # e.g. Gemma 3 270M's GGUF carries no template
-            print(f"[bench] prompt {p.id!r}: the model has no chat template; using the plain text", file=sys.stderr)
+            log.info("[bench] prompt %r: the model has no chat template; using the plain text", p.id)
             p.chat = False
         p.ids = encode_prompt(tok, p.prompt, p.chat)
         if not p.ids:

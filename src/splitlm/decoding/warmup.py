@@ -279,6 +279,7 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
 
     start = time.perf_counter()
     model_dir = resolve_model(model_spec)
+    progress(f"loading {model_dir.name} (the full model, transformers)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:  # left padding is masked out: any token will do
@@ -291,6 +292,8 @@ def build_warmup(model_spec: str, out: str | Path, limit: int | None = None, bat
     prompts = [p for p in prompts if p[0] not in answered]
     if kept:
         progress(f"{out}: {len(kept)} answers kept, {len(prompts)} prompts to go")
+    else:
+        progress(f"{len(prompts)} prompts to answer, {batch} at a time, into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     tokens = 0
