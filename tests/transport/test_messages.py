@@ -128,7 +128,7 @@ def test_layering(package, forbidden):
         bad = {m for m in imports_of(path) if m.startswith(forbidden) and not (package == "model" and
                                                                                m.startswith("splitlm.model"))}
         if package == "model":
-            bad -= {"splitlm"}  # SplitLMError lives in the package root
+            bad -= {"splitlm", "splitlm.progress"}  # SplitLMError lives in the package root; the bars are a leaf
         assert not bad, f"{path.name} imports {bad}"
 
 
