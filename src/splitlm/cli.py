@@ -666,8 +666,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if ("default" in text or default is None or default is False or default is argparse.SUPPRESS
                 or not action.option_strings or isinstance(action, argparse._HelpAction)):
             return text
-        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else default
-        return f"{text} (default: {shown})".replace("%", "%%").replace("%%(", "%(") if text else f"(default: {shown})"
+        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"  # argparse %-formats help texts
 
 
 SERVER_COMMANDS = ("serve-cloud", "serve-edge", "wan")
