@@ -190,6 +190,16 @@ class EdgeSession:
                 self.cloud_crop = cloud_n if self.cloud_crop is None else min(self.cloud_crop, cloud_n)
             self.cloud_committed = cloud_n
 
+    def abandon(self, n: int) -> None:
+        """Stop where the session stands and go back to its first n committed tokens: the replies of
+        the steps still in flight are taken and dropped, then edge and cloud are cropped to n (an
+        interrupted conversation turn: the next one sees the session as if it never happened)."""
+        for f in self.flights:
+            f.void = True
+        while self.flights:
+            self._finish(self.flights[0])
+        self.crop(n)
+
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
         self._idle()
