@@ -65,6 +65,9 @@ class Clouds:
         proc.wait()
         self.kills += 1
 
+    def terminate(self, url: str) -> None:
+        self.procs[self.index(url)].send_signal(signal.SIGTERM)
+
     def close(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
@@ -101,23 +104,26 @@ def always_bet(monkeypatch):
     monkeypatch.setattr(runtime, "pipelined_decode", functools.partial(pipeline.pipelined_decode, always_bet=True))
 
 
-def arm(monkeypatch, clouds: Clouds, point: str, restart: bool = False) -> list:
+def arm(monkeypatch, clouds: Clouds, point: str, term: bool = False) -> list:
     """SIGKILL the cloud a session talks to while the first block matching `point` is unanswered
-    (the cloud is frozen before the block goes up, so it cannot have answered it). With `restart`,
-    the same cloud starts again on its port at once. Returns a list that records each kill."""
+    (the cloud is frozen before the block goes up, so it cannot have answered it), and start it
+    again on its port; with `term`, SIGTERM it right after the block went up instead. Returns a
+    list that records the kill."""
     fired: list[dict] = []
     transmit, replay = EdgeSession._transmit, EdgeSession._replay
 
     def faulty_transmit(self, f, c):
         hit = not fired and POINTS[point](self, f)
-        if hit:
+        if hit and not term:
             clouds.freeze(self.client.url)
         transmit(self, f, c)
         if hit:
             fired.append({"url": self.client.url, "tokens": len(f.ids), "in_flight": len(self.flights)})
-            clouds.kill(self.client.url)
-            if restart:
-                clouds.start(clouds.index(self.client.url))
+            if term:
+                clouds.terminate(self.client.url)
+            else:
+                clouds.kill(self.client.url)
+                clouds.start(clouds.index(self.client.url))  # the same cloud, back on its port in a moment
 
     def counting_replay(self):
         fired[-1]["owed"] = sum(not f.void for f in self.flights)
@@ -162,10 +168,25 @@ def test_generate_waits_for_the_same_cloud_to_restart(tiny_chat_split, clouds, m
     clouds.up()
     urls = [clouds.url(0)]
     want, _ = run_generate(tiny_chat_split, urls, spec, sampling)
-    fired = arm(monkeypatch, clouds, point, restart=True)
+    fired = arm(monkeypatch, clouds, point)
     got, stats = run_generate(tiny_chat_split, urls, spec, sampling)
     assert fired and got == want
     assert stats.failovers == 1
+
+
+def test_sigterm_makes_the_cloud_tell_its_edges_to_fail_over(tiny_chat_split, clouds, monkeypatch, caplog):
+    """SIGTERM: the cloud finishes the step it computes, sends GOING_AWAY and exits 0; the edge fails
+    over at once (no timeout) and the output is unchanged."""
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = run_generate(tiny_chat_split, urls, NGRAM, None)
+    fired = arm(monkeypatch, clouds, "spec", term=True)
+    got, stats = run_generate(tiny_chat_split, urls, NGRAM, None)
+    assert fired and got == want and stats.failovers == 1
+    proc = clouds.procs[clouds.index(fired[0]["url"])]
+    assert proc.wait(30) == 0
+    assert stats.failover_s < 10
+    assert "going away" in caplog.text
 
 
 def converse(split, urls, spec, sampling, monkeypatch=None, clouds=None, point=None):
