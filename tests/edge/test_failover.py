@@ -315,3 +315,57 @@ def test_twenty_generations_cut_at_random_points_all_match(tiny_chat_split, clou
         report = cut_runs(edge, wan, PROMPT, 20, max_new_tokens=24, repeats=1, seed=3)
     assert report["identical"] == report["total"] == 20, report["runs"]
     assert report["failovers"] >= 15  # a cut may also fall on a session's CLOSE (nothing to replay)
+
+
+def cut_once(edge, wan, prompt, spec, sampling=None, at: float = 0.7, n: int = 24):
+    """The undisturbed output, and the output with the link cut once at fraction `at` of its traffic."""
+    before = wan.bytes_up + wan.bytes_down
+    want = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling).token_ids
+    wan.cut_after(int((wan.bytes_up + wan.bytes_down - before) * at))
+    r = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling)
+    wan.cut_after(None)
+    return want, r
+
+
+@pytest.mark.parametrize("policy", ["none", "sealed", "window:8"])
+def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
+    """Same tokens under `none` and `sealed`; under `window:N` the new cloud rebuilds its window from
+    the last N head outputs (as after a revoke: its entries' KV is recomputed over a shorter
+    context than the first time), so the request completes but its tokens may differ."""
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    port = int(tiny_server.url.rsplit(":", 1)[1])
+    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge:
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"))
+    assert r.stats.failovers == 1 and wan.cuts == 1 and len(r.token_ids) == len(want)
+    if policy != "window:8":
+        assert r.token_ids == want
+
+
+def test_replay_rebuilds_a_context_longer_than_one_forward(tiny_split, monkeypatch):
+    """The cloud takes 16 tokens per forward: the replayed 60-token context goes up in chunks."""
+    rebuilt = []
+    rebuild = EdgeSession._rebuild
+    monkeypatch.setattr(EdgeSession, "_rebuild", lambda self, upto, then: rebuilt.append(rebuild(self, upto, then))
+                        or rebuilt[-1])
+    from splitlm.bench.wan import WanConfig, WanEmulator
+    from splitlm.cloud.server import BackgroundServer
+    from splitlm.cloud.sessions import ServerLimits
+
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=16)) as server, \
+            WanEmulator(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+        want, r = cut_once(edge, wan, list(range(3, 63)), SpecConfig("none"), at=0.9)
+    assert r.token_ids == want and r.stats.failovers == 1
+    assert rebuilt and rebuilt[0] >= 48
+
+
+def test_replay_on_a_split_head_cloud(tiny_split_head, split_head_server):
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    port = int(split_head_server.url.rsplit(":", 1)[1])
+    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"), SEEDED)
+    assert r.token_ids == want and r.stats.failovers == 1

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
 from splitlm.model.device import to_device, to_host
-from splitlm.transport.client import CloudError, PendingForward
+from splitlm.transport.client import CloudError, PendingForward, lost
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -198,6 +198,8 @@ class EdgeSession:
             f.void = True
         while self.flights:
             self._finish(self.flights[0])
+        if self.client.in_flight:  # interrupted between sending a request and recording it: out of step
+            self.failover(lost("a request was interrupted half-way"))
         self.crop(n)
 
     def revoke(self) -> None:
