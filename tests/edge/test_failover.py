@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 import pytest
 
@@ -104,24 +104,24 @@ def always_bet(monkeypatch):
     monkeypatch.setattr(runtime, "pipelined_decode", functools.partial(pipeline.pipelined_decode, always_bet=True))
 
 
-def arm(monkeypatch, clouds: Clouds, point: str, term: bool = False) -> list:
+def arm(monkeypatch, clouds: Clouds, point: str, mode: str = "kill") -> list:
     """SIGKILL the cloud a session talks to while the first block matching `point` is unanswered
     (the cloud is frozen before the block goes up, so it cannot have answered it), and start it
-    again on its port; with `term`, SIGTERM it right after the block went up instead. Returns a
-    list that records the kill."""
+    again on its port. `mode` "term": SIGTERM it right after the block went up instead; "freeze":
+    only freeze it (a half-open link). Returns a list that records the fault."""
     fired: list[dict] = []
     transmit, replay = EdgeSession._transmit, EdgeSession._replay
 
     def faulty_transmit(self, f, c):
         hit = not fired and POINTS[point](self, f)
-        if hit and not term:
+        if hit and mode != "term":
             clouds.freeze(self.client.url)
         transmit(self, f, c)
         if hit:
             fired.append({"url": self.client.url, "tokens": len(f.ids), "in_flight": len(self.flights)})
-            if term:
+            if mode == "term":
                 clouds.terminate(self.client.url)
-            else:
+            elif mode == "kill":
                 clouds.kill(self.client.url)
                 clouds.start(clouds.index(self.client.url))  # the same cloud, back on its port in a moment
 
@@ -180,7 +180,7 @@ def test_sigterm_makes_the_cloud_tell_its_edges_to_fail_over(tiny_chat_split, cl
     clouds.up()
     urls = [clouds.url(0), clouds.url(1)]
     want, _ = run_generate(tiny_chat_split, urls, NGRAM, None)
-    fired = arm(monkeypatch, clouds, "spec", term=True)
+    fired = arm(monkeypatch, clouds, "spec", mode="term")
     got, stats = run_generate(tiny_chat_split, urls, NGRAM, None)
     assert fired and got == want and stats.failovers == 1
     proc = clouds.procs[clouds.index(fired[0]["url"])]
@@ -292,14 +292,28 @@ def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds
     assert fired
 
 
-def test_keepalive_pings_are_on(tiny_chat_split, clouds):
+def test_keepalive_pings_are_answered(tiny_chat_split, clouds):
     clouds.up()
     with Edge(tiny_chat_split / "edge", clouds.url(0), device="cpu", ping_interval_s=0.2) as edge:
-        ws = edge.client.ws
-        assert ws.ping_interval == 0.2
-        done = threading.Event()
-        done.wait(0.6)  # a few pings answered: the connection is still open and usable
+        time.sleep(0.8)
+        assert edge.client.ws.latency > 0  # a pong came back
         assert edge.generate(PROMPT, max_new_tokens=4).token_ids
+
+
+def test_a_half_open_link_is_found_by_the_pings(tiny_chat_split, clouds, monkeypatch):
+    """The cloud freezes (SIGSTOP: its TCP connections stay up, nothing answers) during a step: the
+    keepalive pings find the dead link within about two intervals, not at the 60 s reply timeout."""
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = run_generate(tiny_chat_split, urls, NGRAM, None)
+    fired = arm(monkeypatch, clouds, "spec", mode="freeze")
+    with Edge(tiny_chat_split / "edge", urls, wire_dtype="fp32", device="cpu", ping_interval_s=0.5) as edge:
+        t0 = time.monotonic()
+        r = edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
+        took = time.monotonic() - t0
+    clouds.kill(fired[0]["url"])
+    assert r.token_ids == want and r.stats.failovers == 1
+    assert took < 15
 
 
 def test_twenty_generations_cut_at_random_points_all_match(tiny_chat_split, clouds):
