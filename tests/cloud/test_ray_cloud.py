@@ -1,0 +1,78 @@
+"""The cloud on Ray (2 replicas x 2 stages on one local Ray instance): the single-process cloud's
+tokens, sessions kept on one replica, placed by load, and a lost replica's sessions replayed."""
+
+import threading
+
+import pytest
+
+from splitlm.cloud.scheduler import BatchConfig
+from splitlm.cloud.server import BackgroundServer
+from splitlm.decoding.speculative import SpecConfig
+from splitlm.edge import Edge
+
+ray = pytest.importorskip("ray")
+
+from splitlm.cloud.ray_cloud import RayConfig, RayFrontDoor, actor_name  # noqa: E402
+
+PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 100],
+           [(11 * i) % 200 + 3 for i in range(37)]]  # mixed lengths (the last one is chunked: prefill_chunk 16)
+POLICIES = ["session", "none"]
+BATCH = BatchConfig(max_batch=8, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, namespace="splitlm-test",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cloud(ray_instance, tiny_split):
+    config = RayConfig(replicas=2, stages=2, namespace="splitlm-test")
+    with BackgroundServer(tiny_split / "cloud", server_cls=RayFrontDoor, ray=config, batch=BATCH) as server:
+        yield server
+
+
+def generate_all(split, url: str, max_new: int, concurrent: bool) -> list[list[int]]:
+    """Every prompt's greedy tokens (`auto` speculation, one session pipelined), one after another or all at once."""
+    edges = [Edge(split / "edge", url, wire_dtype="fp32", cache_policy=p) for p in POLICIES]
+    results, errors = [None] * len(PROMPTS), []
+
+    def run(i):
+        spec = SpecConfig("auto", pipeline=i == 3)
+        try:
+            results[i] = edges[i % 2].generate(PROMPTS[i], max_new_tokens=max_new, stop_at_eos=False,
+                                               spec=spec).token_ids
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        if concurrent:
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+        else:
+            for i in range(len(PROMPTS)):
+                run(i)
+    finally:
+        for e in edges:
+            e.close()
+    assert not errors, errors
+    return results
+
+
+def test_ray_cloud_equals_the_single_process_cloud(tiny_split, ray_cloud):
+    """6 concurrent greedy sessions (fp32, speculative, mixed cache policies) on 2 replicas x 2 stages give the
+    single-process cloud's tokens; new sessions are spread over both replicas, each kept on one."""
+    with BackgroundServer(tiny_split / "cloud", batch=BATCH) as single:
+        expected = generate_all(tiny_split, single.url, 16, concurrent=False)
+    door = ray_cloud.server
+    placed = dict(door.placed)
+    assert generate_all(tiny_split, ray_cloud.url, 16, concurrent=True) == expected
+    new = {r: door.placed[r] - placed.get(r, 0) for r in (0, 1)}
+    assert sum(new.values()) >= len(PROMPTS) and min(new.values()) >= 2, new  # placed by load on both
+    assert door.sessions.sessions == {}  # closed, on the replica each was opened on (sticky)
