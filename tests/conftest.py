@@ -151,6 +151,25 @@ def save_byte_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_split(tmp_path_factory) -> Path:
+    """A tiny random Llama with a byte-level tokenizer and a chat template, split head=2 tail=2."""
+    from transformers import AutoTokenizer
+
+    from splitlm.model.shards import split_model
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-chat"), seed=5)
+    save_byte_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return split_model(str(path), head=2, tail=2, out=tmp_path_factory.mktemp("tiny-chat-split"))
+
+
 @pytest.fixture(scope="session")
 def audit_model_dir(tmp_path_factory) -> Path:
     path = make_tiny_llama(tmp_path_factory.mktemp("audit-tiny"), seed=3)

@@ -14,12 +14,15 @@ states as context rows; the edge's own caches always hold the whole conversation
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from splitlm import SplitLMError
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.runtime import Edge, GenerationResult, Stream
+
+log = logging.getLogger(__name__)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -56,14 +59,29 @@ class Conversation:
             for delta, result in self.edge.run_ids(ids, max_new_tokens, True, self.spec, self.sampling,
                                                    session=self.session, cached=keep):
                 yield delta, result
-        except BaseException:
+        except BaseException:  # interrupted (stream closed, Ctrl-C, an error): as if the turn never happened
             self.messages.pop()
-            self.cached = self.cached[:keep] if result is None else self.cached
+            self._undo(keep)
             raise
         # the caches hold the context except its last token (see speculative_decode)
         self.cached = (ids + result.token_ids)[:-1]
         self.messages.append({"role": "assistant", "content": result.text})
         self.turns.append(result)
+
+    def _undo(self, keep: int) -> None:
+        """Crop both sides' caches back to the turn's start (`keep` tokens); a session that cannot
+        be cropped (its cloud refused) is replaced by a fresh one, which the next turn refills."""
+        self.cached = self.cached[:keep]
+        try:
+            self.session.abandon(keep)
+        except Exception as e:
+            log.warning("reopening the conversation's session after an interrupted turn: %s", e)
+            try:
+                self.session.close()
+            except Exception:  # noqa: S110 - the old session is gone either way
+                pass
+            self.session = self.edge.open_session(self.session.policy)
+            self.cached = []
 
     def say(self, user: str, max_new_tokens: int = 256) -> GenerationResult:
         """One turn: the answer to `user`, given everything said before."""

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
 from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
-from splitlm.transport.client import CloudClient, CloudError
+from splitlm.transport.client import PING_INTERVAL_S, CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
 from splitlm.transport.policy import CachePolicy
 
@@ -47,6 +48,20 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
     prompt_ids: list[int] = field(default_factory=list)
+
+
+FAILOVER_TIMEOUT_S = 30.0  # how long a session keeps trying to reach a cloud after losing its own
+FAILOVER_BACKOFF_S = 0.05  # the first wait between rounds of the cloud list; doubles up to the max
+FAILOVER_BACKOFF_MAX_S = 2.0
+
+
+def parse_cloud_urls(urls: str | list[str]) -> list[str]:
+    """Cloud URLs from a list or a comma-separated string."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    out = [u.strip() for u in items if u.strip()]
+    if not out:
+        raise SplitLMError("no cloud URL given")
+    return out
 
 
 class Pool:
@@ -140,12 +155,19 @@ class Stream:
 
 
 class Edge:
-    """The edge side of a split model, connected to one cloud server."""
+    """The edge side of a split model, connected to a cloud server (one of a list, to fail over to)."""
 
-    def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
+    def __init__(self, edge_dir: str | Path, cloud_url: str | list[str], wire_dtype: str = "auto",
+                 timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto"):
-        """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
+                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto",
+                 failover_timeout_s: float = FAILOVER_TIMEOUT_S, ping_interval_s: float | None = PING_INTERVAL_S):
+        """cloud_url: one URL, or several (a list, or comma-separated) that serve the same cloud shard:
+        when the connection or the cloud dies mid-request, a session reconnects (the same or the next
+        one, with backoff, for at most `failover_timeout_s` seconds) and replays what the cloud lost
+        (`EdgeSession.failover`); the output is the same as without the fault.
+        ping_interval_s: keepalive pings both ways (a link that answers none for as long is dead); None = off.
+        identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
         cache_policy: what the cloud may keep between requests (`splitlm.transport.policy`): none,
@@ -185,9 +207,12 @@ class Edge:
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
         self._lock = threading.Lock()  # the pools' table, the corpus model, the tokenizer
-        self._connect_args = dict(url=cloud_url, fingerprint=self.model.manifest.fingerprint, timeout_s=timeout_s,
+        self.cloud_urls = parse_cloud_urls(cloud_url)
+        self._url = 0  # the URL new connections try first (the last one that worked)
+        self.failover_timeout_s = failover_timeout_s
+        self._connect_args = dict(fingerprint=self.model.manifest.fingerprint, timeout_s=timeout_s,
                                   identity=identity, cloud_key=cloud_key, known_hosts=known_hosts, tls_ca=tls_ca,
-                                  rekey=rekey)
+                                  rekey=rekey, ping_interval_s=ping_interval_s, ping_timeout_s=ping_interval_s)
         self._connections: set[CloudClient] = set()
         self._clients = Pool(self._connect)
         self.client = self._connect()  # the first connection: fail early if the cloud cannot be reached
@@ -199,11 +224,50 @@ class Edge:
                 wire_nbytes(self.wire_dtype, [1, self.model.manifest.d_end])
             self.max_logit_rows = max(1, (frame - 4096) // per_row)  # the cloud keeps 4 KiB for metadata and framing
 
-    def _connect(self) -> CloudClient:
-        client = CloudClient(**self._connect_args)
-        with self._lock:
-            self._connections.add(client)
-        return client
+    def _connect(self, after: str | None = None, open_timeout_s: float | None = None) -> CloudClient:
+        """A connection to the first cloud that answers, starting with the one that worked last (or,
+        with `after`, the URL after that one: a failover tries the next server first)."""
+        n = len(self.cloud_urls)
+        first = (self.cloud_urls.index(after) + 1) % n if after in self.cloud_urls else self._url
+        args = dict(self._connect_args)
+        if open_timeout_s is not None:
+            args["timeout_s"] = min(args["timeout_s"], max(open_timeout_s, 0.1))
+        for i in range(n):
+            k = (first + i) % n
+            try:
+                client = CloudClient(self.cloud_urls[k], **args)
+            except CloudError as e:
+                if not e.retryable or i == n - 1:
+                    raise
+                log.info("%s", e)
+                continue
+            if open_timeout_s is not None:
+                client.timeout_s = self._connect_args["timeout_s"]
+            self._url = k
+            with self._lock:
+                self._connections.add(client)
+            return client
+        raise AssertionError("unreachable")
+
+    def reconnect(self, cache_policy: CachePolicy, vocab: bytes | None, after: str,
+                  deadline: float) -> tuple[CloudClient, int]:
+        """A new connection and session after `after` failed: the next cloud first, then round the list
+        again, with exponential backoff and jitter between rounds, until `deadline` (time.monotonic())."""
+        delay = FAILOVER_BACKOFF_S
+        while True:
+            client = None
+            try:
+                client = self._connect(after, deadline - time.monotonic())
+                return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
+            except CloudError as e:
+                if client is not None:
+                    self._drop_client(client)
+                left = deadline - time.monotonic()
+                if not e.retryable or left <= 0:
+                    raise CloudError(f"failover gave up after {self.failover_timeout_s:g} s: {e}", e.code) from None
+                log.info("no cloud yet (%s); retrying in %.2f s", e, delay)
+                time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
+                delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
 
     def _drop_client(self, client: CloudClient) -> None:
         with self._lock:
@@ -211,20 +275,23 @@ class Edge:
         client.close()
 
     def _open_cloud_session(self, cache_policy: CachePolicy, vocab: bytes | None = None) -> tuple[CloudClient, int]:
-        """A connection of this thread's own and a new cloud session on it."""
-        client, pooled = self._clients.take()
+        """A connection of this thread's own and a new cloud session on it (failing over, as `reconnect`,
+        when the cloud cannot be reached or the idle connection had gone stale)."""
+        after = None
         try:
-            return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
-        except CloudError:
-            self._drop_client(client)
-            if not pooled:
+            client, _ = self._clients.take()
+        except CloudError as e:
+            if not e.retryable:
                 raise
-        client = self._connect()  # the idle connection had gone stale (e.g. the cloud's idle timeout)
-        try:
-            return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
-        except BaseException:
-            self._drop_client(client)
-            raise
+        else:
+            try:
+                return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
+            except CloudError as e:
+                self._drop_client(client)
+                if not e.retryable:
+                    raise
+                after = client.url
+        return self.reconnect(cache_policy, vocab, after, time.monotonic() + self.failover_timeout_s)
 
     def split_head_logits(self, out: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
         """Logits [R, V] from a split-head RESULT: h[:d] [R, d] and partial logits [R, S]."""

@@ -43,6 +43,8 @@ class GenerationStats:
     cloud_compute_s: float = 0.0
     edge_compute_s: float = 0.0
     serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
+    failovers: int = 0  # connections lost (or clouds gone) mid-request, survived by replay (`EdgeSession.failover`)
+    failover_s: float = 0.0  # time they cost: from the fault to the replayed requests sent again
     spec_mode: str = "none"
     spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
 
@@ -188,10 +190,20 @@ class EdgeSession:
                 self.cloud_crop = cloud_n if self.cloud_crop is None else min(self.cloud_crop, cloud_n)
             self.cloud_committed = cloud_n
 
+    def abandon(self, n: int) -> None:
+        """Stop where the session stands and go back to its first n committed tokens: the replies of
+        the steps still in flight are taken and dropped, then edge and cloud are cropped to n (an
+        interrupted conversation turn: the next one sees the session as if it never happened)."""
+        for f in self.flights:
+            f.void = True
+        while self.flights:
+            self._finish(self.flights[0])
+        self.crop(n)
+
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
         self._idle()
-        self.client.policy(self.id, revoke=True)
+        self._policy(revoke=True)
         self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
 
     def tighten(self, cache_policy: str | CachePolicy) -> None:
@@ -210,10 +222,22 @@ class EdgeSession:
             return
         if new.sealed and self.key is None:
             self.key = AESGCM.generate_key(bit_length=256)
-        self.client.policy(self.id, cache_policy=new, key=self.key if new.sealed else None)
+        self._policy(cache_policy=new, key=self.key if new.sealed else None)
         self.policy = new
         if new.retention == 0:
             self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
+
+    def _policy(self, **change) -> None:
+        """A POLICY request (the session is idle), failing over if the cloud is gone."""
+        try:
+            self.client.policy(self.id, **change)
+        except CloudError as e:
+            if not e.retryable:
+                raise
+            self.failover(e)
+            if change.get("key") is not None:
+                change["key"] = self.key  # the new session's
+            self.client.policy(self.id, **change)
 
     def _context_rows(self) -> int:
         """How many committed rows, counted from the end of the history, the cloud lacks."""
@@ -325,7 +349,7 @@ class EdgeSession:
         self.cloud_committed = n  # the re-computed entries go up as context rows with the next request
 
     def _send(self, ids, positions, mask, rows, argmax=False) -> Flight:
-        model, client = self.edge.model, self.client
+        model = self.edge.model
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         n, c = self.length, self._context_rows()
@@ -333,37 +357,146 @@ class EdgeSession:
         dev = self.edge.device
         h = model.embed_and_head(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
                                  None if mask is None else to_device(mask, dev), self.head_cache)[0]  # [T, D]
-        sent = torch.cat([self.history[n - c:], h]) if c else h  # [C + T, D]
-        sent = to_host(sent)  # the wire codec reads host memory (one copy per step)
-        t1 = time.perf_counter()
-        sent_pos = self.history_pos[n - c:] + positions if c else positions
-        up, ser = client.bytes_up, client.serialize_s
-        split_head = self.edge.split_head
-        n_rows = len(ids) if rows is None else len(rows)
-        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, edge_s=t1 - t0, overlapped=bool(self.flights))
-        f.sent = client.send_forward(
-            self.id, sent, sent_pos, self.wire_dtype, mask=mask, keep=self.cloud_keep, crop=self.cloud_crop,
-            context=c, control=self.control(), rows=rows if split_head else None,
-            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
-        f.serialize_s = client.serialize_s - ser
-        self.stats.bytes_up += client.bytes_up - up
+        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, edge_s=time.perf_counter() - t0,
+                   overlapped=bool(self.flights))
         self.flights.append(f)
         self.pending = f
+        try:
+            self._transmit(f, c)
+        except CloudError as e:
+            if not e.retryable:
+                self.flights.pop()
+                raise
+            self.failover(e)  # re-sends f too
+        return f
+
+    def _transmit(self, f: Flight, c: int) -> None:
+        """Send block `f` to the cloud after the last `c` committed rows before it (context rows), with
+        the keep and crop the cloud still owes; then count what the cloud holds."""
+        client = self.client
+        start = time.perf_counter()
+        sent = torch.cat([self.history[f.start - c:f.start], f.h]) if c else f.h  # [C + T, D]
+        sent = to_host(sent)  # the wire codec reads host memory (one copy per step)
+        sent_pos = self.history_pos[f.start - c:f.start] + f.positions if c else f.positions
+        up, ser = client.bytes_up, client.serialize_s
+        split_head = self.edge.split_head
+        n_rows = len(f.ids) if f.rows is None else len(f.rows)
+        f.edge_s += time.perf_counter() - start
+        f.sent = client.send_forward(
+            self.id, sent, sent_pos, self.wire_dtype, mask=f.mask, keep=self.cloud_keep, crop=self.cloud_crop,
+            context=c, control=self.control(), rows=f.rows if split_head else None,
+            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
+        f.serialize_s += client.serialize_s - ser
+        self.stats.bytes_up += client.bytes_up - up
         retained = self.policy.retention > 0
         self.cloud_keep = self.cloud_crop = None
-        self.cloud_pending = len(ids) if retained else 0
+        self.cloud_pending = len(f.ids) if retained else 0
         self.cloud_committed = self.cloud_committed + c if retained else 0
-        return f
+
+    # -- failover: a new session (on the same or another cloud) rebuilt from what the edge holds ----
+    def failover(self, error: CloudError) -> None:
+        """The connection or the cloud died (`error`): reconnect (`Edge.reconnect`: the next cloud of
+        the list, backoff, at most `Edge.failover_timeout_s`), open a new session and replay into it
+        every request whose reply is still owed, so that decoding goes on as if nothing happened.
+
+        What the new session's cache needs is what the edge keeps anyway: the head layers' outputs of
+        every committed token (`history`) and of every block in flight (`Flight.h`); nothing is
+        recomputed. The first owed block goes up with the whole committed context as context rows
+        (a window policy: its last N), each later one with the keep of the block before it; a
+        context longer than the cloud's tokens per forward is rebuilt in chunks first. Rolled-back
+        (void) blocks are not re-sent: their replies are dropped unread. A sealed session gets a new
+        cache key (the new session's seal counter starts again)."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.edge.failover_timeout_s
+        log.warning("cloud session %d lost (%s): failing over", self.id, error)
+        while True:
+            dead = self.client
+            self.edge._drop_client(dead)
+            authorised = self.edge.vocab.packed() if self.edge.split_head and not self.edge.vocab.everything else None
+            self.client, self.id = self.edge.reconnect(self.policy, authorised, dead.url, deadline)
+            if self.key is not None:
+                self.key = AESGCM.generate_key(bit_length=256)
+            try:
+                self._replay()
+                break
+            except CloudError as e:
+                if not e.retryable or time.monotonic() > deadline:
+                    raise
+                log.warning("the new cloud session failed too (%s): failing over again", e)
+        self.stats.failovers += 1
+        self.stats.failover_s += time.perf_counter() - t0
+        log.warning("failed over to %s (session %d) in %.2f s", self.client.url, self.id, time.perf_counter() - t0)
+
+    def _replay(self) -> None:
+        """Rebuild an empty cloud session's cache and re-send the blocks still owed a reply (see `failover`)."""
+        self.cloud_committed = self.cloud_pending = 0
+        self.cloud_keep = self.cloud_crop = None
+        retained = self.policy.retention > 0
+        owed = []
+        for f in self.flights:
+            if f.void:
+                f.sent = None  # its reply is dropped unread
+            else:
+                owed.append(f)
+        prev = None
+        for f in owed:
+            if prev is None:
+                c = f.start if self.policy.window is None else min(f.start, self.policy.window)
+                if retained and self.policy.window is None:
+                    c -= self._rebuild(f.start, len(f.ids))
+            else:
+                self._replay_keep(prev)
+                c = f.start - self.cloud_committed if retained else f.start
+            self._transmit(f, c)
+            prev = f
+        if prev is not None and prev.settled:
+            self._replay_keep(prev)
+
+    def _replay_keep(self, f: Flight) -> None:
+        """The cloud-side bookkeeping of settling block `f` (sent to the new session) with its keep."""
+        if self.policy.retention == 0:
+            return
+        if f.keep is not None:
+            self.cloud_keep = list(f.keep)
+        self.cloud_committed += len(f.ids) if f.keep is None else len(f.keep)
+        self.cloud_pending = 0
+
+    def _rebuild(self, upto: int, then: int) -> int:
+        """Send committed rows [0, upto) to the cloud as blocks of their own until the rest fits in one
+        forward with `then` new tokens (the cloud's tokens per forward); returns the rows sent so."""
+        per_forward = self.client.info.limits.max_tokens_per_forward
+        done = 0
+        while per_forward and upto - done + then > per_forward:
+            n = min(per_forward, upto - done)
+            h, pos = to_host(self.history[done:done + n]), self.history_pos[done:done + n]
+            split_head = self.edge.split_head
+            self.client.forward_tensors(self.id, h, pos, self.wire_dtype, control=self.control(),
+                                        rows=[n - 1] if split_head else None,
+                                        max_reply_elements=max(h.numel(), self.edge.vocab.size))
+            done += n
+            self.cloud_committed = done
+        return done
 
     def _finish(self, f: Flight) -> torch.Tensor | None:
         if not self.flights or self.flights[0] is not f:
             raise SplitLMError("replies are taken in the order the steps were sent")
+        model = self.edge.model
+        while True:
+            client = self.client
+            down, ser = client.bytes_down, client.serialize_s
+            if f.sent is None:  # a void block a failover did not re-send
+                out, meta = {}, {"wait_s": 0.0, "compute_s": 0.0}
+                break
+            try:
+                out, meta = client.receive_forward(f.sent)
+                break
+            except CloudError as e:
+                if not e.retryable:
+                    raise
+                self.failover(e)  # re-sends f (and the blocks after it)
         self.flights.popleft()
-        model, client = self.edge.model, self.client
-        down, ser = client.bytes_down, client.serialize_s
-        out, meta = client.receive_forward(f.sent)
         t2 = time.perf_counter()
-        if f is self.pending and self.policy.retention > 0:  # the cloud's own count (a window trims it)
+        if f is self.pending and self.policy.retention > 0 and "cache_len" in meta:  # the cloud's count (a window trims it)
             self.cloud_committed = meta["cache_len"] - self.cloud_pending
         logits = None
         if not f.void:

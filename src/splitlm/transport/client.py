@@ -38,6 +38,7 @@ from splitlm.transport.messages import (
     Close,
     Control,
     Forward,
+    GoingAway,
     Open,
     Opened,
     PolicyChange,
@@ -61,12 +62,24 @@ class PendingForward:
     max_reply_elements: int
 
 
-class CloudError(SplitLMError):
-    """The cloud answered with an ERROR frame, or could not be reached."""
+PING_INTERVAL_S = 20.0  # keepalive pings, both ways; a link silent to pings for as long again is dead
+PING_TIMEOUT_S = 20.0
 
-    def __init__(self, message: str, code: ErrorCode | None = None):
+
+class CloudError(SplitLMError):
+    """The cloud answered with an ERROR frame, or could not be reached.
+
+    `retryable`: the connection (or the cloud) is gone, not the request at fault: closed, timed out,
+    unreachable, or the cloud said GOING_AWAY. An edge session fails over on these (`EdgeSession`)."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None, retryable: bool = False):
         super().__init__(message)
         self.code = code
+        self.retryable = retryable
+
+
+def lost(message: str) -> CloudError:
+    return CloudError(message, retryable=True)
 
 
 def tls_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None:
@@ -102,7 +115,8 @@ class CloudClient:
     def __init__(self, url: str, fingerprint: str, timeout_s: float = 60.0, max_frame_bytes: int = 64 * 2**20, *,
                  identity: Identity | str | Path | None = None, cloud_key: str | bytes | None = None,
                  known_hosts: str | Path | None = None, tls_ca: str | Path | None = None,
-                 rekey: RekeyPolicy | None = None):
+                 rekey: RekeyPolicy | None = None, ping_interval_s: float | None = PING_INTERVAL_S,
+                 ping_timeout_s: float | None = PING_TIMEOUT_S):
         self.url, self.timeout_s, self.max_frame_bytes = url, timeout_s, max_frame_bytes
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
@@ -113,10 +127,12 @@ class CloudClient:
         context = tls_context(url, tls_ca)
         try:
             self.ws: ClientConnection = connect(url, open_timeout=timeout_s, max_size=max_frame_bytes,
-                                                compression=None, proxy=None, ping_interval=None,
-                                                ssl=context).__enter__()
-        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as e:
+                                                compression=None, proxy=None, ping_interval=ping_interval_s,
+                                                ping_timeout=ping_timeout_s, ssl=context).__enter__()
+        except InvalidURI as e:
             raise CloudError(f"cannot reach the cloud at {url}: {e}") from None
+        except (OSError, InvalidHandshake, TimeoutError) as e:
+            raise lost(f"cannot reach the cloud at {url}: {e}") from None
         try:
             self.channel: Channel = self._handshake(fingerprint, pinned, known_hosts, rekey)
         except BaseException:
@@ -131,16 +147,16 @@ class CloudClient:
         try:
             self.ws.send(data)
         except ConnectionClosed as e:
-            raise CloudError(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
+            raise lost(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
         self.bytes_up += len(data)
 
     def _recv(self) -> bytes:
         try:
             reply_data = self.ws.recv(timeout=self.timeout_s)
         except ConnectionClosed as e:
-            raise CloudError(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
+            raise lost(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
         except TimeoutError:
-            raise CloudError(f"no answer from the cloud within {self.timeout_s:.0f} s") from None
+            raise lost(f"no answer from the cloud within {self.timeout_s:.0f} s") from None
         self.bytes_down += len(reply_data)
         return reply_data
 
@@ -217,6 +233,9 @@ class CloudClient:
             self.serialize_s += time.perf_counter() - t0
         if reply.type == MsgType.ERROR:
             raise error_from_frame(reply)
+        if reply.type == MsgType.GOING_AWAY:
+            self.ws.close()
+            raise lost(f"the cloud is going away ({GoingAway.from_frame(reply).reason})")
         if reply.meta.get("ref") != frame.seq:
             raise CloudError("the cloud answered a different request")
         if reply.type != REPLY_TYPE[frame.type]:

@@ -52,6 +52,7 @@ class MsgType(IntEnum):
     ERROR = 9
     POLICY = 10
     POLICY_OK = 11
+    GOING_AWAY = 12  # cloud -> edge: shutting down, no more replies on this connection; fail over now
 
 
 @dataclass

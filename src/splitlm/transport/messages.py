@@ -14,6 +14,7 @@ need the model or the session (shapes, positions, budgets) stay with the cloud.
     PolicyChange ->   PolicyOk
     Close        ->   Closed
     (any)        ->   ERROR (`frames.error_frame`)
+    (none)      <-    GoingAway (the cloud shuts down: unsolicited, in place of the next reply)
 """
 
 from __future__ import annotations
@@ -295,3 +296,19 @@ class Closed:
 
     def to_frame(self) -> Frame:
         return Frame(MsgType.CLOSED, self.session)
+
+
+@dataclass
+class GoingAway:
+    """The cloud is shutting down (SIGTERM): it answered every request it had read and takes no
+    more on this connection. Sent encrypted, unsolicited, after the last reply; the edge fails over
+    at once (re-sending what went unanswered) instead of waiting for a timeout."""
+    reason: str = "shutting down"
+
+    def to_frame(self) -> Frame:
+        return Frame(MsgType.GOING_AWAY, meta={"reason": self.reason})
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> GoingAway:
+        _expect(frame, MsgType.GOING_AWAY)
+        return cls(str(frame.meta.get("reason", "shutting down"))[:200])

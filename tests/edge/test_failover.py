@@ -1,0 +1,281 @@
+"""Failover with replay: the cloud server process is SIGKILLed mid-request (during the prefill, during
+a speculative step, with a pipelined step in flight) and the edge carries on on a second cloud of
+its list, or on the same cloud restarted on its port; the output equals an undisturbed run (greedy
+fp32 and seeded sampling) for `generate`, a `Conversation` and the streamed OpenAI API."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from splitlm.cloud.local import free_port, wait_healthy
+from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.speculative import SpecConfig
+from splitlm.edge import Edge
+from splitlm.edge.session import EdgeSession
+
+PROMPT = "<|user|>abcabcabcabc abcabc\n<|assistant|>"
+SEEDED = SamplingConfig(temperature=0.9, seed=7)
+NGRAM = SpecConfig("ngram", max_nodes=6)
+PIPELINED = SpecConfig("ngram", max_nodes=6, pipeline=True)
+
+
+class Clouds:
+    """`splitlm serve-cloud` subprocesses of one shard, each on its own port, to kill and restart."""
+
+    def __init__(self, shard, n: int, log_dir):
+        self.shard, self.log_dir = shard, log_dir
+        self.ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.kills = 0
+
+    def url(self, i: int) -> str:
+        return f"ws://127.0.0.1:{self.ports[i]}"
+
+    def start(self, i: int) -> subprocess.Popen:
+        with open(self.log_dir / f"cloud{i}.log", "ab") as err:
+            self.procs[i] = subprocess.Popen(
+                [sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(self.shard), "--port",
+                 str(self.ports[i]), "--threads", "1", "--device", "cpu", "--dtype", "fp32"],
+                stdout=subprocess.DEVNULL, stderr=err)
+        return self.procs[i]
+
+    def up(self) -> None:
+        """Every cloud serving (restart the killed ones)."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                proc = self.start(i)
+            wait_healthy(self.ports[i], proc, 60)
+
+    def index(self, url: str) -> int:
+        return self.ports.index(int(url.rsplit(":", 1)[1]))
+
+    def freeze(self, url: str) -> None:
+        os.kill(self.procs[self.index(url)].pid, signal.SIGSTOP)  # it answers nothing from now on
+
+    def kill(self, url: str) -> None:
+        proc = self.procs[self.index(url)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self.kills += 1
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def clouds(tiny_chat_split, tmp_path_factory):
+    c = Clouds(tiny_chat_split / "cloud", 2, tmp_path_factory.mktemp("clouds"))
+    try:
+        c.up()
+        yield c
+    finally:
+        c.close()
+
+
+# where to kill: called after a block is sent, with the session, the block and the blocks in flight
+POINTS = {
+    "prefill": lambda s, f: s.stats.round_trips == 0,  # the first forward of a request
+    "spec": lambda s, f: s.stats.round_trips >= 2 and len(f.ids) > 1,  # a drafted tree is being verified
+    "pipelined": lambda s, f: len(s.flights) == 2,  # a second step sent while the first is in flight
+}
+
+
+@pytest.fixture(autouse=True)
+def always_bet(monkeypatch):
+    """Pipelined steps bet whenever they can (at loopback latency a bet would rarely pay)."""
+    import functools
+
+    from splitlm.decoding import pipeline
+    from splitlm.edge import runtime
+
+    monkeypatch.setattr(runtime, "pipelined_decode", functools.partial(pipeline.pipelined_decode, always_bet=True))
+
+
+def arm(monkeypatch, clouds: Clouds, point: str, restart: bool = False) -> list:
+    """SIGKILL the cloud a session talks to while the first block matching `point` is unanswered
+    (the cloud is frozen before the block goes up, so it cannot have answered it). With `restart`,
+    the same cloud starts again on its port at once. Returns a list that records each kill."""
+    fired: list[dict] = []
+    transmit, replay = EdgeSession._transmit, EdgeSession._replay
+
+    def faulty_transmit(self, f, c):
+        hit = not fired and POINTS[point](self, f)
+        if hit:
+            clouds.freeze(self.client.url)
+        transmit(self, f, c)
+        if hit:
+            fired.append({"url": self.client.url, "tokens": len(f.ids), "in_flight": len(self.flights)})
+            clouds.kill(self.client.url)
+            if restart:
+                clouds.start(clouds.index(self.client.url))
+
+    def counting_replay(self):
+        fired[-1]["owed"] = sum(not f.void for f in self.flights)
+        replay(self)
+
+    monkeypatch.setattr(EdgeSession, "_transmit", faulty_transmit)
+    monkeypatch.setattr(EdgeSession, "_replay", counting_replay)
+    return fired
+
+
+def edge_for(split, urls: list[str]) -> Edge:
+    return Edge(split / "edge", urls, wire_dtype="fp32", device="cpu", dtype="fp32", failover_timeout_s=30)
+
+
+def run_generate(split, urls, spec, sampling):
+    with edge_for(split, urls) as edge:
+        r = edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=spec, sampling=sampling)
+    return r.token_ids, r.stats
+
+
+CASES = [("prefill", NGRAM), ("spec", NGRAM), ("pipelined", PIPELINED)]
+
+
+@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("point,spec", CASES, ids=[c[0] for c in CASES])
+def test_generate_fails_over_to_the_next_cloud(tiny_chat_split, clouds, monkeypatch, point, spec, sampling):
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = run_generate(tiny_chat_split, urls, spec, sampling)
+    fired = arm(monkeypatch, clouds, point)
+    got, stats = run_generate(tiny_chat_split, urls, spec, sampling)
+    assert fired and fired[0]["owed"] >= 1, "the fault was not injected where the test meant it"
+    if point == "pipelined":
+        assert fired[0]["in_flight"] == 2
+    assert got == want
+    assert stats.failovers == 1 and stats.failover_s > 0
+
+
+@pytest.mark.parametrize("point,spec,sampling", [("spec", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
+                         ids=["spec-greedy", "pipelined-seeded"])
+def test_generate_waits_for_the_same_cloud_to_restart(tiny_chat_split, clouds, monkeypatch, point, spec, sampling):
+    clouds.up()
+    urls = [clouds.url(0)]
+    want, _ = run_generate(tiny_chat_split, urls, spec, sampling)
+    fired = arm(monkeypatch, clouds, point, restart=True)
+    got, stats = run_generate(tiny_chat_split, urls, spec, sampling)
+    assert fired and got == want
+    assert stats.failovers == 1
+
+
+def converse(split, urls, spec, sampling, monkeypatch=None, clouds=None, point=None):
+    """Three turns; with `point`, the cloud is killed in the second one."""
+    with edge_for(split, urls) as edge:
+        chat = edge.conversation(system="be brief", spec=spec, sampling=sampling)
+        answers, failovers = [], 0
+        for i, user in enumerate(["abcabc abc", "abc abcabc", "cab cab"]):
+            fired = arm(monkeypatch, clouds, point) if point and i == 1 else None
+            r = chat.say(user, max_new_tokens=12)
+            if fired is not None:
+                assert fired, "the fault was not injected"  # (the hooks stay, inert: they fire once)
+            answers.append(r.token_ids)
+            failovers += r.stats.failovers
+        chat.close()
+    return answers, failovers
+
+
+@pytest.mark.parametrize("point,spec,sampling", [("prefill", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
+                         ids=["prefill-greedy", "pipelined-seeded"])
+def test_conversation_fails_over_with_its_history(tiny_chat_split, clouds, monkeypatch, point, spec, sampling):
+    """The cloud that held the first turn dies in the second: the new one gets the history replayed."""
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = converse(tiny_chat_split, urls, spec, sampling)
+    got, failovers = converse(tiny_chat_split, urls, spec, sampling, monkeypatch, clouds, point)
+    assert got == want and failovers == 1
+
+
+def sse_text(response) -> tuple[str, list[dict]]:
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    return text, events
+
+
+@pytest.mark.parametrize("point,body", [("spec", {"temperature": 0}),
+                                        ("pipelined", {"temperature": 0.9, "seed": 3})],
+                         ids=["spec-greedy", "pipelined-seeded"])
+def test_streamed_api_continues_without_an_error_event(tiny_chat_split, clouds, monkeypatch, point, body):
+    from starlette.testclient import TestClient
+
+    from splitlm.edge.api import APIConfig, EdgeAPI
+
+    clouds.up()
+    spec = PIPELINED if point == "pipelined" else NGRAM
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "abcabc abcabc"}], "max_tokens": 20,
+               "stream": True, "stream_options": {"include_usage": True}, **body}
+
+    def stream() -> tuple[str, list[dict]]:
+        with edge_for(tiny_chat_split, [clouds.url(0), clouds.url(1)]) as edge:
+            api = EdgeAPI(edge, APIConfig(model_name="tiny", spec=spec))
+            try:
+                with TestClient(api.app) as http:
+                    response = http.post("/v1/chat/completions", json=request)
+                assert response.status_code == 200
+                return sse_text(response)
+            finally:
+                api.close()
+
+    want, _ = stream()
+    fired = arm(monkeypatch, clouds, point)
+    got, events = stream()
+    assert fired, "the fault was not injected"
+    assert got == want and want
+    assert not any("error" in e for e in events)
+    assert events[-1]["splitlm"]["failovers"] == 1
+
+
+def test_an_interrupted_turn_leaves_no_trace(tiny_chat_split, clouds):
+    """A turn whose stream is closed after a few pieces: the next turn equals the conversation in
+    which the interrupted turn never happened (both sides' caches were cropped back)."""
+    clouds.up()
+    with edge_for(tiny_chat_split, [clouds.url(0)]) as edge:
+        spec = SpecConfig("ngram")
+        clean = edge.conversation(spec=spec)
+        clean.say("abcabc", max_new_tokens=10)
+        want = clean.say("cab cab", max_new_tokens=16).token_ids
+        clean.close()
+
+        chat = edge.conversation(spec=spec)
+        chat.say("abcabc", max_new_tokens=10)
+        stream = chat.stream("abc abcabc abc", max_new_tokens=40)
+        pieces = iter(stream)
+        for _ in range(3):
+            next(pieces)
+        stream.close()
+        assert chat.session.length == len(chat.cached)
+        assert chat.say("cab cab", max_new_tokens=16).token_ids == want
+        chat.close()
+
+
+def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds, monkeypatch):
+    """No cloud comes back: the request fails with one clear error once the failover timeout is spent."""
+    from splitlm.transport.client import CloudError
+
+    clouds.up()
+    fired = arm(monkeypatch, clouds, "spec")
+    with Edge(tiny_chat_split / "edge", [clouds.url(0)], wire_dtype="fp32", device="cpu",
+              failover_timeout_s=1.0) as edge:
+        with pytest.raises(CloudError, match="failover gave up after 1 s"):
+            edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
+    assert fired
+
+
+def test_keepalive_pings_are_on(tiny_chat_split, clouds):
+    clouds.up()
+    with Edge(tiny_chat_split / "edge", clouds.url(0), device="cpu", ping_interval_s=0.2) as edge:
+        ws = edge.client.ws
+        assert ws.ping_interval == 0.2
+        done = threading.Event()
+        done.wait(0.6)  # a few pings answered: the connection is still open and usable
+        assert edge.generate(PROMPT, max_new_tokens=4).token_ids
