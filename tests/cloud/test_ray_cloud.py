@@ -2,6 +2,7 @@
 tokens, sessions kept on one replica, placed by load, and a lost replica's sessions replayed."""
 
 import threading
+import time
 
 import pytest
 
@@ -76,3 +77,42 @@ def test_ray_cloud_equals_the_single_process_cloud(tiny_split, ray_cloud):
     new = {r: door.placed[r] - placed.get(r, 0) for r in (0, 1)}
     assert sum(new.values()) >= len(PROMPTS) and min(new.values()) >= 2, new  # placed by load on both
     assert door.sessions.sessions == {}  # closed, on the replica each was opened on (sticky)
+
+
+@pytest.mark.parametrize("stage", [1, 0])
+def test_a_killed_replica_actor_is_survived_with_identical_output(tiny_split, ray_cloud, stage):
+    """Mid-generation, one actor of the replica holding sessions is killed (a later stage, then stage 0):
+    its sessions' edges fail over by replay to the other replica with the same tokens, and Ray restarts it."""
+    door = ray_cloud.server
+    max_new = 40
+    with BackgroundServer(tiny_split / "cloud", batch=BATCH) as single:
+        expected = generate_all(tiny_split, single.url, max_new, concurrent=False)
+    victim = 1 - stage  # the replica whose actor dies
+    name = actor_name(door.manifest.fingerprint, victim, stage)
+    actor = ray.get_actor(name, namespace="splitlm-test")
+    before = ray.get(actor.ping.remote())
+    lost = door.lost
+    results = {}
+    runner = threading.Thread(target=lambda: results.update(out=generate_all(tiny_split, ray_cloud.url, max_new, True)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while sum(r.replica == victim for r in list(door.sessions.sessions.values())) < 2:  # sessions mid-generation
+        assert time.monotonic() < deadline and runner.is_alive(), "no sessions on the replica"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    ray.kill(actor, no_restart=False)
+    runner.join(300)
+    assert results.get("out") == expected
+    assert door.lost > lost  # the sessions on the killed replica were ended and replayed
+    assert restarted(actor) != before  # restarted by Ray (a new incarnation)
+
+
+def restarted(actor, timeout_s: float = 120) -> str:
+    """The actor's incarnation once it answers again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.ping.remote(), timeout=timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
