@@ -75,8 +75,10 @@ def actor_name(fingerprint: str, replica: int, stage: int) -> str:
 
 def connect(config: RayConfig) -> None:
     """Join (or start) the Ray cluster, unless this process already did."""
-    import ray
-
+    try:
+        import ray
+    except ImportError:
+        raise SplitLMError("--ray needs Ray: pip install 'splitlm[ray]' (or `make setup`)") from None
     if ray.is_initialized():
         return
     if config.address is None:
