@@ -67,10 +67,10 @@ def cmd_serve_cloud(args) -> int:
         from splitlm.cloud.ray_cloud import RayConfig, RayFrontDoor
 
         ray = RayConfig(None if args.ray == "local" else args.ray, args.replicas or 1, args.stages or 1,
-                        args.actor_cpus, args.actor_gpus, args.threads or 1)
+                        args.actor_cpus, args.actor_gpus, args.threads or 1, args.lanes)
         server = RayFrontDoor(args.shard, limits, ray=ray, **options)
-    elif args.replicas or args.stages:
-        raise SplitLMError("--replicas and --stages need --ray (the cloud on a Ray cluster)")
+    elif args.replicas or args.stages or args.lanes:
+        raise SplitLMError("--replicas, --stages and --lanes need --ray (the cloud on a Ray cluster)")
     else:
         server = CloudServer(args.shard, limits, **options)
     try:
@@ -458,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=positive_int, default=None, help="--ray: copies of the whole pipeline (default 1)")
     p.add_argument("--stages", type=positive_int, default=None,
                    help="--ray: pipeline stages per replica, each an actor holding a contiguous range of layers (default 1)")
+    p.add_argument("--lanes", type=positive_int, default=None,
+                   help="--ray: passes in flight per replica, each session in one (default: one per stage)")
     p.add_argument("--actor-cpus", type=float, default=0.0, help="--ray: CPUs each actor reserves (default 0)")
     p.add_argument("--actor-gpus", type=float, default=None,
                    help="--ray: GPUs each actor reserves (default: 1 where the cluster has GPUs, else 0)")

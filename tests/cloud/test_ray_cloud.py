@@ -116,3 +116,24 @@ def restarted(actor, timeout_s: float = 120) -> str:
         except ray.exceptions.ActorUnavailableError:
             assert time.monotonic() < deadline
             time.sleep(0.5)
+
+
+def test_split_head_on_three_stages_and_no_sealed_caches(tiny_split_head, ray_instance):
+    """The split-head topology (stage 0 also holds the final norm and the cloud's LM-head columns) over 3 stages
+    gives the single-process cloud's tokens; a sealed cache policy is refused with POLICY (not kept per stage)."""
+    from splitlm.transport.client import CloudError
+    from splitlm.transport.errors import ErrorCode
+
+    def run(url):
+        with Edge(tiny_split_head / "edge", url, wire_dtype="fp32") as edge:
+            return [edge.generate(p, max_new_tokens=10, stop_at_eos=False, spec="auto").token_ids for p in PROMPTS[:2]]
+
+    with BackgroundServer(tiny_split_head / "cloud") as single:
+        expected = run(single.url)
+    config = RayConfig(replicas=1, stages=3, namespace="splitlm-test")
+    with BackgroundServer(tiny_split_head / "cloud", server_cls=RayFrontDoor, ray=config) as server:
+        assert run(server.url) == expected
+        with Edge(tiny_split_head / "edge", server.url, cache_policy="sealed") as edge, \
+                pytest.raises(CloudError) as err:
+            edge.generate(PROMPTS[0], max_new_tokens=2)
+        assert err.value.code == ErrorCode.POLICY

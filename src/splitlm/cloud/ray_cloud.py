@@ -60,6 +60,7 @@ class RayConfig:
     actor_cpus: float = 0.0  # CPUs each actor reserves (0: none, so a small machine holds R x S actors)
     actor_gpus: float | None = None  # GPUs each actor reserves; None: 1 where the cluster has GPUs, else 0
     threads: int = 1  # torch threads per actor
+    lanes: int | None = None  # passes in flight per replica (scheduler lanes); None: one per stage
     namespace: str = NAMESPACE
     local_cpus: int | None = None  # num_cpus of a Ray instance started here (None: the machine's)
     object_store_mb: int = 512  # object store of a Ray instance started here
@@ -67,6 +68,8 @@ class RayConfig:
     def __post_init__(self):
         if self.replicas < 1 or self.stages < 1:
             raise SplitLMError("--replicas and --stages must be at least 1")
+        if self.lanes is not None and self.lanes < 1:
+            raise SplitLMError("--lanes must be at least 1")
 
 
 def actor_name(fingerprint: str, replica: int, stage: int) -> str:
@@ -104,6 +107,7 @@ def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch
     connect(config)
     _, manifest = read_cloud_shard(shard_dir)
     ranges = stage_ranges(*manifest.cloud_layers, config.stages)
+    lanes = config.lanes or config.stages
     gpus = config.actor_gpus
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
@@ -116,17 +120,21 @@ def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch
     for r in range(config.replicas):
         specs = [StageSpec(shard, lo, hi, device, dtype, config.threads) for lo, hi in ranges]
         names = [actor_name(manifest.fingerprint, r, s) for s in range(config.stages)]
-        stages = [stage_cls.options(name=names[s], max_concurrency=4, **common).remote(specs[s])
+        stages = [stage_cls.options(name=names[s], max_concurrency=lanes + 2, **common).remote(specs[s])
                   for s in range(1, config.stages)]
         head = head_cls.options(name=names[0], max_concurrency=1000, **common).remote(
-            specs[0], names[1:], config.namespace, limits, batch)
+            specs[0], names[1:], config.namespace, limits, batch, lanes)
         replicas.append(Replica(r, head, stages))
-    loads = ray.get([rep.head.load.remote() for rep in replicas], timeout=START_TIMEOUT_S)
+    try:
+        loads = ray.get([rep.head.load.remote() for rep in replicas], timeout=START_TIMEOUT_S)
+    except ray.exceptions.RayError as e:  # e.g. an actor's __init__ failed (its device, its shard path)
+        cause = str(e).strip().splitlines()
+        raise SplitLMError(f"the Ray cloud's actors did not start: {cause[-1] if cause else type(e).__name__}") from None
     for rep, load in zip(replicas, loads, strict=True):
         rep.load = load
-    log.info("Ray cloud: %d replica(s) x %d stage(s) (layers %s), actors with %g CPU and %g GPU each, on %s",
-             config.replicas, config.stages, ", ".join(f"[{lo},{hi})" for lo, hi in ranges), config.actor_cpus,
-             gpus, loads[0].device)
+    log.info("Ray cloud: %d replica(s) x %d stage(s) (layers %s), %d pass(es) in flight per replica, actors with "
+             "%g CPU and %g GPU each, on %s", config.replicas, config.stages,
+             ", ".join(f"[{lo},{hi})" for lo, hi in ranges), lanes, config.actor_cpus, gpus, loads[0].device)
     return replicas
 
 
@@ -330,3 +338,16 @@ class RayFrontDoor(CloudServer):
             await super().serve(host, port, started, stop)
         finally:
             monitor.cancel()
+            if self.ray_config.address is None:  # actors of our own (not detached): they end with us
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill the replicas' actors (without restart)."""
+        import ray
+
+        for rep in self.replicas:
+            for actor in [rep.head, *rep.stages]:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from splitlm.cloud.ray_stage import PassMeta, StageCache, StageSpec, load_stage
-from splitlm.cloud.scheduler import BatchConfig
+from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.server import CloudServer
 from splitlm.cloud.sessions import ServerLimits, Session, SessionTable
 from splitlm.model.device import dtype_name, to_device, to_host
@@ -88,7 +88,13 @@ class PipelineStack(torch.nn.Module):
     def __init__(self, local, downstream: list, on_lost):
         super().__init__()
         self.local, self.downstream, self.on_lost = local, downstream, on_lost
-        self.dropped: list[int] = []  # sessions that ended since the last pass (the stages free their caches)
+        self.lock = threading.Lock()
+        self.dropped: dict[int, list[int]] = {}  # lane -> its sessions that ended since its last pass
+
+    def drop(self, lane: int, sid: int) -> None:
+        """The stages free the session's caches with its lane's next pass (after any pass of it in flight)."""
+        with self.lock:
+            self.dropped.setdefault(lane, []).append(sid)
 
     @property
     def layers(self):
@@ -101,7 +107,8 @@ class PipelineStack(torch.nn.Module):
             return outs
         import ray
 
-        dropped, self.dropped = self.dropped, []
+        with self.lock:
+            dropped = self.dropped.pop(caches[0].lane, [])
         meta = PassMeta([c.sid for c in caches], [not c.shipped for c in caches], [c.drain() for c in caches],
                         [to_host(p) for p in positions], [None if m is None else to_host(m) for m in new_masks],
                         dropped)
@@ -125,28 +132,58 @@ class StageSessionTable(SessionTable):
     """Sessions whose caches are `StageCache`s (no sealed policy: every stage would have to seal its own
     part of the cache); ended sessions are reported to the later stages with the next pass."""
 
-    def __init__(self, limits: ServerLimits, budget, stack: PipelineStack):
+    def __init__(self, limits: ServerLimits, budget, stack: PipelineStack, lanes: int = 1):
         super().__init__(limits, budget)
-        self.stack = stack
+        self.stack, self.lanes = stack, lanes
 
     def open(self, owner, wire_dtype, num_layers, conn=0, policy=None) -> Session:
         if policy is not None and policy.sealed:
             raise ProtocolError(ErrorCode.POLICY, "the Ray cloud does not keep sealed caches (its stages hold "
                                                   "separate parts of each cache); use policy session, window or none")
         session = super().open(owner, wire_dtype, num_layers, conn, policy)
+        per_lane = [0] * self.lanes
+        for s in self.sessions.values():
+            if isinstance(s.cache, StageCache):
+                per_lane[s.cache.lane] += 1
         session.cache = StageCache(num_layers, session.id)
+        session.cache.lane = per_lane.index(min(per_lane))  # the lane with the fewest sessions
         return session
 
     def _remove(self, sid: int) -> None:
+        session = self.sessions[sid]
         super()._remove(sid)
-        self.stack.dropped.append(sid)
+        self.stack.drop(session.cache.lane, sid)
+
+
+class Lanes:
+    """Several batching schedulers over one pipeline (the `Scheduler` interface CloudServer uses): each
+    session belongs to one lane, each lane runs its passes one after another, and the lanes' passes
+    overlap in the pipeline (stage 0 computes one lane's pass while a later stage computes another's)."""
+
+    def __init__(self, model, config: BatchConfig | None, on_pass, lanes: int):
+        self.lanes = [Scheduler(model, config, on_pass) for _ in range(lanes)]
+
+    @property
+    def queued_rows(self) -> int:
+        return sum(lane.queued_rows for lane in self.lanes)
+
+    def submit(self, session: Session, req):
+        return self.lanes[session.cache.lane].submit(session, req)
+
+    async def run(self, session: Session, req):
+        return await self.lanes[session.cache.lane].run(session, req)
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
 
 
 class ReplicaCore(CloudServer):
     """The single-process cloud's session logic over a pipeline of stages (no sockets: `ReplicaHead`
     hands it the frames the front doors decrypted)."""
 
-    def __init__(self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None):
+    def __init__(self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None,
+                 lanes: int = 1):
         self.spec, self.downstream = spec, downstream
         self.incarnation = secrets.token_hex(8)
         self.stage_incarnations: list[str] = []
@@ -155,7 +192,10 @@ class ReplicaCore(CloudServer):
         self.loop: asyncio.AbstractEventLoop | None = None
         super().__init__(spec.shard_dir, limits, device=spec.device, dtype=spec.dtype, identity=generate_identity(),
                          batch=batch)
-        self.sessions = StageSessionTable(self.limits, self.budget, self.model.middle)
+        self.sessions = StageSessionTable(self.limits, self.budget, self.model.middle, lanes)
+        if lanes > 1:
+            self.scheduler.close()
+            self.scheduler = Lanes(self.model, batch, self.metrics.on_pass, lanes)
 
     def load_model(self, shard_dir):
         model = load_stage(shard_dir, self.spec.start, self.spec.end, self.device, self.dtype, head_part=True)
@@ -211,12 +251,12 @@ class ReplicaHead:
     """A replica's stage 0 (Ray actor, asyncio). `stage_names`: its later stages' actor names."""
 
     def __init__(self, spec: StageSpec, stage_names: list[str], namespace: str, limits: ServerLimits | None,
-                 batch: BatchConfig | None):
+                 batch: BatchConfig | None, lanes: int = 1):
         import ray
 
         torch.set_num_threads(spec.threads)
         downstream = [ray.get_actor(name, namespace=namespace) for name in stage_names]
-        self.core = ReplicaCore(spec, downstream, limits, batch)
+        self.core = ReplicaCore(spec, downstream, limits, batch, lanes)
         if downstream:  # a restarted stage 0: the later stages still hold the old sessions' caches
             self.core.reset_stages()
         self.tasks: list[asyncio.Task] = []

@@ -58,6 +58,7 @@ class StageCache(KVCache):
         self.edits: list[tuple] = []
         super().__init__(num_layers)
         self.sid = sid
+        self.lane = 0  # the replica's scheduler lane the session's passes run in (`ray_replica.Lanes`)
         self.shipped = False  # the later stages hold this session's caches (it was in a pass)
         self._inside = False
 
