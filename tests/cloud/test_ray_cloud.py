@@ -10,6 +10,7 @@ from splitlm.cloud.scheduler import BatchConfig
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
+from splitlm.transport.frames import MsgType
 
 ray = pytest.importorskip("ray")
 
@@ -81,30 +82,33 @@ def test_ray_cloud_equals_the_single_process_cloud(tiny_split, ray_cloud):
 
 @pytest.mark.parametrize("stage", [1, 0])
 def test_a_killed_replica_actor_is_survived_with_identical_output(tiny_split, ray_cloud, stage):
-    """Mid-generation, one actor of the replica holding sessions is killed (a later stage, then stage 0):
-    its sessions' edges fail over by replay to the other replica with the same tokens, and Ray restarts it."""
+    """Mid-generation (just before the 4th FORWARD the front door sends the replica), one actor of a replica
+    holding sessions is killed (a later stage, then stage 0): the edges of its sessions fail over by replay to
+    the other replica with the same tokens, and Ray restarts the actor."""
     door = ray_cloud.server
     max_new = 40
     with BackgroundServer(tiny_split / "cloud", batch=BATCH) as single:
         expected = generate_all(tiny_split, single.url, max_new, concurrent=False)
     victim = 1 - stage  # the replica whose actor dies
-    name = actor_name(door.manifest.fingerprint, victim, stage)
-    actor = ray.get_actor(name, namespace="splitlm-test")
-    before = ray.get(actor.ping.remote())
-    lost = door.lost
-    results = {}
-    runner = threading.Thread(target=lambda: results.update(out=generate_all(tiny_split, ray_cloud.url, max_new, True)))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while sum(r.replica == victim for r in list(door.sessions.sessions.values())) < 2:  # sessions mid-generation
-        assert time.monotonic() < deadline and runner.is_alive(), "no sessions on the replica"
-        time.sleep(0.05)
-    time.sleep(0.3)
-    ray.kill(actor, no_restart=False)
-    runner.join(300)
-    assert results.get("out") == expected
-    assert door.lost > lost  # the sessions on the killed replica were ended and replayed
-    assert restarted(actor) != before  # restarted by Ray (a new incarnation)
+    actor = ray.get_actor(actor_name(door.manifest.fingerprint, victim, stage), namespace="splitlm-test")
+    before, lost, forwards = ray.get(actor.ping.remote()), door.lost, []
+    call = door.call
+
+    async def call_and_kill(index, conn, frame, incarnation):
+        if index == victim and frame.type == MsgType.FORWARD:
+            forwards.append(frame.session)
+            if len(forwards) == 4:
+                ray.kill(actor, no_restart=False)
+        return await call(index, conn, frame, incarnation)
+
+    door.call = call_and_kill
+    try:
+        assert generate_all(tiny_split, ray_cloud.url, max_new, concurrent=True) == expected
+    finally:
+        del door.call
+    assert len(forwards) >= 4  # the kill happened, while sessions were open on the replica:
+    assert door.lost > lost  # and they were ended and replayed elsewhere
+    assert restarted(actor) != before  # Ray restarted the actor (a new incarnation)
 
 
 def restarted(actor, timeout_s: float = 120) -> str:
