@@ -78,6 +78,10 @@ def test_ray_cloud_equals_the_single_process_cloud(tiny_split, ray_cloud):
     new = {r: door.placed[r] - placed.get(r, 0) for r in (0, 1)}
     assert sum(new.values()) >= len(PROMPTS) and min(new.values()) >= 2, new  # placed by load on both
     assert door.sessions.sessions == {}  # closed, on the replica each was opened on (sticky)
+    config = RayConfig(replicas=2, stages=2, namespace="splitlm-test")  # a second front door: the same replicas
+    with BackgroundServer(tiny_split / "cloud", server_cls=RayFrontDoor, ray=config, batch=BATCH) as second:
+        assert not any(r.owned for r in second.server.replicas)
+        assert generate_all(tiny_split, second.url, 16, concurrent=True) == expected
 
 
 @pytest.mark.parametrize("stage", [1, 0])

@@ -96,6 +96,7 @@ class Replica:
     index: int
     head: object  # the ReplicaHead actor handle
     stages: list  # the StageWorker handles (stages 1..S-1)
+    owned: bool = True  # created by this front door (False: it attached to the actors of another)
     load: Load | None = None  # the last poll's answer; None: did not answer
 
 
@@ -120,11 +121,16 @@ def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch
     for r in range(config.replicas):
         specs = [StageSpec(shard, lo, hi, device, dtype, config.threads) for lo, hi in ranges]
         names = [actor_name(manifest.fingerprint, r, s) for s in range(config.stages)]
+        try:
+            ray.get_actor(names[0], namespace=config.namespace)
+            owned = False
+        except ValueError:  # no such actor yet: this front door creates the replica
+            owned = True
         stages = [stage_cls.options(name=names[s], max_concurrency=lanes + 2, **common).remote(specs[s])
                   for s in range(1, config.stages)]
         head = head_cls.options(name=names[0], max_concurrency=1000, **common).remote(
             specs[0], names[1:], config.namespace, limits, batch, lanes)
-        replicas.append(Replica(r, head, stages))
+        replicas.append(Replica(r, head, stages, owned))
     try:
         loads = ray.get([rep.head.load.remote() for rep in replicas], timeout=START_TIMEOUT_S)
     except ray.exceptions.RayError as e:  # e.g. an actor's __init__ failed (its device, its shard path)
@@ -338,14 +344,16 @@ class RayFrontDoor(CloudServer):
             await super().serve(host, port, started, stop)
         finally:
             monitor.cancel()
-            if self.ray_config.address is None:  # actors of our own (not detached): they end with us
+            if self.ray_config.address is None:  # actors we created (not detached) end with us
                 self.shutdown()
 
     def shutdown(self) -> None:
-        """Kill the replicas' actors (without restart)."""
+        """Kill the actors of the replicas this front door created (without restart)."""
         import ray
 
         for rep in self.replicas:
+            if not rep.owned:
+                continue
             for actor in [rep.head, *rep.stages]:
                 try:
                     ray.kill(actor, no_restart=True)
