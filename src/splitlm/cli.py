@@ -59,7 +59,8 @@ def cmd_serve_cloud(args) -> int:
     set_threads(args.threads)
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
-                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20)
+                          max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20,
+                          ping_interval_s=args.ping_interval or None)
     options = dict(device=args.device, dtype=args.dtype, identity=args.identity, allowed_clients=args.clients,
                    tls_cert=args.tls_cert, tls_key=args.tls_key,
                    batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
@@ -323,7 +324,9 @@ def edge_security_kwargs(args) -> dict:
     cloud may keep and which tokens may be emitted)."""
     kwargs = {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
                                                              "cache_policy", "device", "dtype")}
-    return {**kwargs, "vocab": getattr(args, "vocab", None) or "all"}
+    ping = getattr(args, "ping_interval", 20.0)
+    return {**kwargs, "vocab": getattr(args, "vocab", None) or "all",
+            "failover_timeout_s": getattr(args, "failover_timeout", 30.0), "ping_interval_s": ping or None}
 
 
 def cache_policy_arg(text: str) -> str:
@@ -381,8 +384,15 @@ def sampling_config(args):
         raise SplitLMError(str(e)) from None
 
 
+CLOUD_HELP = "cloud URL ws://HOST:PORT; several, comma-separated, to fail over to (docs/failover.md)"
+
+
 def add_edge_options(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p, what="the edge's layers")
+    p.add_argument("--failover-timeout", type=float, default=30.0, metavar="S",
+                   help="how long a request keeps trying to reach a cloud after losing one (default 30)")
+    p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
+                   help="keepalive pings; a link that answers none for as long is dead (default 20, 0 = off)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES,
                    help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use "
                         "per-row scales)")
@@ -433,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=8192, help="KV entries per session")
     p.add_argument("--max-frame-mb", type=positive_int, default=64)
     p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
+    p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
+                   help="keepalive pings; a connection that answers none for as long is closed (default 20, 0 = off)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--max-batch", type=positive_int, default=16,
                    help="sessions whose steps share one pass of the layers (1 = one request at a time)")
@@ -473,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text through a cloud server")
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
-    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help=CLOUD_HELP)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -491,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-edge", help="serve an OpenAI-compatible API on this machine (the edge)")
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
-    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help=CLOUD_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=positive_int, default=8000)
     p.add_argument("--model-name", default=None,
@@ -512,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="chat in the terminal through a cloud server (streams, shows stats)")
     p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
-    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help="cloud URL (ws://HOST:PORT)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help=CLOUD_HELP)
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
     add_sampling_options(p)

@@ -386,3 +386,48 @@ def test_cli_arguments() -> None:
     for bad in bad_args:
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_drop_after_bytes_cuts_the_link_once_at_that_byte(echo_server: _Server) -> None:
+    config = WanConfig(rtt_ms=0, drop_after_bytes=1000)
+    with WanEmulator(upstream=echo_server.server_address, config=config) as wan:
+        with _connect(wan) as sock:
+            sock.sendall(b"x" * 800)  # 800 up, then the echo: 200 more bytes come down, then the cut
+            assert _read_until_closed(sock) == b"x" * 200
+        assert wan.cuts == 1 and wan.bytes_up + wan.bytes_down == 1000
+        with _connect(wan) as sock:  # the next connection is not cut
+            sock.sendall(b"y" * 3000)
+            assert _recv_exactly(sock, 3000) == b"y" * 3000
+        wan.cut_after(10)  # armed again
+        with _connect(wan) as sock:
+            sock.sendall(b"z" * 100)
+            assert _read_until_closed(sock) == b""
+        assert wan.cuts == 2
+
+
+def test_drop_prob_cuts_connections_at_random(echo_server: _Server) -> None:
+    with WanEmulator(upstream=echo_server.server_address, config=WanConfig(rtt_ms=0, drop_prob=1.0, seed=1)) as wan:
+        with _connect(wan) as sock:
+            sock.sendall(b"q" * 500)
+            assert len(_read_until_closed(sock)) < 500
+        assert wan.cuts >= 1
+
+
+def test_fault_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_wan_arguments(parser)
+    args = parser.parse_args(["--upstream", "h:1", "--rtt-ms", "5", "--drop-after-bytes", "4096", "--drop-prob", "0.01"])
+    assert (args.drop_after_bytes, args.drop_prob) == (4096, 0.01)
+    with pytest.raises(ValueError):
+        WanConfig(rtt_ms=1, drop_prob=2)
+    assert "drop-after=4096B drop-prob=0.01" in WanConfig(5, drop_after_bytes=4096, drop_prob=0.01).describe()

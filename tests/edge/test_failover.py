@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 import pytest
 
@@ -65,6 +65,9 @@ class Clouds:
         proc.wait()
         self.kills += 1
 
+    def terminate(self, url: str) -> None:
+        self.procs[self.index(url)].send_signal(signal.SIGTERM)
+
     def close(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
@@ -101,23 +104,26 @@ def always_bet(monkeypatch):
     monkeypatch.setattr(runtime, "pipelined_decode", functools.partial(pipeline.pipelined_decode, always_bet=True))
 
 
-def arm(monkeypatch, clouds: Clouds, point: str, restart: bool = False) -> list:
+def arm(monkeypatch, clouds: Clouds, point: str, mode: str = "kill") -> list:
     """SIGKILL the cloud a session talks to while the first block matching `point` is unanswered
-    (the cloud is frozen before the block goes up, so it cannot have answered it). With `restart`,
-    the same cloud starts again on its port at once. Returns a list that records each kill."""
+    (the cloud is frozen before the block goes up, so it cannot have answered it), and start it
+    again on its port. `mode` "term": SIGTERM it right after the block went up instead; "freeze":
+    only freeze it (a half-open link). Returns a list that records the fault."""
     fired: list[dict] = []
     transmit, replay = EdgeSession._transmit, EdgeSession._replay
 
     def faulty_transmit(self, f, c):
         hit = not fired and POINTS[point](self, f)
-        if hit:
+        if hit and mode != "term":
             clouds.freeze(self.client.url)
         transmit(self, f, c)
         if hit:
             fired.append({"url": self.client.url, "tokens": len(f.ids), "in_flight": len(self.flights)})
-            clouds.kill(self.client.url)
-            if restart:
-                clouds.start(clouds.index(self.client.url))
+            if mode == "term":
+                clouds.terminate(self.client.url)
+            elif mode == "kill":
+                clouds.kill(self.client.url)
+                clouds.start(clouds.index(self.client.url))  # the same cloud, back on its port in a moment
 
     def counting_replay(self):
         fired[-1]["owed"] = sum(not f.void for f in self.flights)
@@ -162,10 +168,25 @@ def test_generate_waits_for_the_same_cloud_to_restart(tiny_chat_split, clouds, m
     clouds.up()
     urls = [clouds.url(0)]
     want, _ = run_generate(tiny_chat_split, urls, spec, sampling)
-    fired = arm(monkeypatch, clouds, point, restart=True)
+    fired = arm(monkeypatch, clouds, point)
     got, stats = run_generate(tiny_chat_split, urls, spec, sampling)
     assert fired and got == want
     assert stats.failovers == 1
+
+
+def test_sigterm_makes_the_cloud_tell_its_edges_to_fail_over(tiny_chat_split, clouds, monkeypatch, caplog):
+    """SIGTERM: the cloud finishes the step it computes, sends GOING_AWAY and exits 0; the edge fails
+    over at once (no timeout) and the output is unchanged."""
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = run_generate(tiny_chat_split, urls, NGRAM, None)
+    fired = arm(monkeypatch, clouds, "spec", mode="term")
+    got, stats = run_generate(tiny_chat_split, urls, NGRAM, None)
+    assert fired and got == want and stats.failovers == 1
+    proc = clouds.procs[clouds.index(fired[0]["url"])]
+    assert proc.wait(30) == 0
+    assert stats.failover_s < 10
+    assert "going away" in caplog.text
 
 
 def converse(split, urls, spec, sampling, monkeypatch=None, clouds=None, point=None):
@@ -271,11 +292,94 @@ def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds
     assert fired
 
 
-def test_keepalive_pings_are_on(tiny_chat_split, clouds):
+def test_keepalive_pings_are_answered(tiny_chat_split, clouds):
     clouds.up()
     with Edge(tiny_chat_split / "edge", clouds.url(0), device="cpu", ping_interval_s=0.2) as edge:
-        ws = edge.client.ws
-        assert ws.ping_interval == 0.2
-        done = threading.Event()
-        done.wait(0.6)  # a few pings answered: the connection is still open and usable
+        time.sleep(0.8)
+        assert edge.client.ws.latency > 0  # a pong came back
         assert edge.generate(PROMPT, max_new_tokens=4).token_ids
+
+
+def test_a_half_open_link_is_found_by_the_pings(tiny_chat_split, clouds, monkeypatch):
+    """The cloud freezes (SIGSTOP: its TCP connections stay up, nothing answers) during a step: the
+    keepalive pings find the dead link within about two intervals, not at the 60 s reply timeout."""
+    clouds.up()
+    urls = [clouds.url(0), clouds.url(1)]
+    want, _ = run_generate(tiny_chat_split, urls, NGRAM, None)
+    fired = arm(monkeypatch, clouds, "spec", mode="freeze")
+    with Edge(tiny_chat_split / "edge", urls, wire_dtype="fp32", device="cpu", ping_interval_s=0.5) as edge:
+        t0 = time.monotonic()
+        r = edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
+        took = time.monotonic() - t0
+    clouds.kill(fired[0]["url"])
+    assert r.token_ids == want and r.stats.failovers == 1
+    assert took < 15
+
+
+def test_twenty_generations_cut_at_random_points_all_match(tiny_chat_split, clouds):
+    """The WAN emulator cuts the link once in each of 20 consecutive generations, at a random byte of
+    its traffic (sequential and pipelined speculation, greedy and seeded sampling): all 20 outputs
+    equal the undisturbed ones."""
+    from splitlm.bench.failover import cut_runs
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    clouds.up()
+    with WanEmulator(("127.0.0.1", clouds.ports[0]), WanConfig(rtt_ms=2)) as wan, \
+            edge_for(tiny_chat_split, [wan.url_for("ws")]) as edge:
+        report = cut_runs(edge, wan, PROMPT, 20, max_new_tokens=24, repeats=1, seed=3)
+    assert report["identical"] == report["total"] == 20, report["runs"]
+    assert report["failovers"] >= 15  # a cut may also fall on a session's CLOSE (nothing to replay)
+
+
+def cut_once(edge, wan, prompt, spec, sampling=None, at: float = 0.7, n: int = 24):
+    """The undisturbed output, and the output with the link cut once at fraction `at` of its traffic."""
+    before = wan.bytes_up + wan.bytes_down
+    want = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling).token_ids
+    wan.cut_after(int((wan.bytes_up + wan.bytes_down - before) * at))
+    r = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling)
+    wan.cut_after(None)
+    return want, r
+
+
+@pytest.mark.parametrize("policy", ["none", "sealed", "window:8"])
+def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
+    """Same tokens under `none` and `sealed`; under `window:N` the new cloud rebuilds its window from
+    the last N head outputs (as after a revoke: its entries' KV is recomputed over a shorter
+    context than the first time), so the request completes but its tokens may differ."""
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    port = int(tiny_server.url.rsplit(":", 1)[1])
+    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge:
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"))
+    assert r.stats.failovers == 1 and wan.cuts == 1 and len(r.token_ids) == len(want)
+    if policy != "window:8":
+        assert r.token_ids == want
+
+
+def test_replay_rebuilds_a_context_longer_than_one_forward(tiny_split, monkeypatch):
+    """The cloud takes 16 tokens per forward: the replayed 60-token context goes up in chunks."""
+    rebuilt = []
+    rebuild = EdgeSession._rebuild
+    monkeypatch.setattr(EdgeSession, "_rebuild", lambda self, upto, then: rebuilt.append(rebuild(self, upto, then))
+                        or rebuilt[-1])
+    from splitlm.bench.wan import WanConfig, WanEmulator
+    from splitlm.cloud.server import BackgroundServer
+    from splitlm.cloud.sessions import ServerLimits
+
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=16)) as server, \
+            WanEmulator(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+        want, r = cut_once(edge, wan, list(range(3, 63)), SpecConfig("none"), at=0.9)
+    assert r.token_ids == want and r.stats.failovers == 1
+    assert rebuilt and rebuilt[0] >= 48
+
+
+def test_replay_on_a_split_head_cloud(tiny_split_head, split_head_server):
+    from splitlm.bench.wan import WanConfig, WanEmulator
+
+    port = int(split_head_server.url.rsplit(":", 1)[1])
+    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
+            Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"), SEEDED)
+    assert r.token_ids == want and r.stats.failovers == 1

@@ -12,6 +12,12 @@ link (``n * 8 / bandwidth`` seconds after the previous chunk finished), then tra
 in front of it, so the byte stream keeps its order. Reading goes on while earlier chunks
 are in flight, so back-to-back messages are pipelined as on a real link.
 
+Faults (for failover tests and the bench): ``drop_after_bytes=N`` cuts the link once, in the
+middle of whichever chunk carries its N-th byte (all connections and both directions counted;
+``WanEmulator.cut_after`` arms it again); ``drop_prob=P`` cuts a connection at a random byte of
+any chunk with probability P. A cut aborts both sides of the connection (a TCP reset, no
+WebSocket close): the peers see a dead link, as when a NAT or a cloud worker goes away.
+
 Not modelled: the TCP handshake (the client's connect completes locally at once), packet
 loss, and TCP congestion control. The proxy holds at most ``MAX_IN_FLIGHT`` bytes per
 direction before it stops reading, which gives the sender back-pressure.
@@ -41,6 +47,7 @@ Address = tuple[str, int]
 _EOF = "eof"  # the source half-closed: flush, then half-close the destination
 _RESET = "reset"  # the source failed: flush, then close the whole connection
 _WRITE_FAILED = "write-failed"  # the destination went away: drop what is left
+_CUT = "cut"  # a fault injected here: abort both sides
 
 
 @dataclass
@@ -51,6 +58,8 @@ class WanConfig:
     jitter_ms: float = 0.0
     mbps: float | None = None  # bandwidth cap per direction in Mbit/s; None = unlimited
     seed: int | None = None
+    drop_after_bytes: int | None = None  # cut the link once, at this many bytes (all connections, both ways)
+    drop_prob: float = 0.0  # cut a connection at any chunk with this probability
 
     def __post_init__(self) -> None:
         if not self.rtt_ms >= 0:
@@ -59,11 +68,17 @@ class WanConfig:
             raise ValueError(f"jitter must be >= 0 ms, got {self.jitter_ms}")
         if self.mbps is not None and not self.mbps > 0:
             raise ValueError(f"bandwidth must be > 0 Mbit/s, got {self.mbps}")
+        if self.drop_after_bytes is not None and self.drop_after_bytes < 0:
+            raise ValueError(f"drop-after-bytes must be >= 0, got {self.drop_after_bytes}")
+        if not 0 <= self.drop_prob <= 1:
+            raise ValueError(f"drop probability must be in [0, 1], got {self.drop_prob}")
 
     def describe(self) -> str:
         """One-line summary, e.g. ``rtt=80ms jitter=0ms bw=unlimited``."""
         bw = "unlimited" if self.mbps is None else f"{self.mbps:g}Mbit/s"
-        return f"rtt={self.rtt_ms:g}ms jitter={self.jitter_ms:g}ms bw={bw}"
+        faults = (f" drop-after={self.drop_after_bytes}B" if self.drop_after_bytes is not None else "") + \
+            (f" drop-prob={self.drop_prob:g}" if self.drop_prob else "")
+        return f"rtt={self.rtt_ms:g}ms jitter={self.jitter_ms:g}ms bw={bw}{faults}"
 
 
 def parse_address(text: str) -> Address:
@@ -92,10 +107,12 @@ def _banner(listen: Address, upstream: Address, config: WanConfig) -> str:
 class _Link:
     """Timing and byte accounting for one direction of one connection."""
 
-    def __init__(self, config: WanConfig, rng: random.Random, on_bytes: Callable[[int], None]) -> None:
+    def __init__(self, config: WanConfig, rng: random.Random, on_bytes: Callable[[int], None],
+                 gate: Callable[[int], int] = lambda n: n) -> None:
         self.config = config
         self.rng = rng
         self.on_bytes = on_bytes
+        self.gate = gate  # how many bytes of a chunk cross before a cut (all of them: no cut)
         self.capture: list[bytes] | None = None  # if a list: every chunk delivered, in order (tests)
         self.free_at = 0.0  # when the link finishes serializing the last chunk
         self.last_release = 0.0  # when the last chunk is delivered
@@ -162,11 +179,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
                     if item == _EOF and writer.can_write_eof():
                         writer.write_eof()
                     return item
+                passing = link.gate(len(item))
+                cut = passing < len(item)
+                item = item[:passing]
                 link.on_bytes(len(item))  # counted before the peer can see it
                 if link.capture is not None:
                     link.capture.append(item)
                 writer.write(item)
                 await writer.drain()
+                if cut:
+                    return _CUT
             except OSError:
                 return _WRITE_FAILED
             link.release(len(item))
@@ -197,6 +219,9 @@ class _Proxy:
         self.upstream = upstream
         self.config = config
         self.rng = random.Random(config.seed)
+        self.drop_rng = random.Random(None if config.seed is None else config.seed + 1)
+        self.cut_at = config.drop_after_bytes  # bytes relayed (both ways) at which the link is cut; None = never
+        self.cuts = 0
         self.bytes_up = 0
         self.bytes_down = 0
         self.capture_up: list[bytes] | None = None  # lists to record the delivered bytes (all connections)
@@ -223,6 +248,18 @@ class _Proxy:
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+
+    def _gate(self, nbytes: int) -> int:
+        """How many bytes of a chunk of `nbytes` are delivered before the link is cut (`nbytes`: all)."""
+        if self.cut_at is not None and self.bytes_up + self.bytes_down + nbytes >= self.cut_at:
+            passing, self.cut_at = max(0, self.cut_at - self.bytes_up - self.bytes_down), None
+        elif self.config.drop_prob and nbytes and self.drop_rng.random() < self.config.drop_prob:
+            passing = self.drop_rng.randrange(nbytes)
+        else:
+            return nbytes
+        self.cuts += 1
+        logger.info("wan: cutting a connection after %d bytes in all", self.bytes_up + self.bytes_down + passing)
+        return passing
 
     def _count_up(self, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -254,8 +291,8 @@ class _Proxy:
             writers.append(up_writer)
             _set_nodelay(up_writer)
             logger.debug("wan: connection from %s", peer)
-            up = _Link(self.config, self.rng, self._count_up)
-            down = _Link(self.config, self.rng, self._count_down)
+            up = _Link(self.config, self.rng, self._count_up, self._gate)
+            down = _Link(self.config, self.rng, self._count_down, self._gate)
             up.capture, down.capture = self.capture_up, self.capture_down
             pipes = [
                 asyncio.create_task(_pipe(client_reader, up_writer, up)),
@@ -263,7 +300,12 @@ class _Proxy:
             ]
             try:
                 for finished in asyncio.as_completed(pipes):
-                    if await finished == _RESET:
+                    ended = await finished
+                    if ended == _CUT:
+                        for w in writers:
+                            w.transport.abort()
+                        break
+                    if ended == _RESET:
                         break  # one side failed; its data is flushed, so tear everything down
             finally:
                 for pipe in pipes:
@@ -345,6 +387,16 @@ class WanEmulator:
     def captured_down(self) -> bytes:
         """Everything relayed from the upstream to clients (needs ``capture=True``)."""
         return b"".join(self._proxy.capture_down or [])
+
+    @property
+    def cuts(self) -> int:
+        """Connections cut by an injected fault so far."""
+        return self._proxy.cuts
+
+    def cut_after(self, nbytes: int | None) -> None:
+        """Cut the link once more, when `nbytes` more bytes have crossed it (None: disarm)."""
+        proxy = self._proxy
+        proxy.cut_at = None if nbytes is None else proxy.bytes_up + proxy.bytes_down + nbytes
 
     def url_for(self, scheme: str = "ws", path: str = "") -> str:
         """A URL pointing at the emulator, e.g. ``ws://127.0.0.1:40123``."""
@@ -441,13 +493,18 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MBIT",
         help="bandwidth cap per direction in Mbit/s (default: unlimited)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="random seed for the jitter")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for the jitter and the drops")
+    parser.add_argument("--drop-after-bytes", type=int, default=None, metavar="N",
+                        help="fault injection: cut the link once, after N bytes (both directions, all connections)")
+    parser.add_argument("--drop-prob", type=float, default=0.0, metavar="P",
+                        help="fault injection: cut a connection at any chunk relayed with probability P (default 0)")
 
 
 def wan_main(args: argparse.Namespace) -> int:
     """Run ``splitlm wan`` until Ctrl-C; return the exit status."""
     try:
-        config = WanConfig(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, mbps=args.mbps, seed=args.seed)
+        config = WanConfig(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, mbps=args.mbps, seed=args.seed,
+                           drop_after_bytes=args.drop_after_bytes, drop_prob=args.drop_prob)
         listen, upstream = _as_address(args.listen), _as_address(args.upstream)
     except ValueError as exc:
         print(f"splitlm wan: error: {exc}", file=sys.stderr)

@@ -192,7 +192,6 @@ class RayFrontDoor(CloudServer):
         first = replicas[0].load  # what /healthz reports: the replicas' device and dtype
         self.replica_device, self.dtype = first.device, DTYPES.get(first.dtype, torch.float32)
         self.budget = KVBudget(sum(r.load.kv_budget_bytes for r in replicas), self.budget.bytes_per_entry)
-        self.conns: dict[int, Connection] = {}
         self.opening: Counter[int] = Counter()  # OPENs in flight per replica (placement counts them)
         self.placed: Counter[int] = Counter()  # sessions placed per replica (tests, logs)
         self.lost = 0  # sessions whose replica was lost (their connections were closed)
@@ -217,7 +216,6 @@ class RayFrontDoor(CloudServer):
 
     # -- routing -----------------------------------------------------------------------------------
     async def handle(self, conn: Connection, frame: Frame) -> Frame:
-        self.conns[conn.id] = conn
         if frame.type == MsgType.OPEN:
             return await self.open(conn, frame)
         if frame.type not in (MsgType.FORWARD, MsgType.POLICY, MsgType.CLOSE):
@@ -309,7 +307,7 @@ class RayFrontDoor(CloudServer):
         for sid in routes:
             self.sessions.sessions.pop(sid, None)
         for c in conns:
-            conn = self.conns.get(c)
+            conn = self.connections.get(c)  # the server's open connections (`CloudServer.handler`)
             if conn is not None:
                 await conn.ws.close(LOST_CLOSE_CODE, "replica lost")
 
@@ -330,13 +328,6 @@ class RayFrontDoor(CloudServer):
                         await self.lose(rep.index, inc, "the replica restarted")
             except Exception:  # noqa: BLE001 - the monitor must keep running
                 log.exception("Ray cloud monitor")
-
-    async def handler(self, ws) -> None:
-        try:
-            await super().handler(ws)
-        finally:  # the base handler dropped the connection's sessions (RouteTable.drop_connection)
-            for cid in [cid for cid, c in self.conns.items() if c.ws is ws]:
-                self.conns.pop(cid, None)
 
     async def serve(self, host: str, port: int, started=None, stop=None) -> None:
         monitor = asyncio.create_task(self.monitor_loop())

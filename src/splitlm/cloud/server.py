@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import signal
 import ssl
 import threading
 import time
@@ -49,6 +50,7 @@ from splitlm.transport.keys import AllowedClients, Identity, fingerprint, resolv
 from splitlm.transport.messages import (
     Closed,
     Forward,
+    GoingAway,
     Limits,
     Open,
     Opened,
@@ -87,6 +89,8 @@ class Connection:
         self.client = "?"  # its fingerprint, for the log
         self.authenticated = False  # the client proved it holds the key (a frame decrypted)
         self.bad_frames = 0
+        self.busy = False  # a request is being handled (a draining server lets it finish)
+        self.gone = False  # told GOING_AWAY (or closing): no more requests are handled
 
     @property
     def ready(self) -> bool:
@@ -176,6 +180,10 @@ class CloudServer:
                         else AllowedClients(allowed_clients))
         self.rekey = rekey
         self.ssl_context = self._tls(tls_cert, tls_key)
+        self.connections: dict[int, Connection] = {}
+        self.draining = False
+        self.listener = None  # the websockets server, while serving
+        self._stop: asyncio.Event | None = None
 
     def load_model(self, shard_dir: str | Path):
         """The layers this server runs (a Ray replica's stage 0 and the Ray front door override it)."""
@@ -221,6 +229,10 @@ class CloudServer:
     # -- WebSocket ---------------------------------------------------------------------------------
     async def handler(self, ws: ServerConnection) -> None:
         conn = Connection(next(self.conn_ids), ws)
+        if self.draining:
+            await ws.close(1001, "going away")
+            return
+        self.connections[conn.id] = conn
         self.stats["connections"] += 1
         self.metrics.connections.inc()
         try:
@@ -234,14 +246,55 @@ class CloudServer:
                 except (TimeoutError, asyncio.TimeoutError):
                     await self.close(conn, "idle timeout")
                     return
-                await self.dispatch(conn, data)
+                if conn.gone:
+                    return
+                conn.busy = True
+                try:
+                    await self.dispatch(conn, data)
+                finally:
+                    conn.busy = False
+                if self.draining:
+                    await self.going_away(conn)
+                    return
         except (TimeoutError, asyncio.TimeoutError):
             await self.send_error(conn, ProtocolError(ErrorCode.NOT_READY, "no HELLO within the handshake timeout"))
             await self.close(conn, "handshake timeout")
         except ConnectionClosed:
             pass
         finally:
+            self.connections.pop(conn.id, None)
             self.sessions.drop_connection(conn.id)
+
+    async def going_away(self, conn: Connection) -> None:
+        """Tell the edge this server is shutting down (GOING_AWAY, encrypted) and close the connection."""
+        if conn.gone:
+            return
+        conn.gone = True
+        try:
+            if conn.ready:
+                await conn.send(GoingAway().to_frame())
+            await conn.ws.close(1001, "going away")
+        except ConnectionClosed:
+            pass
+
+    async def drain(self) -> None:
+        """Graceful shutdown (SIGTERM): admit no new connection, let the requests being computed finish
+        and answer, tell every edge GOING_AWAY (so it fails over at once), then stop the server."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("shutting down: draining %d connection(s)", len(self.connections))
+        if self.listener is not None:
+            self.listener.close(close_connections=False)  # stop admitting
+        for conn in list(self.connections.values()):
+            if not conn.busy:  # a busy one is told after its reply (`handler`)
+                await self.going_away(conn)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.drain_timeout_s
+        while self.connections and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self._stop is not None:
+            self._stop.set()
 
     async def close(self, conn: Connection, reason: str) -> None:
         log.info("conn %d (client %s): closing: %s", conn.id, conn.client, reason)
@@ -433,8 +486,15 @@ class CloudServer:
 
     async def serve(self, host: str, port: int, started: threading.Event | None = None,
                     stop: asyncio.Event | None = None) -> None:
+        ping = self.limits.ping_interval_s
+        self._stop = stop = stop if stop is not None else asyncio.Event()
         async with serve(self.handler, host, port, max_size=self.limits.max_frame_bytes, compression=None,
-                         process_request=self.process_request, ping_interval=None, ssl=self.ssl_context) as server:
+                         process_request=self.process_request, ping_interval=ping, ping_timeout=ping,
+                         ssl=self.ssl_context) as server:
+            if threading.current_thread() is threading.main_thread():  # `splitlm serve-cloud`: SIGTERM drains
+                asyncio.get_running_loop().add_signal_handler(
+                    signal.SIGTERM, lambda: asyncio.ensure_future(self.drain()))
+            self.listener = server
             self.port = server.sockets[0].getsockname()[1]
             expiry = asyncio.create_task(self.expire_loop())
             scheme = "wss" if self.ssl_context else "ws"
@@ -453,7 +513,7 @@ class CloudServer:
             if started is not None:
                 started.set()
             try:
-                await (stop.wait() if stop is not None else asyncio.Future())
+                await stop.wait()
             finally:
                 expiry.cancel()
                 self.scheduler.close()
@@ -492,6 +552,11 @@ class BackgroundServer:
     @property
     def fingerprint(self) -> str:
         return self.server.fingerprint
+
+    def drain(self) -> None:
+        """Shut down gracefully, as on SIGTERM (`CloudServer.drain`), and wait until it has stopped."""
+        asyncio.run_coroutine_threadsafe(self.server.drain(), self.loop).result(60)
+        self._thread.join(10)
 
     def __exit__(self, *exc) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)

@@ -31,6 +31,8 @@ class ServerLimits:
     hello_timeout_s: float = 10.0
     max_bad_frames: int = 64  # undecodable / unauthenticated / replayed frames before the connection is closed
     kv_budget_bytes: int = 0  # what all sessions' KV caches may take on the device (`cloud.budget`); 0 = automatic
+    ping_interval_s: float | None = 20.0  # keepalive pings (a connection silent to them as long again is closed)
+    drain_timeout_s: float = 30.0  # SIGTERM: the most time in-flight steps get to finish before the server stops
 
 
 @dataclass

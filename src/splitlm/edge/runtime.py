@@ -33,6 +33,7 @@ from splitlm.model.shards import load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import PING_INTERVAL_S, CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
+from splitlm.transport.errors import ErrorCode
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -260,10 +261,13 @@ class Edge:
                 client = self._connect(after, deadline - time.monotonic())
                 return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
             except CloudError as e:
-                if client is not None:
+                if client is not None:  # reached but refused: the next round starts after it
                     self._drop_client(client)
+                    after = client.url
+                if not (e.retryable or e.code == ErrorCode.CAPACITY):  # a full cloud: try the next
+                    raise
                 left = deadline - time.monotonic()
-                if not e.retryable or left <= 0:
+                if left <= 0:
                     raise CloudError(f"failover gave up after {self.failover_timeout_s:g} s: {e}", e.code) from None
                 log.info("no cloud yet (%s); retrying in %.2f s", e, delay)
                 time.sleep(min(left, delay * random.uniform(0.5, 1.5)))

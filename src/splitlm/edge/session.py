@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
 from splitlm.model.device import to_device, to_host
-from splitlm.transport.client import CloudError, PendingForward
+from splitlm.transport.client import CloudError, PendingForward, lost
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ class GenerationStats:
     edge_compute_s: float = 0.0
     serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
     failovers: int = 0  # connections lost (or clouds gone) mid-request, survived by replay (`EdgeSession.failover`)
-    failover_s: float = 0.0  # time they cost: from the fault to the replayed requests sent again
+    failover_s: float = 0.0  # from the fault seen to the replayed requests sent again (reconnect, new session)
+    failover_stall_s: float = 0.0  # for each fault: the interrupted step's first send to its reply after the replay
     spec_mode: str = "none"
     spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
 
@@ -83,6 +84,8 @@ class Flight:
     keep: list[int] | None = None  # which of its entries stay (None: all); set when the block is settled
     settled: bool = False
     void: bool = False  # rolled back before its reply came: the reply is discarded
+    first_sent: float = 0.0  # perf_counter() of its first send
+    replayed: bool = False  # the first block a failover re-sent (its stall is counted)
 
 
 class EdgeSession:
@@ -198,6 +201,8 @@ class EdgeSession:
             f.void = True
         while self.flights:
             self._finish(self.flights[0])
+        if self.client.in_flight:  # interrupted between sending a request and recording it: out of step
+            self.failover(lost("a request was interrupted half-way"))
         self.crop(n)
 
     def revoke(self) -> None:
@@ -382,6 +387,7 @@ class EdgeSession:
         split_head = self.edge.split_head
         n_rows = len(f.ids) if f.rows is None else len(f.rows)
         f.edge_s += time.perf_counter() - start
+        f.first_sent = f.first_sent or start
         f.sent = client.send_forward(
             self.id, sent, sent_pos, self.wire_dtype, mask=f.mask, keep=self.cloud_keep, crop=self.cloud_crop,
             context=c, control=self.control(), rows=f.rows if split_head else None,
@@ -438,6 +444,8 @@ class EdgeSession:
                 f.sent = None  # its reply is dropped unread
             else:
                 owed.append(f)
+        if owed:
+            owed[0].replayed = True
         prev = None
         for f in owed:
             if prev is None:
@@ -496,6 +504,9 @@ class EdgeSession:
                 self.failover(e)  # re-sends f (and the blocks after it)
         self.flights.popleft()
         t2 = time.perf_counter()
+        if f.replayed:
+            f.replayed = False
+            self.stats.failover_stall_s += t2 - f.first_sent
         if f is self.pending and self.policy.retention > 0 and "cache_len" in meta:  # the cloud's count (a window trims it)
             self.cloud_committed = meta["cache_len"] - self.cloud_pending
         logits = None
