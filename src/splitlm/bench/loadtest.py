@@ -6,7 +6,9 @@
 Set-up: without `--cloud`, two clouds are started in turn from the edge shard's sibling `cloud/`,
 each a `splitlm serve-cloud --threads 1` subprocess: `--max-batch N` (batched) and `--max-batch 1`
 (one request per pass, the cloud before the scheduler), so both are measured in one run and the
-machine's noise hits both. With `--cloud URL` the edges use that cloud (one configuration). A WAN
+machine's noise hits both. With `--ray-replicas R --ray-stages S` the second one is instead the
+cloud on a local Ray instance (`serve-cloud --ray --replicas R --stages S`, docs/scale-out.md).
+With `--cloud URL` the edges use that cloud (one configuration). A WAN
 emulator thread of this process delays each direction by RTT/2. The N edge sessions are **threads**
 of this process sharing one `Edge` (its connection pool gives each session its own connection and
 cloud session), each torch op on 1 thread; torch releases the GIL, so the sessions' edge compute
@@ -64,6 +66,8 @@ class LoadConfig:
     tail: int | None = None
     edge: str = ""  # a pre-split edge shard (its cloud is the sibling cloud/); "" = split --model here
     cloud: str = ""  # a running cloud's URL; "" = start clouds from the edge's sibling cloud shard
+    ray_replicas: int = 0  # > 0: the second configuration is the Ray cloud (replicas x stages), not --max-batch 1
+    ray_stages: int = 1
     prompts: str = ""
     out: str = str(DEFAULT_OUT)
     json: bool = False
@@ -227,7 +231,8 @@ def cloud_url(cloud_dir: Path, extra: list[str] | None, url: str):
         return
     from splitlm.cloud.local import cloud_process
 
-    with cloud_process(cloud_dir, "cpu", "fp32", extra) as port:
+    timeout = 600.0 if "--ray" in extra else 120.0  # a Ray cloud's actors load their layers first
+    with cloud_process(cloud_dir, "cpu", "fp32", extra, timeout_s=timeout) as port:
         yield f"ws://127.0.0.1:{port}"
 
 
@@ -262,6 +267,8 @@ def run_loadtest(config: LoadConfig) -> dict:
 
     if config.sessions < 1 or config.max_new_tokens < 1 or config.max_batch < 1:
         raise SplitLMError("--sessions, --max-new-tokens and --max-batch must be at least 1")
+    if config.ray_replicas < 0 or config.ray_stages < 1:
+        raise SplitLMError("--ray-replicas must be >= 0 and --ray-stages >= 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -294,8 +301,14 @@ def _run(config: LoadConfig) -> dict:
     chunk = ["--prefill-chunk", str(config.prefill_chunk), "--max-sessions-per-client", str(n),
              "--max-sessions", str(max(64, n))]
     baseline = ["--max-batch", "1", *chunk]
-    configs = ([("cloud", None)] if config.cloud else
-               [("batched", ["--max-batch", str(config.max_batch), *chunk]), ("max-batch-1", baseline)])
+    batched = ["--max-batch", str(config.max_batch), *chunk]
+    if config.cloud:
+        configs = [("cloud", None)]
+    elif config.ray_replicas:  # the single-process cloud next to the Ray cloud, same scheduler settings
+        ray = ["--ray", "--replicas", str(config.ray_replicas), "--stages", str(config.ray_stages), *batched]
+        configs = [("batched", batched), (f"ray-{config.ray_replicas}x{config.ray_stages}", ray)]
+    else:
+        configs = [("batched", batched), ("max-batch-1", baseline)]
     with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
             Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
         if edge.tokenizer is not None:
@@ -325,7 +338,11 @@ def _run(config: LoadConfig) -> dict:
                        "torch on 1 thread"},
            **{k: v for k, v in results[0].items() if k != "name"}, "configurations": results}
     if len(results) == 2 and results[0]["aggregate_tok_s"] and results[1]["aggregate_tok_s"]:
-        doc["speedup"] = round(results[0]["aggregate_tok_s"] / results[1]["aggregate_tok_s"], 2)
+        first, second = results[0]["aggregate_tok_s"], results[1]["aggregate_tok_s"]
+        if config.ray_replicas:
+            doc["ray_vs_single_process"] = round(second / first, 2)
+        else:
+            doc["speedup"] = round(first / second, 2)
     return doc
 
 
@@ -348,6 +365,8 @@ def markdown(doc: dict) -> str:
                              f" {p['chunk_compute_ms']} ({p['chunk_tokens']} tokens) | {p['max_delay_chunks']} |")
     if "speedup" in doc:
         lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
+    if "ray_vs_single_process" in doc:
+        lines += ["", f"aggregate tok/s Ray cloud / single-process cloud: {doc['ray_vs_single_process']}x"]
     return "\n".join(lines)
 
 
@@ -370,6 +389,10 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--edge", default="", metavar="DIR",
                    help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
     p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")
+    p.add_argument("--ray-replicas", type=int, default=0, metavar="R",
+                   help="compare the single-process cloud with `serve-cloud --ray --replicas R` (a local Ray "
+                        "instance; needs the ray extra) instead of --max-batch 1")
+    p.add_argument("--ray-stages", type=int, default=1, metavar="S", help="the Ray cloud's --stages (default 1)")
     p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
@@ -378,7 +401,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
 def loadtest_main(args) -> int:
     config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
                         args.prefill_tokens, args.prefill_chunk, args.wire_dtype, args.model, args.head, args.tail, args.edge,
-                        args.cloud, args.prompts, args.out, args.json)
+                        args.cloud, args.ray_replicas, args.ray_stages, args.prompts, args.out, args.json)
     doc = run_loadtest(config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)

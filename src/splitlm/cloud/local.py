@@ -38,7 +38,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, lo
 
 @contextlib.contextmanager
 def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto",
-                  extra_args: list[str] = ()) -> Iterator[int]:
+                  extra_args: list[str] = (), timeout_s: float = 120.0) -> Iterator[int]:
     """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess on loopback (on `device`,
     computing in `dtype`, with `extra_args`, e.g. ``["--max-batch", "1"]``); yields its port.
 
@@ -53,7 +53,7 @@ def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "aut
                                      *extra_args],
                                     stdout=subprocess.DEVNULL, stderr=err)
         try:
-            wait_healthy(port, proc, log=log)
+            wait_healthy(port, proc, timeout_s, log=log)
             yield port
         finally:
             stop(proc)

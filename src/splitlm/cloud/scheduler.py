@@ -100,6 +100,12 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def queued_rows(self) -> int:
+        """Token rows waiting to be computed (a replica's load, `cloud.ray_cloud`)."""
+        with self._cv:
+            return sum(job.remaining for job in self._queue)
+
     def submit(self, session: Session, req: Forward) -> Future:
         """Queue a validated request; the future's result is a `Done` (or the error that failed it)."""
         job = Job(session, req)

@@ -187,7 +187,7 @@ class CloudServer:
                  rekey: RekeyPolicy | None = None, batch: BatchConfig | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_cloud(shard_dir, self.device, self.dtype)
+        self.model = self.load_model(shard_dir)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
         self.budget = KVBudget.for_model(self.model, self.limits.kv_budget_bytes)
@@ -206,6 +206,10 @@ class CloudServer:
         self.draining = False
         self.listener = None  # the websockets server, while serving
         self._stop: asyncio.Event | None = None
+
+    def load_model(self, shard_dir: str | Path):
+        """The layers this server runs (a Ray replica's stage 0 and the Ray front door override it)."""
+        return load_cloud(shard_dir, self.device, self.dtype)
 
     @staticmethod
     def _tls(cert: str | Path | None, key: str | Path | None) -> ssl.SSLContext | None:
@@ -542,9 +546,10 @@ class BackgroundServer:
     """Run a CloudServer on its own event loop in a daemon thread (tests, demo, benchmarks)."""
 
     def __init__(self, shard_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 limits: ServerLimits | None = None, **security):
-        """`security`: CloudServer's keyword arguments (identity, allowed_clients, tls_cert, tls_key, rekey)."""
-        self.server = CloudServer(shard_dir, limits, **security)
+                 limits: ServerLimits | None = None, server_cls: type[CloudServer] | None = None, **security):
+        """`security`: the server class's keyword arguments (identity, allowed_clients, tls_cert, tls_key, rekey,
+        batch; `server_cls` defaults to CloudServer, e.g. `cloud.ray_cloud.RayFrontDoor` with its `ray`)."""
+        self.server = (server_cls or CloudServer)(shard_dir, limits, **security)
         self.host, self._port = host, port
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
