@@ -25,6 +25,7 @@ from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.decoding.warmup import find_warmup, read_warmup
+from splitlm.edge.prefill import PrefillCosts
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
@@ -144,7 +145,8 @@ class Edge:
 
     def __init__(self, edge_dir: str | Path, cloud_url: str, wire_dtype: str = "auto", timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto"):
+                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto",
+                 prefill_chunk: int | str = "auto"):
         """identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
         (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
         wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
@@ -153,11 +155,18 @@ class Edge:
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
         file; a split-head cloud computes partial logits for these only.
         device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
-        default auto: CUDA in bf16 where present, else the CPU in fp32)."""
+        default auto: CUDA in bf16 where present, else the CPU in fp32).
+        prefill_chunk: how a prompt goes up (`splitlm.edge.prefill`): `auto` streams it in pipelined
+        chunks when the measured link and compute say that is sooner; N: in chunks of N tokens;
+        0: in one forward (in chunks one after another only where the cloud's limits demand it)."""
         try:
             self.cache_policy = CachePolicy.parse(cache_policy or "session")  # parsed once, here
         except ValueError as e:
             raise SplitLMError(str(e)) from None
+        if prefill_chunk != "auto" and (type(prefill_chunk) is not int or prefill_chunk < 0):
+            raise SplitLMError(f"prefill_chunk must be auto or a number of tokens >= 0, not {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self.prefill_costs = PrefillCosts()  # what each stage of a streamed prefill costs, as measured
         self.edge_dir = Path(edge_dir)
         self.device = resolve_device(device)
         self.model = load_edge(self.edge_dir, self.device, resolve_dtype(dtype, self.device))
