@@ -36,7 +36,7 @@ from splitlm.transport.codecs import wire_nbytes
 if TYPE_CHECKING:
     from splitlm.edge.session import EdgeSession
 
-MIN_CHUNK = 32  # smaller chunks cost more per-request overhead than they save
+MIN_CHUNK = 32  # the plan never cuts a prompt into chunks smaller than this
 FRAME_OVERHEAD = 256  # bytes of header, metadata and authentication tag per frame (about)
 SMALL_FRAME = 32 * 1024  # round trips below this many bytes measure the RTT, larger ones the bandwidth
 
@@ -135,13 +135,15 @@ class Plan:
 
 
 def candidates(total: int, max_chunk: int) -> list[int]:
-    """Chunk sizes to try: from MIN_CHUNK up by a quarter each, and the largest allowed."""
-    top = min(total, max_chunk)
-    n, out = min(MIN_CHUNK, top), []
-    while n < top:
-        out.append(n)
-        n = max(n + 1, int(n * 1.25))
-    return [*out, top]
+    """Chunk sizes to try, each splitting `total` into K nearly equal chunks: K = 1 … 16, then up by
+    a quarter each, down to chunks of MIN_CHUNK (or as few as `max_chunk` allows)."""
+    least = -(-total // max_chunk)
+    most = max(least, total // MIN_CHUNK)
+    ks, k = {*range(1, 17), least}, 16
+    while k < most:
+        k = max(k + 1, int(k * 1.25))
+        ks.add(min(k, most))
+    return sorted({-(-total // k) for k in ks if least <= k <= most}, reverse=True)
 
 
 def plan(total: int, max_chunk: int, st: Stages) -> Plan:
