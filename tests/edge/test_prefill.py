@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy
 from splitlm import SplitLMError
 from splitlm.edge import Edge
-from splitlm.edge.prefill import Stages, plan, simulate, split
+from splitlm.edge.prefill import StageFit, Stages, plan, simulate, split
 
 PROMPT = [random.Random(0).randrange(3, 250) for _ in range(100)]
 
@@ -114,15 +114,16 @@ def test_bundled_model_streamed_is_token_identical(bundled_split, bundled_server
 
 # -- the plan -------------------------------------------------------------------------------------
 
-def stages(head=0.001, up=0.0, cloud=0.004, down=0.0, tail=0.001, fixed=0.0, rtt=0.08) -> Stages:
-    return Stages((fixed, head), (0.0, up), (fixed, cloud), (0.0, down), (fixed, tail), rtt)
+def stages(head=0.001, up=0.0, cloud=0.004, down=0.0, tail=0.001, fixed=0.0, per_past=0.0, rtt=0.08) -> Stages:
+    return Stages((fixed, head, per_past / 4), (0.0, up, 0.0), (fixed, cloud, per_past), (0.0, down, 0.0),
+                  (fixed, tail, per_past / 4), rtt)
 
 
 def test_one_chunk_runs_the_stages_one_after_another():
-    st = stages(up=0.0002, down=0.0002, fixed=0.003)
+    st = stages(up=0.0002, down=0.0002, fixed=0.003, per_past=1e-5)
     n = 500
-    assert simulate([n], st) == pytest.approx(sum(st.t(s, n) for s in (st.head, st.up, st.cloud, st.down, st.tail))
-                                              + st.rtt_s)
+    assert simulate([n], st, 100) == pytest.approx(
+        sum(st.t(s, n, 100) for s in (st.head, st.up, st.cloud, st.down, st.tail)) + st.rtt_s)
 
 
 def test_streamed_takes_the_slowest_stage_plus_one_chunk_through_the_others():
@@ -142,3 +143,19 @@ def test_plan_streams_when_it_pays_and_sends_one_forward_when_not():
     assert small.chunk == 40 and small.predicted_s == small.unchunked_s
     capped = plan(2048, 100, stages(fixed=0.5))
     assert capped.chunk == 98 and capped.unchunked_s == math.inf  # 21 nearly equal chunks, the fewest allowed
+
+
+def test_a_cost_per_cached_entry_makes_chunks_larger():
+    free = plan(4096, 4096, stages(up=0.001, down=0.001, fixed=0.002))
+    costly = plan(4096, 4096, stages(up=0.001, down=0.001, fixed=0.002, per_past=2e-5))
+    assert costly.chunk > free.chunk
+    assert simulate(split(4096, 32), stages(per_past=2e-5)) > simulate(split(4096, 512), stages(per_past=2e-5))
+
+
+def test_stage_fit_recovers_the_costs():
+    fit = StageFit((0.0, 0.0, 0.0))
+    for n, past in [(1, 10), (1, 900), (64, 0), (300, 300), (128, 2000), (2, 3000), (512, 100)]:
+        fit.add(n, past, 0.01 + 0.002 * n + 3e-5 * past)
+    assert fit.coef[0] == pytest.approx(0.01, abs=2e-3)  # the priors (all 0 here) weigh a little
+    assert fit.coef[1:] == pytest.approx((0.002, 3e-5), rel=0.05)
+    assert fit.predict(100, 1000) == pytest.approx(0.01 + 0.2 + 0.03, rel=0.02)

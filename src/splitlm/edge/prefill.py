@@ -14,8 +14,10 @@ rest as they come. Unchunked, the stages run one after another (head, up, cloud,
 streamed, the prompt takes about the slowest stage's total plus one chunk through the others.
 
 The chunk size comes from what the edge measured (`PrefillCosts`): its own head and tail compute,
-the cloud's compute (`compute_s` of every RESULT), the round-trip time and the link's bandwidth
-(round trips that were alone in flight). For each candidate size the plan simulates the chunks
+the cloud's compute (`compute_s` of every RESULT), each as seconds = a + b·n + g·past (a per
+request, b per token, g per entry already cached: attention, and the cache's copies, grow with the
+context, so many small chunks of a long prompt cost more than their tokens), the round-trip time
+and the link's bandwidth (round trips that were alone in flight). For each candidate size the plan simulates the chunks
 through the stages (`simulate`) and takes the fastest; a prompt it predicts no faster in chunks
 goes in one forward.
 """
@@ -25,12 +27,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from splitlm.decoding.budget import ComputeFit
 from splitlm.transport.codecs import wire_nbytes
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 MIN_CHUNK = 32  # the plan never cuts a prompt into chunks smaller than this
 FRAME_OVERHEAD = 256  # bytes of header, metadata and authentication tag per frame (about)
+PRIOR_WEIGHT = 0.01  # of each of a fit's three pseudo-forwards, against 1 for a measured one
 SMALL_FRAME = 32 * 1024  # round trips below this many bytes measure the RTT, larger ones the bandwidth
 
 
@@ -59,24 +62,49 @@ class LinkEstimate:
         self.rate_seen = True
 
 
+class StageFit:
+    """seconds = a + b·n + g·past over a stage's recent forwards (n new tokens after `past` cached
+    entries): least squares, pulled toward the priors by three pseudo-forwards, coefficients >= 0."""
+
+    def __init__(self, prior: tuple[float, float, float], window: int = 128):
+        self.coef = prior
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._pseudo = [(n, past, prior[0] + prior[1] * n + prior[2] * past) for n, past in ((1, 0), (256, 0), (1, 2048))]
+
+    def add(self, n: int, past: int, seconds: float) -> None:
+        self.samples.append((n, past, seconds))
+        rows = [*self._pseudo, *self.samples]
+        w = torch.tensor([PRIOR_WEIGHT] * len(self._pseudo) + [1.0] * len(self.samples), dtype=torch.float64).sqrt()
+        x = torch.tensor([[1.0, n, p] for n, p, _ in rows], dtype=torch.float64) * w[:, None]  # [S, 3]
+        y = torch.tensor([t for *_, t in rows], dtype=torch.float64) * w  # [S]
+        scale = x.abs().amax(0)  # columns of similar size for the solve
+        coef = torch.linalg.lstsq(x / scale, y[:, None]).solution[:, 0] / scale
+        self.coef = tuple(max(float(c), 0.0) for c in coef)
+
+    def predict(self, n: int, past: int = 0) -> float:
+        a, b, g = self.coef
+        return a + b * n + g * past
+
+
 class PrefillCosts:
-    """What an edge measured of each stage, for all its sessions (thread-safe): seconds = c0 + c1·n
-    for the head (with encoding), the tail (with decoding) and the cloud; the link."""
+    """What an edge measured of each stage, for all its sessions (thread-safe): `StageFit`s of the
+    head (with encoding), the tail (with decoding) and the cloud; the link."""
 
     def __init__(self):
-        self.head = ComputeFit(c0=0.002, c1=0.0003)
-        self.tail = ComputeFit(c0=0.002, c1=0.0003)
-        self.cloud = ComputeFit(c0=0.005, c1=0.003)
+        self.head = StageFit((0.002, 0.0003, 1e-6))
+        self.tail = StageFit((0.002, 0.0003, 1e-6))
+        self.cloud = StageFit((0.005, 0.003, 1e-5))
         self.link = LinkEstimate()
         self._lock = threading.Lock()
 
-    def observe(self, tokens: int, head_s: float, tail_s: float, cloud_s: float, nbytes: int,
+    def observe(self, tokens: int, past: int, head_s: float, tail_s: float, cloud_s: float, nbytes: int,
                 network_s: float | None) -> None:
-        """One forward of `tokens` new tokens; `network_s` only when it was alone on the link."""
+        """One forward of `tokens` new tokens after `past` cached entries; `network_s` only when it
+        was alone on the link."""
         with self._lock:
-            self.head.add(tokens, head_s)
-            self.tail.add(tokens, tail_s)
-            self.cloud.add(tokens, cloud_s)
+            self.head.add(tokens, past, head_s)
+            self.tail.add(tokens, past, tail_s)
+            self.cloud.add(tokens, past, cloud_s)
             if network_s is not None:
                 self.link.add(nbytes, network_s)
 
@@ -84,42 +112,44 @@ class PrefillCosts:
         """The stage costs now, with the link's bytes per token up and down."""
         with self._lock:
             s = self.link.s_per_byte
-            return Stages((self.head.c0, self.head.c1), (s * FRAME_OVERHEAD, s * up_per_token),
-                          (self.cloud.c0, self.cloud.c1), (s * FRAME_OVERHEAD, s * down_per_token),
-                          (self.tail.c0, self.tail.c1), self.link.rtt_s)
+            return Stages(self.head.coef, (s * FRAME_OVERHEAD, s * up_per_token, 0.0), self.cloud.coef,
+                          (s * FRAME_OVERHEAD, s * down_per_token, 0.0), self.tail.coef, self.link.rtt_s)
 
 
 @dataclass
 class Stages:
-    """Seconds per chunk of n tokens, a + b·n, of each stage; and the round trip's latency."""
-    head: tuple[float, float]
-    up: tuple[float, float]
-    cloud: tuple[float, float]
-    down: tuple[float, float]
-    tail: tuple[float, float]
+    """Seconds per chunk of n tokens after `past` cached entries, a + b·n + g·past, of each stage;
+    and the round trip's latency."""
+    head: tuple[float, float, float]
+    up: tuple[float, float, float]
+    cloud: tuple[float, float, float]
+    down: tuple[float, float, float]
+    tail: tuple[float, float, float]
     rtt_s: float
 
     @staticmethod
-    def t(stage: tuple[float, float], n: int) -> float:
-        return stage[0] + stage[1] * n
+    def t(stage: tuple[float, float, float], n: int, past: int = 0) -> float:
+        return stage[0] + stage[1] * n + stage[2] * past
 
 
-def simulate(chunks: list[int], st: Stages) -> float:
-    """Predicted seconds from the first head pass to the last tail pass when `chunks` (token counts)
-    stream through the stages: each stage takes one chunk at a time, in order; half the RTT on the
-    way up, half on the way down; the edge runs every head before the tails (its tail work fills
-    the waits, so the order matters little)."""
+def simulate(chunks: list[int], st: Stages, start: int = 0) -> float:
+    """Predicted seconds from the first head pass to the last tail pass when `chunks` (token counts,
+    after `start` cached entries) stream through the stages: each stage takes one chunk at a time,
+    in order; half the RTT on the way up, half on the way down; the edge runs every head before the
+    tails (its tail work fills the waits, so the order matters little)."""
     head = up = cloud = down = 0.0
-    arrivals = []
+    arrivals, past = [], start
     for n in chunks:
-        head += st.t(st.head, n)
+        head += st.t(st.head, n, past)
         up = max(up, head) + st.t(st.up, n)
-        cloud = max(cloud, up + st.rtt_s / 2) + st.t(st.cloud, n)
+        cloud = max(cloud, up + st.rtt_s / 2) + st.t(st.cloud, n, past)
         down = max(down, cloud) + st.t(st.down, n)
         arrivals.append(down + st.rtt_s / 2)
-    edge = head
+        past += n
+    edge, past = head, start
     for n, arrival in zip(chunks, arrivals, strict=True):
-        edge = max(edge, arrival) + st.t(st.tail, n)
+        edge = max(edge, arrival) + st.t(st.tail, n, past)
+        past += n
     return edge
 
 
@@ -146,12 +176,13 @@ def candidates(total: int, max_chunk: int) -> list[int]:
     return sorted({-(-total // k) for k in ks if least <= k <= most}, reverse=True)
 
 
-def plan(total: int, max_chunk: int, st: Stages) -> Plan:
-    """The chunk size (at most `max_chunk`) predicted to bring `total` tokens through the stages soonest."""
-    single = simulate([total], st) if max_chunk >= total else math.inf
+def plan(total: int, max_chunk: int, st: Stages, start: int = 0) -> Plan:
+    """The chunk size (at most `max_chunk`) predicted to bring `total` tokens (after `start` cached
+    entries) through the stages soonest."""
+    single = simulate([total], st, start) if max_chunk >= total else math.inf
     best = None
     for n in candidates(total, max_chunk):
-        t = simulate(split(total, n), st)
+        t = simulate(split(total, n), st, start)
         if best is None or t < best.predicted_s:
             best = Plan(n, t, single)
     return best
@@ -200,7 +231,7 @@ def choose(session: EdgeSession, total: int, max_chunk: int) -> Plan | None:
     if setting != "auto":
         chunk = min(int(setting), max_chunk)
         return None if chunk >= total else Plan(chunk, None, None)
-    p = plan(total, max_chunk, edge.prefill_costs.stages(*per_token_bytes(session)))
+    p = plan(total, max_chunk, edge.prefill_costs.stages(*per_token_bytes(session)), session.length)
     return None if p.chunk >= total else p
 
 

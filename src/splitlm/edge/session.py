@@ -397,9 +397,9 @@ class EdgeSession:
         network_s = max(0.0, meta["wait_s"] - meta["compute_s"] - (client.serialize_s - ser))
         edge_s = f.edge_s + (t3 - t2)
         alone = not f.overlapped and not self.flights  # nothing else was on the link: its wait is the network's
-        self.edge.prefill_costs.observe(len(f.ids), f.edge_s + f.serialize_s, t3 - t2 + serialize_s - f.serialize_s,
-                                        meta["compute_s"], f.bytes_up + client.bytes_down - down,
-                                        network_s if alone else None)
+        self.edge.prefill_costs.observe(len(f.ids), f.start, f.edge_s + f.serialize_s,
+                                        t3 - t2 + serialize_s - f.serialize_s, meta["compute_s"],
+                                        f.bytes_up + client.bytes_down - down, network_s if alone else None)
         s = self.stats
         s.round_trips += 1
         s.bytes_down += client.bytes_down - down
