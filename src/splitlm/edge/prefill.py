@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 MIN_CHUNK = 32  # the plan never cuts a prompt into chunks smaller than this
 FRAME_OVERHEAD = 256  # bytes of header, metadata and authentication tag per frame (about)
+MIN_GAIN = 0.05  # stream only when the plan predicts at least this share of the time saved
 PRIOR_WEIGHT = 0.01  # of each of a fit's three pseudo-forwards, against 1 for a measured one
 SMALL_FRAME = 32 * 1024  # round trips below this many bytes measure the RTT, larger ones the bandwidth
 
@@ -232,7 +233,9 @@ def choose(session: EdgeSession, total: int, max_chunk: int) -> Plan | None:
         chunk = min(int(setting), max_chunk)
         return None if chunk >= total else Plan(chunk, None, None)
     p = plan(total, max_chunk, edge.prefill_costs.stages(*per_token_bytes(session)), session.length)
-    return None if p.chunk >= total else p
+    if p.chunk >= total or p.predicted_s > (1 - MIN_GAIN) * p.unchunked_s:
+        return None  # within the fits' error of one forward, which needs no overlap to go right
+    return p
 
 
 @torch.inference_mode()
