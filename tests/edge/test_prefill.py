@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy
 from splitlm import SplitLMError
 from splitlm.edge import Edge
-from splitlm.edge.prefill import StageFit, Stages, plan, simulate, split
+from splitlm.edge.prefill import StageFit, Stages, candidates, plan, simulate, split
 
 PROMPT = [random.Random(0).randrange(3, 250) for _ in range(100)]
 
@@ -143,6 +143,14 @@ def test_plan_streams_when_it_pays_and_sends_one_forward_when_not():
     assert small.chunk == 40 and small.predicted_s == small.unchunked_s
     capped = plan(2048, 100, stages(fixed=0.5))
     assert capped.chunk == 98 and capped.unchunked_s == math.inf  # 21 nearly equal chunks, the fewest allowed
+
+
+def test_chunks_longer_than_a_cloud_pass_are_whole_passes():
+    sizes = candidates(2048, 2048, 256)
+    assert sizes[:5] == [2048, 1024, 768, 512, 256]
+    assert all(n % 256 == 0 for n in sizes if n > 256) and 293 not in sizes and 2048 in sizes
+    assert candidates(300, 300, 256)[0] == 300  # never beyond the prompt or the cap
+    assert all(n <= 1000 for n in candidates(4096, 1000, 256))
 
 
 def test_a_cost_per_cached_entry_makes_chunks_larger():

@@ -165,24 +165,28 @@ class Plan:
     unchunked_s: float | None  # predicted for one forward (inf: the limits allow none)
 
 
-def candidates(total: int, max_chunk: int) -> list[int]:
+def candidates(total: int, max_chunk: int, pass_rows: int | None = None) -> list[int]:
     """Chunk sizes to try, each splitting `total` into K nearly equal chunks: K = 1 … 16, then up by
-    a quarter each, down to chunks of MIN_CHUNK (or as few as `max_chunk` allows)."""
+    a quarter each, down to chunks of MIN_CHUNK (or as few as `max_chunk` allows). A chunk longer
+    than the cloud's `pass_rows` is rounded up to whole passes (a remainder would cost a pass of its own)."""
     least = -(-total // max_chunk)
     most = max(least, total // MIN_CHUNK)
     ks, k = {*range(1, 17), least}, 16
     while k < most:
         k = max(k + 1, int(k * 1.25))
         ks.add(min(k, most))
-    return sorted({-(-total // k) for k in ks if least <= k <= most}, reverse=True)
+    sizes = {-(-total // k) for k in ks if least <= k <= most}
+    if pass_rows:
+        sizes = {min(-(-n // pass_rows) * pass_rows, max_chunk, total) if n > pass_rows else n for n in sizes}
+    return sorted(sizes, reverse=True)
 
 
-def plan(total: int, max_chunk: int, st: Stages, start: int = 0) -> Plan:
+def plan(total: int, max_chunk: int, st: Stages, start: int = 0, pass_rows: int | None = None) -> Plan:
     """The chunk size (at most `max_chunk`) predicted to bring `total` tokens (after `start` cached
     entries) through the stages soonest."""
     single = simulate([total], st, start) if max_chunk >= total else math.inf
     best = None
-    for n in candidates(total, max_chunk):
+    for n in candidates(total, max_chunk, pass_rows):
         t = simulate(split(total, n), st, start)
         if best is None or t < best.predicted_s:
             best = Plan(n, t, single)
@@ -232,7 +236,8 @@ def choose(session: EdgeSession, total: int, max_chunk: int) -> Plan | None:
     if setting != "auto":
         chunk = min(int(setting), max_chunk)
         return None if chunk >= total else Plan(chunk, None, None)
-    p = plan(total, max_chunk, edge.prefill_costs.stages(*per_token_bytes(session)), session.length)
+    p = plan(total, max_chunk, edge.prefill_costs.stages(*per_token_bytes(session)), session.length,
+             session.client.info.limits.pass_rows)
     if p.chunk >= total or p.predicted_s > (1 - MIN_GAIN) * p.unchunked_s:
         return None  # within the fits' error of one forward, which needs no overlap to go right
     return p
