@@ -347,7 +347,8 @@ def edge_security_kwargs(args) -> dict:
                                                              "cache_policy", "device", "dtype")}
     ping = getattr(args, "ping_interval", 20.0)
     return {**kwargs, "vocab": getattr(args, "vocab", None) or "all",
-            "failover_timeout_s": getattr(args, "failover_timeout", 30.0), "ping_interval_s": ping or None}
+            "failover_timeout_s": getattr(args, "failover_timeout", 30.0), "ping_interval_s": ping or None,
+            "prefill_chunk": getattr(args, "stream_prefill", "auto")}
 
 
 def cache_policy_arg(text: str) -> str:
@@ -420,8 +421,19 @@ def add_edge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-policy", type=cache_policy_arg, default="session", metavar="{none,session,window:N,sealed}",
                    help="what the cloud may keep between requests (default session; see README, cache policies)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
+    p.add_argument("--stream-prefill", type=stream_prefill_arg, default="auto", metavar="{auto,off,N}",
+                   help="how a prompt goes up: auto (default) streams it in pipelined chunks when the measured "
+                        "link and compute say that is sooner; N: chunks of N tokens; off: in one forward")
     add_vocab_option(p)
     add_edge_security_options(p)
+
+
+def stream_prefill_arg(text: str) -> int | str:
+    if text in ("auto", "off"):
+        return 0 if text == "off" else "auto"
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, off or a number of tokens > 0, not {text!r}")
 
 
 def add_vocab_option(p: argparse.ArgumentParser) -> None:

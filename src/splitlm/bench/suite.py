@@ -366,6 +366,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pass-context", type=int, default=512, help="--pass-cost: cached entries before each pass (512)")
     p.add_argument("--pass-dtypes", default="", metavar="D1,D2",
                    help="--pass-cost: compute dtypes to time (default: --cloud-dtype, else --dtype)")
+    from splitlm.bench.prefill import add_prefill_arguments
+
+    add_prefill_arguments(p)
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -434,6 +437,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
     if args.pass_cost:
         return pass_cost_main(args)
+    if args.prefill:
+        from splitlm.bench.prefill import prefill_main
+
+        return prefill_main(args, str(DEFAULT_OUT))
     config = config_from_args(args)
     load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
     if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():

@@ -446,7 +446,8 @@ class CloudServer:
                                 "allowed clients (ask its operator to add your .pub file)")
         lim = self.limits
         info = ServerInfo(f"splitlm/{__version__}", self.manifest.fingerprint,
-                          Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes)).to_meta()
+                          Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes,
+                                 self.scheduler.config.prefill_chunk)).to_meta()
         ok, channel, _ = server_handshake(self.identity, frame, data, info, next(conn.seq_out), self.rekey, conn.window)
         conn.channel, conn.client_key = channel, client_key
         log.info("conn %d: HELLO from client %s", conn.id, conn.client)

@@ -26,6 +26,7 @@ from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
+from splitlm.edge.prefill import PrefillCosts
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
@@ -126,7 +127,8 @@ class Edge:
                  timeout_s: float = 60.0, *,
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
                  rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto",
-                 failover_timeout_s: float = FAILOVER_TIMEOUT_S, ping_interval_s: float | None = PING_INTERVAL_S):
+                 failover_timeout_s: float = FAILOVER_TIMEOUT_S, ping_interval_s: float | None = PING_INTERVAL_S,
+                 prefill_chunk: int | str = "auto"):
         """cloud_url: one URL, or several (a list, or comma-separated) that serve the same cloud shard:
         when the connection or the cloud dies mid-request, a session reconnects (the same or the next
         one, with backoff, for at most `failover_timeout_s` seconds) and replays what the cloud lost
@@ -140,11 +142,18 @@ class Edge:
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
         file; a split-head cloud computes partial logits for these only.
         device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
-        default auto: CUDA in bf16 where present, else the CPU in fp32)."""
+        default auto: CUDA in bf16 where present, else the CPU in fp32).
+        prefill_chunk: how a prompt goes up (`splitlm.edge.prefill`): `auto` streams it in pipelined
+        chunks when the measured link and compute say that is sooner; N: in chunks of N tokens;
+        0: in one forward (in chunks one after another only where the cloud's limits demand it)."""
         try:
             self.cache_policy = CachePolicy.parse(cache_policy or "session")  # parsed once, here
         except ValueError as e:
             raise SplitLMError(str(e)) from None
+        if prefill_chunk != "auto" and (type(prefill_chunk) is not int or prefill_chunk < 0):
+            raise SplitLMError(f"prefill_chunk must be auto or a number of tokens >= 0, not {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self.prefill_costs = PrefillCosts()  # what each stage of a streamed prefill costs, as measured
         self.edge_dir = Path(edge_dir)
         self.device = resolve_device(device)
         self.model = load_edge(self.edge_dir, self.device, resolve_dtype(dtype, self.device))

@@ -15,6 +15,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm import SplitLMError
+from splitlm.edge import prefill
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward, lost
 from splitlm.transport.policy import CachePolicy
@@ -77,6 +78,7 @@ class Flight:
     edge_s: float = 0.0  # head (and later tail) compute
     serialize_s: float = 0.0
     overlapped: bool = False  # sent while an earlier forward was still in flight
+    bytes_up: int = 0  # of its request
     keep: list[int] | None = None  # which of its entries stay (None: all); set when the block is settled
     settled: bool = False
     void: bool = False  # rolled back before its reply came: the reply is discarded
@@ -118,6 +120,7 @@ class EdgeSession:
         self.cloud_crop: int | None = None
         self.stats = GenerationStats()
         self.last_step: dict = {}
+        self.last_prefill = None  # the last streamed prefill (`splitlm.edge.prefill.PrefillRun`)
 
     @property
     def length(self) -> int:
@@ -275,6 +278,10 @@ class EdgeSession:
         exceeded = [cap for cap, n in ((window, len(ids)), (rows_cap, len(want)), (room, len(ids)))
                     if cap is not None and n > cap]
         limit = min(exceeded) if exceeded else None
+        if mask is None and positions is None and self.pipelines and not self._context_rows():
+            p = prefill.choose(self, len(ids), limit or len(ids))
+            if p is not None:
+                return prefill.stream(self, ids, want, p, argmax)
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
@@ -389,7 +396,8 @@ class EdgeSession:
             context=c, control=self.control(), rows=f.rows if split_head else None,
             max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
         f.serialize_s += client.serialize_s - ser
-        self.stats.bytes_up += client.bytes_up - up
+        f.bytes_up = client.bytes_up - up
+        self.stats.bytes_up += f.bytes_up
         retained = self.policy.retention > 0
         self.cloud_keep = self.cloud_crop = None
         self.cloud_pending = len(f.ids) if retained else 0
@@ -528,6 +536,10 @@ class EdgeSession:
         serialize_s = f.serialize_s + client.serialize_s - ser
         network_s = max(0.0, meta["wait_s"] - meta["compute_s"] - (client.serialize_s - ser))
         edge_s = f.edge_s + (t3 - t2)
+        alone = not f.overlapped and not self.flights  # nothing else was on the link: its wait is the network's
+        self.edge.prefill_costs.observe(len(f.ids), f.start, f.edge_s + f.serialize_s,
+                                        t3 - t2 + serialize_s - f.serialize_s, meta["compute_s"],
+                                        f.bytes_up + client.bytes_down - down, network_s if alone else None)
         s = self.stats
         s.round_trips += 1
         s.bytes_down += client.bytes_down - down

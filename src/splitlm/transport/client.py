@@ -122,6 +122,7 @@ class CloudClient:
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
         self.in_flight: deque[int] = deque()  # sequence numbers of requests sent and not yet answered
+        self._arrived: deque[bytes] = deque()  # replies taken off the socket by `reply_waiting`, not yet read
         self.identity = resolve_identity(identity, "client")
         pinned = None if cloud_key is None else parse_key_spec(cloud_key)
         context = tls_context(url, tls_ca)
@@ -152,13 +153,25 @@ class CloudClient:
 
     def _recv(self) -> bytes:
         try:
-            reply_data = self.ws.recv(timeout=self.timeout_s)
+            reply_data = self._arrived.popleft() if self._arrived else self.ws.recv(timeout=self.timeout_s)
         except ConnectionClosed as e:
             raise lost(f"the cloud closed the connection ({e.rcvd.reason if e.rcvd else 'no reason'})") from None
         except TimeoutError:
             raise lost(f"no answer from the cloud within {self.timeout_s:.0f} s") from None
         self.bytes_down += len(reply_data)
         return reply_data
+
+    def reply_waiting(self) -> bool:
+        """Whether the oldest unanswered request's reply has arrived (`receive_forward` would not wait)."""
+        if self._arrived:
+            return True
+        try:
+            self._arrived.append(self.ws.recv(timeout=0))
+        except TimeoutError:
+            return False
+        except ConnectionClosed:
+            return True  # the next receive reports it
+        return True
 
     def _handshake(self, shard_fingerprint: str, pinned: str | None, known_hosts: str | Path | None,
                    rekey: RekeyPolicy | None) -> Channel:

@@ -54,6 +54,7 @@ class Limits:
     max_tokens_per_session: int | None = None  # None: not announced
     max_tokens_per_forward: int | None = None
     max_frame_bytes: int | None = None
+    pass_rows: int | None = None  # rows of one causal request per pass of the cloud's layers (longer: several passes)
 
 
 @dataclass
