@@ -53,6 +53,13 @@ class _Segment:
         past = 0 if cache is None else cache.length
         new_mask = causal_mask(t) if mask is None else mask.cpu()
         positions = positions.reshape(-1).cpu().long()  # [T]
+        for i in range(self.n_layers):  # the S entries so far, [1, Hkv, S, hd] (a copy: ONNX Runtime reads dense arrays)
+            view = None if cache is None or not past else cache.view(i)
+            if view is None:
+                k = v = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=np.float32)
+            else:
+                k, v = (x.float().contiguous().numpy() for x in view)
+            feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = k, v
         if cache is not None:
             cache.begin(t, positions)
             keys = cache.positions.cpu()  # [S+T]
@@ -60,14 +67,6 @@ class _Segment:
             keys = positions
         feeds.update(positions=positions.numpy(), mask=full_mask(new_mask, past)[0, 0].numpy(),
                      key_positions=keys.numpy())
-        for i in range(self.n_layers):
-            view = None if cache is None else cache.view(i)
-            if view is None or not past:
-                shape = (1, self._kv_heads, 0, self._head_dim)
-                k = v = np.zeros(shape, dtype=np.float32)
-            else:
-                k, v = (x.narrow(2, 0, past).contiguous().numpy() for x in view)
-            feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = k, v
         out = self.session.run(None, {k: v for k, v in feeds.items() if k in self.inputs})
         if cache is not None:
             for i in range(self.n_layers):

@@ -12,9 +12,9 @@ of the new tokens, [T, S+T] bool (the tree mask in its last T columns); `key_pos
 position of every key (sliding-window layers hide keys too far back).
 
 The graphs run the model's own modules (`splitlm.model.llama.Block`), traced by the TorchScript
-exporter with dynamic T, S and R. `--int8` adds `*.int8.onnx`: the same graphs with weights of the
-matrix products and the embedding table quantised to int8 by ONNX Runtime's dynamic quantisation
-(activations quantised per call).
+exporter with dynamic T, S and R. `--int8` adds `*.int8.onnx`: the same graphs with the weights of the
+matrix products (per output channel) and the embedding table quantised to int8 by ONNX Runtime's
+dynamic quantisation (activations quantised per call, per tensor).
 """
 
 from __future__ import annotations
@@ -172,9 +172,14 @@ def export_edge_onnx(model, edge_dir: str | Path, int8: bool = False, adapter: s
     if int8:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        for seg in SEGMENTS:
-            quantize_dynamic(graph_file(edge_dir, seg, "fp32"), graph_file(edge_dir, seg, "int8"),
-                             weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gather"])
+        root, level = logging.getLogger(), logging.getLogger().level
+        root.setLevel(logging.ERROR)  # (its advice to pre-process image models first)
+        try:
+            for seg in SEGMENTS:  # int8 weights per output channel; activations quantised per call (per tensor)
+                quantize_dynamic(graph_file(edge_dir, seg, "fp32"), graph_file(edge_dir, seg, "int8"),
+                                 weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul", "Gather"])
+        finally:
+            root.setLevel(level)
         precisions.append("int8")
     else:  # a stale int8 export would not match these weights
         for seg in SEGMENTS:
