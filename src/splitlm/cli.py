@@ -105,7 +105,8 @@ def cmd_generate(args) -> int:
             result = edge.generate(prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
-                              "edge": {"device": str(edge.device), "dtype": dtype_name(edge.dtype)}}))
+                              "edge": {"device": f"onnx:{edge.onnx}" if edge.onnx else str(edge.device),
+                                       "dtype": dtype_name(edge.dtype)}}))
             return 0
         stream = edge.stream(prompt, args.max_new_tokens, **options)
         for piece in stream:
@@ -187,6 +188,44 @@ def cmd_train_draft(args) -> int:
         raise SplitLMError(f"edge shard {args.edge} not found")
     report = train_draft(args.model, args.edge, max_tokens=args.max_tokens,
                          progress=lambda msg: log.info("[train-draft] %s", msg))
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_export_onnx(args) -> int:
+    import time
+    from pathlib import Path
+
+    from splitlm.edge.adapters import apply_edge_adapter
+    from splitlm.model.onnx_export import export_edge_onnx, graph_file
+    from splitlm.model.shards import load_edge
+
+    set_threads(args.threads)
+    if not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    start = time.perf_counter()
+    model = load_edge(args.edge, "cpu", __import__("torch").float32)
+    adapter = apply_edge_adapter(model, args.edge_adapter) if args.edge_adapter else None
+    manifest = export_edge_onnx(model, args.edge, int8=args.int8, adapter=adapter.digest if adapter else "")
+    files = {f"{seg}.{p}": graph_file(args.edge, seg, p) for p in manifest.precisions for seg in ("head", "tail")}
+    print(json.dumps({"edge": args.edge, "precisions": manifest.precisions, "adapter": adapter.path if adapter else None,
+                      "files_mb": {k: round(f.stat().st_size / 2**20, 1) for k, f in files.items()},
+                      "seconds": round(time.perf_counter() - start, 1)}))
+    return 0
+
+
+def cmd_train_adapter(args) -> int:
+    from pathlib import Path
+
+    from splitlm.edge.train_adapter import train_adapter
+
+    set_threads(args.threads)
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SplitLMError(f"cannot read the training text {args.text}: {e}") from None
+    report = train_adapter(args.model, args.edge, text, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
+                           lr=args.lr, seq_len=args.seq_len)
     print(json.dumps(report))
     return 0
 
@@ -344,7 +383,7 @@ def edge_security_kwargs(args) -> dict:
     """Keyword arguments for `Edge(...)` from the options of `add_edge_options` (keys, trust, what the
     cloud may keep and which tokens may be emitted)."""
     kwargs = {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
-                                                             "cache_policy", "device", "dtype")}
+                                                             "cache_policy", "device", "dtype", "edge_adapter")}
     ping = getattr(args, "ping_interval", 20.0)
     return {**kwargs, "vocab": getattr(args, "vocab", None) or "all",
             "failover_timeout_s": getattr(args, "failover_timeout", 30.0), "ping_interval_s": ping or None,
@@ -410,7 +449,10 @@ CLOUD_HELP = "cloud URL ws://HOST:PORT; several, comma-separated, to fail over t
 
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
-    add_device_arguments(p, what="the edge's layers")
+    add_device_arguments(p, what="the edge's layers", onnx=True)
+    p.add_argument("--edge-adapter", metavar="PATH", default=None,
+                   help="a peft LoRA adapter directory of the full model (e.g. from `splitlm train-adapter`), merged "
+                        "into the edge's layers; it may change only what the edge holds and never leaves it")
     p.add_argument("--failover-timeout", type=float, default=30.0, metavar="S",
                    help="how long a request keeps trying to reach a cloud after losing one (default 30)")
     p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
@@ -578,6 +620,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=8000, help="training tokens (default 8000)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_train_draft)
+
+    p = sub.add_parser("export-onnx", help="export the edge's layers as ONNX graphs for --device onnx (and onnx:int8)")
+    p.add_argument("--edge", required=True, help="the edge shard directory; the graphs are written to its onnx/")
+    p.add_argument("--int8", action="store_true", help="also write int8 graphs (ONNX Runtime's dynamic "
+                                                        "quantisation) for --device onnx:int8")
+    p.add_argument("--edge-adapter", metavar="PATH", default=None,
+                   help="merge this peft LoRA adapter into the exported weights (see --edge-adapter of generate)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_export_onnx)
+
+    p = sub.add_parser("train-adapter", help="fit a LoRA adapter for the edge's layers on your own text, locally")
+    p.add_argument("--model", default="default", help="the full model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory (which layers the adapter may change)")
+    p.add_argument("--text", required=True, help="a UTF-8 text file to fit")
+    p.add_argument("--out", required=True, help="the adapter directory to write (peft format; use with --edge-adapter)")
+    p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--steps", type=positive_int, default=40, help="optimiser steps (default 40)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seq-len", type=int_at_least(2), default=128, help="tokens per training window (default 128)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_adapter)
 
     p = sub.add_parser("warmup", help="generate the model's answers to generic requests, a corpus for the "
                                       "auto drafter (bundled for the default model)")

@@ -369,6 +369,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     from splitlm.bench.prefill import add_prefill_arguments
 
     add_prefill_arguments(p)
+    p.add_argument("--edge-profiles", action="store_true",
+                   help="instead of the WAN bench: the edge's peak memory, compute per step and agreement in each "
+                        "profile (torch fp32, torch bf16, onnx fp32, onnx int8) on the held-out prompts "
+                        "(--limit, default 8; --max-new-tokens; --threads)")
+    p.add_argument("--threads", type=int, default=None, help="--edge-profiles: threads per profile (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -442,6 +447,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
         return prefill_main(args, str(DEFAULT_OUT))
     config = config_from_args(args)
+    if args.edge_profiles:
+        from splitlm.bench.edge_profiles import edge_profiles_main
+
+        return edge_profiles_main(args, config, progress)
     load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
     if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():
         raise SplitLMError(f"--vocab {config.vocab!r}: not all, en, zh or an allow-list file")

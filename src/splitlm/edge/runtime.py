@@ -27,6 +27,8 @@ from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, sp
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
 from splitlm.edge.prefill import PrefillCosts
+from splitlm.edge.adapters import apply_edge_adapter
+from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
@@ -128,7 +130,7 @@ class Edge:
                  cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
                  rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto",
                  failover_timeout_s: float = FAILOVER_TIMEOUT_S, ping_interval_s: float | None = PING_INTERVAL_S,
-                 prefill_chunk: int | str = "auto"):
+                 prefill_chunk: int | str = "auto", edge_adapter: str | Path | None = None):
         """cloud_url: one URL, or several (a list, or comma-separated) that serve the same cloud shard:
         when the connection or the cloud dies mid-request, a session reconnects (the same or the next
         one, with backoff, for at most `failover_timeout_s` seconds) and replays what the cloud lost
@@ -142,10 +144,13 @@ class Edge:
         vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
         file; a split-head cloud computes partial logits for these only.
         device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
-        default auto: CUDA in bf16 where present, else the CPU in fp32).
+        default auto: CUDA in bf16 where present, else the CPU in fp32); `onnx` or `onnx:int8`: the graphs of
+        `splitlm export-onnx` in ONNX Runtime on the CPU (`splitlm.edge.onnx_runtime`).
         prefill_chunk: how a prompt goes up (`splitlm.edge.prefill`): `auto` streams it in pipelined
         chunks when the measured link and compute say that is sooner; N: in chunks of N tokens;
-        0: in one forward (in chunks one after another only where the cloud's limits demand it)."""
+        0: in one forward (in chunks one after another only where the cloud's limits demand it).
+        edge_adapter: a `peft` LoRA adapter directory of the full model, merged into the edge's layers
+        (`splitlm.edge.adapters`); it must touch only modules the edge holds, and never leaves the edge."""
         try:
             self.cache_policy = CachePolicy.parse(cache_policy or "session")  # parsed once, here
         except ValueError as e:
@@ -155,15 +160,27 @@ class Edge:
         self.prefill_chunk = prefill_chunk
         self.prefill_costs = PrefillCosts()  # what each stage of a streamed prefill costs, as measured
         self.edge_dir = Path(edge_dir)
-        self.device = resolve_device(device)
-        self.model = load_edge(self.edge_dir, self.device, resolve_dtype(dtype, self.device))
+        self.onnx = parse_onnx_device(device)  # None, or the precision of the ONNX Runtime graphs
+        if self.onnx:  # ONNX Runtime on the CPU; the caches stay torch tensors in host memory
+            if dtype not in (None, "auto", "fp32"):
+                raise SplitLMError(f"--device {device} sets the precision itself (onnx or onnx:int8); drop --dtype {dtype}")
+            if edge_adapter:
+                raise SplitLMError("--edge-adapter is merged into the graphs at export: "
+                                   "`splitlm export-onnx --edge DIR --edge-adapter PATH`")
+            self.device = torch.device("cpu")
+            self.model = OnnxEdge(self.edge_dir, self.onnx)
+        else:
+            self.device = resolve_device(device)
+            self.model = load_edge(self.edge_dir, self.device, resolve_dtype(dtype, self.device))
+            if edge_adapter:
+                apply_edge_adapter(self.model, edge_adapter)
         if wire_dtype == "auto":
             wire_dtype = "bf16" if self.model.cfg.gemma else "fp16"
         try:
             self.wire_dtype = check_wire_dtype(wire_dtype)
         except ValueError as e:
             raise SplitLMError(str(e)) from None
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = torch.float32 if self.onnx else next(self.model.parameters()).dtype
         self.cfg = self.model.cfg
         self.tokenizer = self._load_tokenizer()
         self.split_head = self.model.split_head
@@ -174,9 +191,10 @@ class Edge:
             self._vocab_ids = None if self.vocab.everything else to_device(self.vocab.ids, self.device)
             w = self.model.end_weight
             self._w_end = w if self._vocab_ids is None else w.index_select(0, self._vocab_ids)
-        if not self.split_head:
+        if not self.split_head and not self.onnx:
             self.model.greedy_head()  # decides once whether its bf16 screen pays on this machine
-        log.debug("edge %s: layers on %s", self.edge_dir, describe(self.device, self.dtype))
+        log.debug("edge %s: layers on %s", self.edge_dir,
+                 f"ONNX Runtime (CPU) {self.onnx}" if self.onnx else describe(self.device, self.dtype))
         self._corpus: NgramModel | None = None
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
@@ -331,6 +349,9 @@ class Edge:
         """The draft model of `--spec draft` (loaded once per edge; its caches are per request)."""
         from splitlm.decoding.draft import make_draft_lm
 
+        if self.onnx and draft in ("self", "self-raw"):
+            raise SplitLMError(f"--spec draft --draft {draft} runs the edge's torch layers; with --device onnx "
+                               "use --spec auto, ngram or lookahead, or a draft model path")
         with self._lock:
             if draft not in self._drafts:
                 self._drafts[draft] = make_draft_lm(draft, self.model, self.edge_dir)

@@ -1,0 +1,142 @@
+"""`--device onnx`: the edge's graphs in ONNX Runtime against the torch edge (tiny model, and the bundled model)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import BUNDLED_PROMPTS
+from splitlm import SplitLMError
+from splitlm.cloud.server import BackgroundServer
+from splitlm.edge import Edge
+from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
+from splitlm.model.device import resolve_device
+from splitlm.model.kv_cache import KVCache
+from splitlm.model.llama import causal_mask
+from splitlm.model.onnx_export import export_edge_onnx
+from splitlm.model.shards import load_edge
+
+PROMPT = [5, 9, 33, 2, 7, 101, 64, 17, 5, 9, 33]
+
+
+@pytest.fixture(scope="module")
+def onnx_split(tiny_split, tmp_path_factory):
+    """A copy of the tiny split whose edge has fp32 and int8 graphs."""
+    out = tmp_path_factory.mktemp("onnx-split")
+    shutil.copytree(tiny_split / "edge", out / "edge")
+    shutil.copytree(tiny_split / "cloud", out / "cloud")
+    export_edge_onnx(load_edge(out / "edge"), out / "edge", int8=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_server(onnx_split):
+    with BackgroundServer(onnx_split / "cloud") as server:
+        yield server
+
+
+def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
+    """Head and tail graphs against the torch modules, with caches driven the way speculative steps drive them:
+    a causal prompt, a tree step with a non-causal mask and explicit positions, keep of a branch, a crop."""
+    model = load_edge(onnx_split / "edge")
+    onnx = OnnxEdge(onnx_split / "edge")
+    caches = {name: (KVCache(2, block=4), KVCache(2, block=4)) for name in ("torch", "onnx")}  # buffers grow
+    tree = causal_mask(5)
+    tree[3, 1:3] = False  # row 3 branches off after row 0: it sees rows 0 and 3 only
+    tree[4, 1:3] = False
+    steps = [(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), None, None),
+             (torch.tensor([[40, 41, 42, 43, 44]]), torch.tensor([11, 12, 13, 12, 13]), tree, [0, 3, 4]),
+             (torch.tensor([[7]]), torch.tensor([13]), None, None)]
+    with torch.no_grad():
+        for ids, pos, mask, keep in steps:
+            out = {}
+            for name, m in (("torch", model), ("onnx", onnx)):
+                head, tail = caches[name]
+                h = m.embed_and_head(ids, pos, mask, head)
+                out[name] = (h, m.tail_and_logits(h.clone(), pos, mask, tail, rows=[0, ids.shape[1] - 1]))
+            assert torch.allclose(out["torch"][0], out["onnx"][0], atol=1e-5)
+            assert torch.allclose(out["torch"][1], out["onnx"][1], atol=1e-4)
+            assert out["torch"][1].shape == out["onnx"][1].shape == (1, 2, model.cfg.vocab_size)
+            for name in caches:
+                for cache in caches[name]:
+                    if keep is not None:
+                        cache.keep(keep)
+            if keep is not None:
+                for name in caches:
+                    for cache in caches[name]:
+                        cache.crop(cache.length - 1)  # and drop the last kept entry again
+    for t, o in zip(caches["torch"], caches["onnx"], strict=True):
+        assert t.length == o.length == len(PROMPT) + 2 + 1
+        for i in range(t.num_layers):
+            assert torch.allclose(t.view(i)[0], o.view(i)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram", "lookahead"])
+def test_onnx_edge_is_token_identical_to_the_torch_edge(onnx_split, onnx_server, spec):
+    with Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref, \
+            Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx:
+        for prompt in (PROMPT, [200, 3, 77, 150, 9]):
+            want = ref.generate(prompt, 20, spec=spec, stop_at_eos=False)
+            got = onnx.generate(prompt, 20, spec=spec, stop_at_eos=False)
+            assert got.token_ids == want.token_ids
+            assert got.stats.round_trips == want.stats.round_trips or spec == "none"
+
+
+def test_int8_graphs_run_and_are_smaller(onnx_split, onnx_server):
+    fp32 = (onnx_split / "edge" / "onnx" / "tail.onnx").stat().st_size
+    int8 = (onnx_split / "edge" / "onnx" / "tail.int8.onnx").stat().st_size
+    assert int8 < 0.6 * fp32
+    with Edge(onnx_split / "edge", onnx_server.url, device="onnx:int8") as edge:
+        assert edge.model.precision == "int8"
+        result = edge.generate(PROMPT, 12, spec="lookahead", stop_at_eos=False)
+        assert len(result.token_ids) == 12
+
+
+def test_onnx_device_errors(tiny_split, onnx_split, tmp_path):
+    assert parse_onnx_device("onnx") == "fp32" and parse_onnx_device("ONNX:int8") == "int8"
+    assert parse_onnx_device("cpu") is None
+    with pytest.raises(SplitLMError, match="onnx or onnx:int8"):
+        parse_onnx_device("onnx:int4")
+    with pytest.raises(SplitLMError, match="only the edge"):
+        resolve_device("onnx")  # the cloud's layers never run in ONNX Runtime
+    with pytest.raises(SplitLMError, match="export-onnx"):
+        OnnxEdge(tiny_split / "edge")  # never exported
+    stale = tmp_path / "edge"
+    shutil.copytree(onnx_split / "edge", stale)
+    manifest = json.loads((stale / "onnx" / "onnx.json").read_text())
+    (stale / "onnx" / "onnx.json").write_text(json.dumps({**manifest, "fingerprint": "0" * 32}))
+    with pytest.raises(SplitLMError, match="another split"):
+        OnnxEdge(stale)
+    (stale / "onnx" / "onnx.json").write_text(json.dumps({**manifest, "precisions": ["fp32"]}))
+    with pytest.raises(SplitLMError, match="--int8"):
+        OnnxEdge(stale, "int8")
+
+
+def test_cli_export_and_generate_on_onnx(tiny_split, tmp_path, capsys):
+    from splitlm.cli import main
+
+    shutil.copytree(tiny_split / "edge", tmp_path / "edge")
+    assert main(["export-onnx", "--edge", str(tmp_path / "edge")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["precisions"] == ["fp32"] and set(report["files_mb"]) == {"head.fp32", "tail.fp32"}
+    assert main(["generate", "--edge", str(tmp_path / "edge"), "--cloud", "ws://127.0.0.1:9", "--device", "onnx",
+                 "--dtype", "bf16", "--prompt", "x"]) == 1
+    assert "drop --dtype" in capsys.readouterr().err
+    assert main(["generate", "--edge", str(tmp_path / "edge"), "--cloud", "ws://127.0.0.1:9", "--device", "onnx:int8",
+                 "--prompt", "x"]) == 1
+    assert "--int8" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bundled_onnx_edge_is_token_identical(bundled_split, bundled_server, tmp_path_factory):
+    """The bundled model, greedy, with no speculation and with `auto`: the ONNX fp32 edge emits the torch edge's tokens."""
+    edge_dir = tmp_path_factory.mktemp("bundled-onnx") / "edge"
+    shutil.copytree(bundled_split / "edge", edge_dir)
+    export_edge_onnx(load_edge(edge_dir), edge_dir)
+    with Edge(edge_dir, bundled_server.url, device="cpu", dtype="fp32") as ref, \
+            Edge(edge_dir, bundled_server.url, device="onnx") as onnx:
+        for spec in ("none", "auto"):
+            for prompt in BUNDLED_PROMPTS:
+                want = ref.generate(prompt, 24, spec=spec).token_ids
+                assert onnx.generate(prompt, 24, spec=spec).token_ids == want, (spec, prompt)
