@@ -162,7 +162,7 @@ def cmd_serve_edge(args) -> int:
                        default_temperature=args.default_temperature, default_max_tokens=args.default_max_tokens)
     with Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args)) as edge:
         if args.spec == "auto":
-            edge.corpus_model()  # built once now, not in the first request
+            edge.draft_memory(config.spec)  # built once now, not in the first request
         serve(edge, config, args.host, args.port)
     return 0
 
@@ -226,6 +226,20 @@ def cmd_train_adapter(args) -> int:
         raise SplitLMError(f"cannot read the training text {args.text}: {e}") from None
     report = train_adapter(args.model, args.edge, text, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
                            lr=args.lr, seq_len=args.seq_len)
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_train_head(args) -> int:
+    from pathlib import Path
+
+    from splitlm.decoding.train_head import train_head
+
+    set_threads(args.threads)
+    if not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    report = train_head(args.model, args.edge, warmup=args.warmup, max_tokens=args.max_tokens, minutes=args.minutes,
+                        log=lambda msg: print(f"[train-head] {msg}", file=sys.stderr, flush=True))
     print(json.dumps(report))
     return 0
 
@@ -400,6 +414,7 @@ def cache_policy_arg(text: str) -> str:
 
 
 WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
+SPEC_CHOICES = ["none", "ngram", "lookahead", "recycle", "suffix", "head", "auto", "auto-window", "draft"]
 
 
 def add_draft_option(p: argparse.ArgumentParser) -> None:
@@ -572,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
+    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
                    help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this string (repeatable)")
@@ -591,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
     add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
+    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
     p.add_argument("--default-temperature", type=float, default=1.0,
@@ -609,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(p)
     add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=["none", "ngram", "lookahead", "auto", "draft"],
+    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
                    help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
     add_edge_options(p)
     p.set_defaults(func=cmd_chat)
@@ -642,6 +657,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int_at_least(2), default=128, help="tokens per training window (default 128)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_train_adapter)
+
+    p = sub.add_parser("train-head", help="train the edge's draft head (--spec head/auto) on the model's own warm-up "
+                                          "answers")
+    p.add_argument("--model", default="default", help="the model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory; the head is written into it")
+    p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
+    p.add_argument("--max-tokens", type=positive_int, default=60000, help="answer tokens to train on (default 60000)")
+    p.add_argument("--minutes", type=float, default=12.0, help="training time limit (default 12)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_head)
 
     p = sub.add_parser("warmup", help="generate the model's answers to generic requests, a corpus for the "
                                       "auto drafter (bundled for the default model)")

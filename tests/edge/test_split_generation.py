@@ -75,7 +75,7 @@ def test_edge_and_cloud_use_fresh_caches_per_session(bundled_split, bundled_serv
     assert torch.tensor(a.token_ids).numel() == 10
 
 
-@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto"])
+@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto-window", "recycle", "suffix", "auto"])
 def test_speculative_split_is_token_identical(bundled_split, bundled_server, bundled_hf, mode):
     hf, tok = bundled_hf
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
@@ -86,6 +86,24 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
     s = result.stats
     assert s.round_trips < s.new_tokens  # several tokens per round trip on repetitive code
     assert s.spec["steps"] == s.round_trips - 1
+
+
+def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_server, bundled_hf):
+    """An untrained head drafts badly but must not change a token; the edge learns only on its side."""
+    from splitlm.decoding.head import DraftHead, HeadRunner
+    from splitlm.decoding.speculative import SpecConfig
+
+    hf, tok = bundled_hf
+    prompt = "The three primary colours are"
+    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+        torch.manual_seed(0)
+        w = edge.model.head_weight
+        spec = SpecConfig("head")
+        edge.draft_memory(spec).head = HeadRunner(DraftHead(edge.cfg.hidden_size, 64, torch.arange(0, 4096)),
+                                                  edge.model.embed_tokens.weight, w)
+        result = edge.generate(prompt, max_new_tokens=24, spec=spec)
+    assert result.token_ids == hf_greedy(hf, tok(prompt).input_ids, 24)
+    assert result.stats.spec["steps"] == result.stats.round_trips - 1
 
 
 def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split, bundled_server):

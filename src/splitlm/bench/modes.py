@@ -196,19 +196,29 @@ def run_lookahead(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int)
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("lookahead"))
 
 
-@mode("auto", network=True, help="speculative: all drafters merged, tree and window sized from the link")
-def run_auto(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
+def spec_mode(name: str, help: str, **spec) -> None:
+    """Register a bench mode that decodes through the split model with SpecConfig(**spec)."""
 
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto"))
+    def run(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+        from splitlm.decoding.speculative import SpecConfig
+
+        return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec))
+
+    mode(name, network=True, help=help)(run)
 
 
-@mode("auto-nowindow", network=True,
-      help="speculative: auto's drafters without the lookahead window (pipelined's drafts, one step at a time)")
-def run_auto_nowindow(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
-
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("auto", window=0))
+spec_mode("auto", "speculative: retrieval, recycled and head drafts merged, the tree sized from the link and "
+          "the measured cost curve", mode="auto")
+spec_mode("auto-zerocost", "auto with the cloud's per-token cost emulated as zero (a GPU cloud): trees up to 128 "
+          "nodes", mode="auto", cost="zero")
+spec_mode("recycle", "speculative: recycled top-k successor trees only", mode="recycle")
+spec_mode("suffix", "speculative: suffix-automaton / suffix-array retrieval only (context, corpus, past outputs)",
+          mode="suffix")
+spec_mode("head", "speculative: the trained draft head only (`splitlm train-head`)", mode="head")
+spec_mode("auto-window", "speculative: the older combination (n-gram, corpus n-grams, lookahead window)",
+          mode="auto-window")
+spec_mode("auto-nowindow", "speculative: the older combination without its lookahead window", mode="auto-window",
+          window=0)
 
 
 @mode("self-draft", network=True, help="speculative: the edge's own layers as a draft model, no adapter")
@@ -244,7 +254,7 @@ def run_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> 
 def run_pipelined(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     from splitlm.decoding.speculative import SpecConfig
 
-    spec = SpecConfig("auto" if ctx.draft is None else "draft", draft=ctx.draft or "self", pipeline=True)
+    spec = SpecConfig("auto-window" if ctx.draft is None else "draft", draft=ctx.draft or "self", pipeline=True, window=0)
     return run_edge(ctx, prompt_ids, max_new_tokens, spec)
 
 

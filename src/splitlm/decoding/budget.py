@@ -14,13 +14,30 @@ from splitlm.decoding.tree import TokenTree
 
 
 class ComputeFit:
-    """Least-squares fit of compute seconds = c0 + c1·T over the most recent steps."""
+    """Compute seconds per step as a function of its tokens T, measured: a least-squares line
+    c0 + c1·T over the recent steps, and the mean cost seen in each power-of-two bucket of T.
+
+    Where buckets were seen, the prediction interpolates between them (on this CPU a 16-token pass
+    costs about what an 8-token one does, which no line through small passes shows); beyond them
+    it extends the line from the last one. It never decreases with T."""
+
+    EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __init__(self, window: int = 64, c0: float = 0.02, c1: float = 0.002):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.c0, self.c1 = c0, c1  # priors until the data can speak
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean T, mean seconds, count]
+
+    @classmethod
+    def bucket(cls, tokens: int) -> int:
+        return next((b for b, e in enumerate(cls.EDGES) if tokens <= e), len(cls.EDGES))
 
     def add(self, tokens: int, seconds: float) -> None:
+        b = self.buckets.setdefault(self.bucket(tokens), [float(tokens), seconds, 0])
+        w = max(0.1, 1.0 / (b[2] + 1))  # a running mean, then an EMA
+        b[0] += w * (tokens - b[0])
+        b[1] += w * (seconds - b[1])
+        b[2] += 1
         self.samples.append((tokens, seconds))
         xs = [t for t, _ in self.samples]
         if len(set(xs)) < 2:
@@ -32,8 +49,24 @@ class ComputeFit:
         self.c1 = max(c1, 0.0)
         self.c0 = max(my - self.c1 * mx, 0.0)
 
+    def explored(self, tokens: int) -> bool:
+        b = self.buckets.get(self.bucket(tokens))
+        return b is not None and b[2] >= 3
+
     def predict(self, tokens: int) -> float:
-        return self.c0 + self.c1 * tokens
+        pts = sorted((t, s) for t, s, c in self.buckets.values() if c >= 2)
+        if not pts:
+            return self.c0 + self.c1 * tokens
+        best, prev = 0.0, None
+        for t, s in pts:  # the running max keeps the curve non-decreasing
+            best = max(best, s)
+            if tokens <= t:
+                if prev is None:
+                    return max(0.0, best - self.c1 * (t - tokens))
+                t0, s0 = prev
+                return s0 + (best - s0) * (tokens - t0) / max(t - t0, 1e-9)
+            prev = (t, best)
+        return prev[1] + self.c1 * (tokens - prev[0])
 
 
 class Calibration:
@@ -65,9 +98,20 @@ class BudgetChoice:
     reach: list[float]  # per node of the proposed tree: estimated chance it is accepted
 
 
+COST_MODELS = ("measured", "zero")
+
+
 class StepBudget:
-    def __init__(self, max_nodes: int = 64, fixed_nodes: int | None = None, rtt_prior_s: float = 0.05):
-        self.max_nodes, self.fixed_nodes = max_nodes, fixed_nodes
+    """`cost` "zero" prices every extra token of a pass at nothing (a GPU cloud, emulated here: the
+    tree grows to `max_nodes`); "measured" uses the fitted cost curve, and every `explore_every`
+    steps tries the next size bucket up while it is not yet measured."""
+
+    def __init__(self, max_nodes: int = 64, fixed_nodes: int | None = None, rtt_prior_s: float = 0.05,
+                 cost: str = "measured", explore_every: int = 8):
+        if cost not in COST_MODELS:
+            raise ValueError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
+        self.max_nodes, self.fixed_nodes, self.cost = max_nodes, fixed_nodes, cost
+        self.explore_every, self.steps = explore_every, 0
         self.compute = ComputeFit()
         self.calibration = Calibration()
         self.rtt_s = rtt_prior_s
@@ -101,11 +145,19 @@ class StepBudget:
         ranked = sorted(reach[1:], reverse=True)[: limit - 1]
         best = BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)
         expected = 1.0
+        sizes = []
         for k, r in enumerate(ranked, start=2):
             expected += r
             t = self.step_time(k + extra_tokens)
+            sizes.append(BudgetChoice(k, expected, t, reach))
             if self.fixed_nodes is not None or expected / t > best.expected_tokens / best.predicted_step_s:
-                best = BudgetChoice(k, expected, t, reach)
+                best = sizes[-1]
+        self.steps += 1
+        if self.fixed_nodes is None and self.cost == "measured" and self.steps % self.explore_every == 0:
+            # measure the next size bucket up once in a while: the curve is only known where it was tried
+            up = ComputeFit.EDGES[min(ComputeFit.bucket(best.nodes) + 1, len(ComputeFit.EDGES) - 1)]
+            if not self.compute.explored(up + extra_tokens) and len(sizes) >= up - 1:
+                best = sizes[up - 2]
         return best
 
     def window_width(self, current: int, max_width: int, levels: int, gain_tokens: float,
@@ -126,4 +178,4 @@ class StepBudget:
         return current
 
     def step_time(self, tokens: int) -> float:
-        return self.rtt_s + self.compute.predict(tokens)
+        return max(1e-6, self.rtt_s + self.compute.predict(1 if self.cost == "zero" else tokens))

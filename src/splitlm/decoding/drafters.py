@@ -20,6 +20,7 @@ from splitlm.decoding.tree import TokenTree
 
 class Drafter:
     name = "none"
+    extras = 0  # > 0: verification passes should return each row's top-`extras` ids and hidden state
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -35,6 +36,35 @@ class Drafter:
 
     def accepted(self, drafted: list[int]) -> None:
         """The drafted tokens the target accepted in the last step (bonus token excluded)."""
+
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
+        """After a verification pass of `tree` (the prefill: a root-only tree of the prompt's last token):
+        the accepted `path`, the `new` tokens (accepted and the bonus), and the session's `last_step`
+        (with `extras`: "topk" [N, k] and "hidden" [N, D] per tree node)."""
+
+
+class KeyedCalibration:
+    """Observed acceptance of a drafter's nodes by key (what the drafter knows about a node: its rank,
+    depth, match length...), shrunk towards the drafter's prior guess while a key is rarely seen."""
+
+    def __init__(self, prior_weight: float = 3.0):
+        self.counts: dict = {}
+        self.prior_weight = prior_weight
+
+    def p(self, key, prior: float) -> float:
+        hits, total = self.counts.get(key, (0.0, 0.0))
+        return (hits + self.prior_weight * prior) / (total + self.prior_weight)
+
+    def learn(self, tree: TokenTree, new: list[int]) -> None:
+        """Score the nodes of `tree` whose outcome the step decided. A greedy step accepted `new[:-1]`
+        and chose `new[-1]` next, so every node whose parent path lies on `new` is decided (whether or
+        not it was sent): accepted iff it continues along `new`."""
+        for path, key in zip(tree.paths()[1:], tree.keys[1:], strict=True):
+            d = len(path)
+            if key is None or d > len(new) or path[:-1] != tuple(new[:d - 1]):
+                continue
+            hits, total = self.counts.get(key, (0.0, 0.0))
+            self.counts[key] = (hits + (path[-1] == new[d - 1]), total + 1)
 
 
 class NgramDrafter(Drafter):

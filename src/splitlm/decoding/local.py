@@ -7,7 +7,7 @@ import time
 import torch
 
 from splitlm.model.device import to_host
-from splitlm.model.llama import Transformer
+from splitlm.model.llama import Transformer, embed
 
 
 class LocalSession:
@@ -27,16 +27,22 @@ class LocalSession:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
+                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
+                extras: int = 0) -> torch.Tensor:
+        """Like `EdgeSession.forward`: with `extras` = k, `last_step` holds each row's top-k ids and
+        final-normed hidden state."""
         start = time.perf_counter()
         if keep is not None:
             self.cache.keep(keep)
         if positions is None:
             positions = list(range(self.cache.length, self.cache.length + len(ids)))
         dev = self.model.embed_tokens.weight.device
-        logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
-                            None if mask is None else mask.to(dev), self.cache)[0]  # [T, V]
-        logits = to_host(logits)
+        m = self.model
+        h = m.stack(embed(m.embed_tokens, torch.tensor([ids], device=dev), m.cfg), torch.tensor(positions, device=dev),
+                    None if mask is None else mask.to(dev), self.cache)[0]  # [T, D]
+        h = h if rows is None else h[rows]
+        logits = to_host(m.logits(h))  # [R, V]
         self.last_step = {"tokens": len(ids), "network_s": 0.0, "compute_s": time.perf_counter() - start}
-        logits = logits if rows is None else logits[rows]
+        if extras:
+            self.last_step.update(topk=logits.topk(extras, -1).indices, hidden=to_host(m.norm(h)))
         return logits.argmax(-1) if argmax else logits

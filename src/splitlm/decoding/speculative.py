@@ -15,7 +15,7 @@ from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
-SPEC_MODES = ("none", "ngram", "lookahead", "auto", "draft")
+SPEC_MODES = ("none", "ngram", "lookahead", "recycle", "suffix", "head", "auto", "auto-window", "draft")
 
 
 @dataclass
@@ -27,14 +27,26 @@ class SpecConfig:
     max_depth: int = 8  # n-gram drafter: longest continuation
     draft: str = "self"  # mode draft: `self` (the edge's own layers), `self-raw` (no adapter) or a model path
     pipeline: bool = False  # send the next step while one is in flight (`splitlm.decoding.pipeline`)
+    cost: str = "measured"  # the step budget's cost model: measured, or zero (a cloud whose extra tokens cost nothing)
 
     def __post_init__(self):
+        from splitlm.decoding.budget import COST_MODELS
+
         if self.mode not in SPEC_MODES:
             raise ValueError(f"unknown speculative mode {self.mode!r} (choose from {', '.join(SPEC_MODES)})")
+        if self.cost not in COST_MODELS:
+            raise ValueError(f"unknown cost model {self.cost!r} (choose from {', '.join(COST_MODELS)})")
+
+    @property
+    def budget_nodes(self) -> int:
+        """The most tree nodes a step may send: 128 where extra tokens cost nothing, else 64."""
+        return 128 if self.cost == "zero" else 64
 
 
-def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=None) -> Drafter:
-    """The drafter of a mode; `auto` also drafts from a local-text n-gram model when one is given;
+def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=None, memory=None) -> Drafter:
+    """The drafter of a mode. `auto-window` (n-gram, local-text n-gram model when `corpus` is given,
+    lookahead window) is the older combination; `recycle`, `suffix`, `head` and `auto` (those three
+    merged) keep their state in `memory` (`splitlm.decoding.auto.DraftMemory`; a fresh one if None);
     `draft` needs the draft model (`splitlm.decoding.draft.make_draft_lm`)."""
     if cfg.mode == "draft":
         from splitlm.decoding.draft import ModelDrafter
@@ -46,12 +58,27 @@ def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=Non
         return NgramDrafter(max_depth=cfg.max_depth)
     if cfg.mode == "lookahead":
         return LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)
-    if cfg.mode == "auto":
+    if cfg.mode == "auto-window":
         drafters: list[Drafter] = [NgramDrafter(max_depth=cfg.max_depth)]
         if corpus is not None:
             drafters.append(CorpusDrafter(corpus, mix_context=True))
         drafters.append(LookaheadDrafter(width=cfg.window, ngram=cfg.ngram))
         return CombinedDrafter(drafters)
+    if cfg.mode in ("recycle", "suffix", "head", "auto"):
+        from splitlm.decoding.auto import AutoDrafter, DraftMemory
+        from splitlm.decoding.head import HeadDrafter
+        from splitlm.decoding.recycle import RecycledDrafter
+        from splitlm.decoding.suffix import SuffixDrafter
+
+        memory = memory or DraftMemory()
+        suffix = SuffixDrafter([memory.corpus, memory.past.index()], memory.suffix_calibration)
+        recycle = RecycledDrafter(memory.recycle)
+        if cfg.mode == "head" and memory.head is None:
+            raise ValueError("speculative mode head needs a trained draft head (splitlm train-head)")
+        head = HeadDrafter(memory.head) if memory.head is not None else None
+        if cfg.mode != "auto":
+            return {"recycle": recycle, "suffix": suffix, "head": head}[cfg.mode]
+        return AutoDrafter([d for d in (suffix, recycle, head) if d is not None])
     return Drafter()
 
 
@@ -110,11 +137,17 @@ def build_step(tree: TokenTree, window: Window | None, base: int):
     return tokens, positions, mask, rows
 
 
+def extras(drafter: Drafter) -> dict:
+    """The forward's keyword for what the drafter learns from a pass (nothing for drafters that need none)."""
+    return {"extras": drafter.extras} if drafter.extras else {}
+
+
 def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
-            sampling: SamplingConfig | None) -> tuple[Sampler | None, int]:
+            sampling: SamplingConfig | None, drafter: Drafter | None = None) -> tuple[Sampler | None, int]:
     """Run the uncached prompt tokens; returns the sampler (None for greedy) and the first token."""
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    out = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None)
+    out = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None,
+                          **({} if drafter is None else extras(drafter)))
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(session.last_step["network_s"])
@@ -142,11 +175,13 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     a conversation). After every step the session is told which of its entries to keep
     (`settle`; the cloud hears it piggy-backed on the next request), so at any point it holds the
     context except its last token."""
-    sampler, root = prefill(session, prompt_ids, cached, budget, sampling)
+    sampler, root = prefill(session, prompt_ids, cached, budget, sampling, drafter)
+    first_step = session.last_step
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
     drafter.reset(context)
+    drafter.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first_step)
     la = drafter if isinstance(drafter, LookaheadDrafter) else getattr(drafter, "lookahead", lambda: None)()
     max_width, levels = (la.width, la.n - 1) if la is not None else (0, 0)
     adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
@@ -166,7 +201,7 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             choice.nodes = min(choice.nodes, cap - extra)
         tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
-        out = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None)
+        out = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
         if sampler:
             logits = out
             argmax = logits.argmax(-1).tolist()
@@ -175,9 +210,10 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             argmax = out.tolist()
             path, new = accept_greedy(tree, argmax[: len(tree)])
         drafter.accepted(new[:-1])
+        step = session.last_step
+        drafter.verified(tree, path, new, step)
         if window is not None:
             drafter.observe(argmax[len(tree):])
-        step = session.last_step
         budget.observe_step(len(tokens), step["compute_s"], step["network_s"])
         budget.observe_acceptance(tree, path)
         stats.steps += 1

@@ -19,6 +19,11 @@ class TokenTree:
     tokens: list[int]  # [N], tokens[0] is the root
     parents: list[int]  # [N], parents[0] == -1, parents[i] < i
     scores: list[float] = field(default_factory=list)  # [N], estimated P(node accepted); root 1.0
+    keys: list = field(default_factory=list)  # [N], what the drafter calibrates the node's score by (None: nothing)
+
+    def __post_init__(self):
+        if len(self.keys) != len(self.tokens):
+            self.keys = [None] * len(self.tokens)
 
     @classmethod
     def root_only(cls, token: int) -> TokenTree:
@@ -39,16 +44,26 @@ class TokenTree:
                 return i
         return None
 
-    def add(self, parent: int, token: int, score: float) -> int:
-        """Add `token` under `parent` unless that child exists (then keep the higher score); return its index."""
+    def add(self, parent: int, token: int, score: float, key=None) -> int:
+        """Add `token` under `parent` unless that child exists (then keep the higher score and its key);
+        return its index."""
         existing = self.child(parent, token)
         if existing is not None:
-            self.scores[existing] = max(self.scores[existing], score)
+            if score > self.scores[existing]:
+                self.scores[existing], self.keys[existing] = score, key
             return existing
         self.tokens.append(token)
         self.parents.append(parent)
         self.scores.append(score)
+        self.keys.append(key)
         return len(self.tokens) - 1
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each node's tokens after the root, [N]."""
+        out: list[tuple[int, ...]] = []
+        for i, p in enumerate(self.parents):
+            out.append(() if p < 0 else out[p] + (self.tokens[i],))
+        return out
 
     def add_path(self, tokens: list[int], scores: list[float]) -> None:
         node = 0
@@ -86,7 +101,7 @@ class TokenTree:
         old = sorted(keep)
         index = {o: n for n, o in enumerate(old)}
         return TokenTree([self.tokens[o] for o in old], [index.get(self.parents[o], -1) for o in old],
-                         [self.scores[o] for o in old])
+                         [self.scores[o] for o in old], [self.keys[o] for o in old])
 
 
 def accept_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], list[int]]:

@@ -51,7 +51,7 @@ def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
     except ImportError:
         pass
     if getattr(spec, "mode", spec) == "auto" and (sampling is None or sampling.greedy):
-        edge.corpus_model()  # built once, before the first answer
+        edge.draft_memory(SpecConfig("auto") if isinstance(spec, str) else spec)  # built once, before the first answer
     print(f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
           "/revoke wipes the cloud's copy, /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer", file=out, flush=True)
     chat = edge.conversation(system, spec, sampling=sampling)

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from splitlm import SplitLMError
+from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
+from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
 from splitlm.edge.prefill import PrefillCosts
@@ -196,6 +199,9 @@ class Edge:
         log.debug("edge %s: layers on %s", self.edge_dir,
                  f"ONNX Runtime (CPU) {self.onnx}" if self.onnx else describe(self.device, self.dtype))
         self._corpus: NgramModel | None = None
+        self._corpus_ids: list[list[int]] | None = None
+        self._suffix_index: SuffixIndex | None = None
+        self._memories: dict[tuple, DraftMemory] = {}
         self._drafts: dict[str, object] = {}
         self._budgets: dict[tuple, Pool] = {}
         self._lock = threading.Lock()  # the pools' table, the corpus model, the tokenizer
@@ -335,15 +341,43 @@ class Edge:
         warmup = find_warmup(self.edge_dir, self.model.manifest.model_hash)
         return docs + (read_warmup(warmup) if warmup is not None else [])
 
+    def corpus_ids(self) -> list[list[int]]:
+        """The local text's documents as token ids (tokenized once; none without a tokenizer)."""
+        with self._lock:
+            if self._corpus_ids is None:
+                self._corpus_ids = [] if self.tokenizer is None else \
+                    self.tokenizer(self.corpus_documents(), add_special_tokens=False).input_ids
+            return self._corpus_ids
+
     def corpus_model(self) -> NgramModel | None:
-        """The n-gram model of local text the `auto` drafter uses (built once, a few s; needs the tokenizer)."""
+        """The n-gram model of local text the `auto-window` drafter uses (built once, a few s; needs the tokenizer)."""
         if self.tokenizer is None:
             return None
+        docs = self.corpus_ids()
         with self._lock:
             if self._corpus is None:
-                docs = self.tokenizer(self.corpus_documents(), add_special_tokens=False).input_ids
                 self._corpus = NgramModel([tok for doc in docs for tok in doc])
             return self._corpus
+
+    def draft_memory(self, spec: SpecConfig) -> DraftMemory:
+        """What the `recycle`, `suffix`, `head` and `auto` drafters keep across this edge's requests, one per
+        speculative configuration: built on first use (the corpus's suffix index and the recycled table's
+        seed: a few s), the trained head loaded if the shard has one. Never sent."""
+        docs = self.corpus_ids()
+        with self._lock:
+            if self._suffix_index is None:
+                self._suffix_index = SuffixIndex(docs)
+            key = (spec.mode, spec.max_nodes, spec.cost)
+            if key not in self._memories:
+                memory = DraftMemory(corpus=self._suffix_index)
+                memory.recycle.seed(self._suffix_index.text)
+                head = load_head(self.edge_dir) if not self.split_head else None
+                if head is not None:
+                    scale = self.cfg.hidden_size ** 0.5 if self.cfg.gemma else 1.0
+                    memory.head = HeadRunner(head.to(self.device), self.model.embed_tokens.weight,
+                                             self.model.head_weight, scale)
+                self._memories[key] = memory
+            return self._memories[key]
 
     def draft_lm(self, draft: str):
         """The draft model of `--spec draft` (loaded once per edge; its caches are per request)."""
@@ -402,9 +436,10 @@ class Edge:
 
     def _budget_pool(self, spec: SpecConfig) -> Pool:
         with self._lock:
-            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline)
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost)
             if key not in self._budgets:
-                self._budgets[key] = Pool(lambda: StepBudget(fixed_nodes=spec.max_nodes))
+                self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
+                                                             cost=spec.cost))
             return self._budgets[key]
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
@@ -441,19 +476,27 @@ class Edge:
             ("" if sampling.plain_greedy else " (sampling)")
         spec_stats = SpecStats()
         try:
-            corpus = self.corpus_model() if spec.mode == "auto" else None  # built once, before the clock
+            # built once, before the clock
+            corpus = self.corpus_model() if spec.mode == "auto-window" else None
+            memory = self.draft_memory(spec) if spec.mode in ("recycle", "suffix", "head", "auto") else None
             draft_lm = self.draft_lm(spec.draft) if spec.mode == "draft" else None
+            try:
+                drafter = make_drafter(spec, corpus, draft_lm, memory)
+            except ValueError as e:
+                raise SplitLMError(str(e)) from None
+            produced: list[int] = []
             start = time.perf_counter()
             if spec.mode == "none" and not sampling.plain_greedy:
                 steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
             elif spec.pipeline and spec.mode != "none" and session.pipelines:
-                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus, draft_lm),
+                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter,
                                          budget, spec_stats, cached=cached, sampling=sampling)
             else:
-                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, make_drafter(spec, corpus, draft_lm),
-                                           budget, spec_stats, adaptive=spec.mode == "auto", cached=cached,
+                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, drafter,
+                                           budget, spec_stats, adaptive=spec.mode == "auto-window", cached=cached,
                                            sampling=sampling)
             for new in steps:
+                produced += new
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start
                 s.new_tokens += len(new)
@@ -463,6 +506,8 @@ class Edge:
                               "compute_c0_s": round(budget.compute.c0, 5),
                               "compute_c1_s": round(budget.compute.c1, 6)}
                 yield new, s
+            if memory is not None:
+                memory.past.add(produced)  # the edge's own outputs, for later requests' retrieval
         finally:
             budgets.give(budget)
             if own:

@@ -74,6 +74,7 @@ class Flight:
     rows: list[int] | None
     start: int  # committed entries before the block (edge)
     argmax: bool = False  # the reply's result is each row's greedy token, not its logits
+    extras: int = 0  # > 0: also each row's `extras` likeliest ids and final hidden state (`last_step`), for drafters
     sent: PendingForward | None = None
     edge_s: float = 0.0  # head (and later tail) compute
     serialize_s: float = 0.0
@@ -260,9 +261,13 @@ class EdgeSession:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
+                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
+                extras: int = 0) -> torch.Tensor:
         """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V]
         (with `argmax`: each row's greedy token, [len(rows) or T], through the screened LM head).
+        With `extras` = k > 0, `last_step` also holds each row's k likeliest ids ("topk", [R, k]) and
+        final-normed hidden state ("hidden", [R, D]; None in the split-head topology): what edge-side
+        drafters learn from. They stay on the edge.
 
         `keep` first retains only those entries of the previous call's new tokens, in both the
         edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
@@ -296,7 +301,7 @@ class EdgeSession:
         if limit is not None:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
-        return self._finish(self._send(ids, positions, mask, rows, argmax))
+        return self._finish(self._send(ids, positions, mask, rows, argmax, extras))
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
@@ -356,7 +361,7 @@ class EdgeSession:
         self.cloud_crop = n if self.cloud_crop is None else min(self.cloud_crop, n)
         self.cloud_committed = n  # the re-computed entries go up as context rows with the next request
 
-    def _send(self, ids, positions, mask, rows, argmax=False) -> Flight:
+    def _send(self, ids, positions, mask, rows, argmax=False, extras=0) -> Flight:
         model = self.edge.model
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
@@ -365,7 +370,7 @@ class EdgeSession:
         dev = self.edge.device
         h = model.embed_and_head(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
                                  None if mask is None else to_device(mask, dev), self.head_cache)[0]  # [T, D]
-        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, edge_s=time.perf_counter() - t0,
+        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, extras, edge_s=time.perf_counter() - t0,
                    overlapped=bool(self.flights))
         self.flights.append(f)
         self.pending = f
@@ -513,7 +518,7 @@ class EdgeSession:
             self.stats.failover_stall_s += t2 - f.first_sent
         if f is self.pending and self.policy.retention > 0 and "cache_len" in meta:  # the cloud's count (a window trims it)
             self.cloud_committed = meta["cache_len"] - self.cloud_pending
-        logits = None
+        logits = topk = hidden = None
         if not f.void:
             if self.tail_block is not None:  # the block before this one, settled since
                 self._settle_tail()
@@ -521,16 +526,21 @@ class EdgeSession:
             if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
                 logits = self.edge.split_head_logits(out, n_rows)
                 self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
+                topk = to_host(logits.topk(f.extras, -1).indices) if f.extras else None
                 logits = to_host(logits.argmax(-1) if f.argmax else logits)
             else:
                 dev = self.edge.device
                 pos, h = torch.tensor(f.positions, device=dev), to_device(out["hidden"], dev, torch.float32)[None]
                 mask = None if f.mask is None else to_device(f.mask, dev)
+                normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
                 if f.argmax:
-                    logits = to_host(model.tail_and_argmax(h, pos, mask, self.tail_cache, f.rows, self.edge.allowed))
+                    logits, topk = model.greedy_head().candidates(normed, self.edge.allowed, f.extras)
+                    logits = to_host(logits)
                 else:
-                    logits = self.edge.vocab.mask_logits(to_host(model.tail_and_logits(h, pos, mask, self.tail_cache,
-                                                                                       f.rows)[0]))
+                    logits = self.edge.vocab.mask_logits(to_host(model.lm_logits(normed)))
+                    topk = logits.topk(f.extras, -1).indices if f.extras else None
+                hidden = to_host(normed) if f.extras else None
+                topk = None if topk is None else to_host(topk)
             self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
         serialize_s = f.serialize_s + client.serialize_s - ser
@@ -549,6 +559,8 @@ class EdgeSession:
         s.edge_compute_s += edge_s
         self.last_step = {"tokens": len(f.ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"],
                           "overlapped": f.overlapped}
+        if f.extras:
+            self.last_step.update(topk=topk, hidden=hidden)
         return logits
 
     def close(self) -> None:

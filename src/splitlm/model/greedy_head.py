@@ -61,9 +61,22 @@ class GreedyHead:
     @torch.inference_mode()
     def argmax(self, h: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """h [N, D] (final-normed) -> token ids [N]; `allowed` [V] bool."""
+        return self.candidates(h, allowed)[0]
+
+    @torch.inference_mode()
+    def candidates(self, h: torch.Tensor, allowed: torch.Tensor | None = None,
+                   k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(argmax [N], and with k > 0 each row's k likeliest ids [N, k], from the screen's bf16 logits
+        where it screens: drafting candidates, not exact)."""
         if not self.screen:
-            return self._plain(h, allowed)
+            logits = softcap(F.linear(h, self.weight), self.cap)  # [N, V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, -torch.inf)
+            return logits.argmax(-1), (logits.topk(k, -1).indices if k else None)
         y = F.linear(h.to(torch.bfloat16), self.weight16).float()  # [N, V]
+        top = None
+        if k:
+            top = (y if allowed is None else y.masked_fill(~allowed, -torch.inf)).topk(k, -1).indices  # [N, k]
         slack = self.rel * h.norm(dim=1, keepdim=True) * self.col_norm + 1.01 * U * y.abs()  # [N, V]
         low, high = y - slack, y + slack
         if allowed is not None:
@@ -77,4 +90,4 @@ class GreedyHead:
                 continue
             exact = softcap(F.linear(h[r:r + 1], self.weight[ids])[0], self.cap)  # [S]
             out[r] = ids[exact.argmax()]
-        return out
+        return out, top

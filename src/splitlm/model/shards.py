@@ -250,10 +250,16 @@ class EdgeModel(nn.Module):
                         allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The greedy token of each row, [T or len(rows)] (batch of one): `tail_and_logits(...)[0].argmax(-1)`
         over the `allowed` ids, through the screened LM head (`splitlm.model.greedy_head`)."""
+        return self.greedy_head().argmax(self.tail_normed(h, positions, new_mask, cache, rows)[0], allowed)
+
+    def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from final-normed hidden states."""
+        return softcap(F.linear(normed, self.head_weight), self.cfg.final_logit_softcapping)
+
+    def tail_normed(self, h, positions, new_mask=None, cache=None, rows=None) -> torch.Tensor:
+        """The final-normed hidden states the LM head reads, [B, T or len(rows), D]."""
         h = self.tail(h, positions, new_mask, cache)
-        if rows is not None:
-            h = h[:, rows]
-        return self.greedy_head().argmax(self.norm(h)[0], allowed)
+        return self.norm(h if rows is None else h[:, rows])
 
     def greedy_head(self) -> GreedyHead:
         """The screened LM head, built on first use (after the weights are loaded). Environment

@@ -1,0 +1,64 @@
+"""`auto`: retrieval, recycled and head drafts merged into one tree per step.
+
+Each drafter scores its nodes by its own calibrated acceptance (learned separately per drafter,
+`KeyedCalibration`: the chance a node is accepted once its parent is). Merging keeps, for a node
+that several drafters propose, the best of their chances, so at each step the drafter that is
+trusted more for this context wins where they disagree; the step budget then keeps the nodes
+whose chance to be reached pays for their cost in the pass (`splitlm.decoding.budget`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.head import HeadRunner
+from splitlm.decoding.recycle import RecycleTable
+from splitlm.decoding.suffix import PastOutputs, SuffixIndex
+from splitlm.decoding.tree import TokenTree
+
+
+@dataclass
+class DraftMemory:
+    """What the edge's drafters keep across requests (one per speculative mode on an edge; never sent):
+    the recycled successor table, the corpus's suffix index, the store of past outputs, the trained
+    head, and the retrieval drafter's calibration."""
+
+    recycle: RecycleTable = field(default_factory=RecycleTable)
+    corpus: SuffixIndex | None = None
+    past: PastOutputs = field(default_factory=PastOutputs)
+    head: HeadRunner | None = None
+    suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
+
+
+class AutoDrafter(Drafter):
+    def __init__(self, drafters: list[Drafter]):
+        self.drafters = drafters
+        self.name = "auto(" + "+".join(d.name for d in drafters) + ")"
+        self.extras = max((d.extras for d in drafters), default=0)
+
+    def reset(self, context: list[int]) -> None:
+        self.context = list(context)
+        for d in self.drafters:
+            d.reset(context)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+        for d in self.drafters:
+            d.extend(tokens)
+
+    def propose(self) -> TokenTree:
+        merged = TokenTree.root_only(self.context[-1])
+        for d in self.drafters:
+            tree = d.propose()
+            where = {0: 0}
+            for i in range(1, len(tree)):
+                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i])
+        return merged
+
+    def accepted(self, drafted: list[int]) -> None:
+        for d in self.drafters:
+            d.accepted(drafted)
+
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
+        for d in self.drafters:
+            d.verified(tree, path, new, step)

@@ -1,0 +1,194 @@
+"""`splitlm train-head`: train the edge's draft head (`splitlm.decoding.head`) on the model's own answers.
+
+Data: the warm-up file's greedy answers (`splitlm warmup`; bundled for the default model), every
+tenth answer held out. The full model (which the user holds anyway to split it) runs over each
+prompt + answer once and gives, per position t, the final-normed hidden state H[t] and its greedy
+next token G[t]. The head learns, from (H[t], the next token X[t+1]), to predict H[t+1] and G[t+1];
+unrolled for `unroll` depths on its own predicted states, as it drafts. Loss: cross-entropy over
+the head's vocabulary (the `vocab` commonest greedy tokens) plus a smooth-L1 feature term.
+Nothing is sent anywhere; the head goes to EDGE_DIR/draft_head.safetensors.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from splitlm import SplitLMError
+from splitlm.decoding.head import HEAD_FILE, DraftHead, save_head
+from splitlm.decoding.warmup import find_warmup, read_warmup_records
+from splitlm.model.llama import embed
+from splitlm.model.loading import load_model
+from splitlm.model.shards import load_edge
+
+
+@torch.inference_mode()
+def features(model, seqs: list[list[int]], batch_tokens: int = 4096, progress=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: final-normed hidden states H [T, D] (bf16) and greedy next tokens G [T]."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list = [None] * len(seqs)
+    i = 0
+    while i < len(order):
+        n = 1  # sorted by length: grow the group while its padded size fits
+        while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
+            n += 1
+        group = order[i:i + n]
+        t = max(len(seqs[j]) for j in group)
+        ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
+        w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        h = model.norm(model.stack(embed(model.embed_tokens, ids, model.cfg), torch.arange(t)))  # [B, T, D]
+        g = F.linear(h, w).argmax(-1)  # [B, T]
+        for r, j in enumerate(group):
+            out[j] = (h[r, : len(seqs[j])].to(torch.bfloat16), g[r, : len(seqs[j])])
+        i += len(group)
+        if progress is not None:
+            progress.update(sum(len(seqs[j]) for j in group))
+    return out
+
+
+class Batches:
+    """Training positions (sequence, t): t from the answer's start, with `unroll` more positions after it."""
+
+    def __init__(self, data, seqs, starts, unroll: int):
+        self.data, self.unroll = data, unroll
+        self.x = [torch.tensor(s) for s in seqs]
+        self.pos = [(i, t) for i, (s, a) in enumerate(zip(seqs, starts, strict=True))
+                    for t in range(max(a - 1, 0), len(s) - 1 - unroll)]
+
+    def get(self, idx: list[tuple[int, int]]):
+        """h0 [B, D], tokens [K, B], target tokens [K, B], target states [K, B, D]."""
+        k = self.unroll
+        h0 = torch.stack([self.data[i][0][t] for i, t in idx]).float()
+        toks = torch.stack([self.x[i][t + 1:t + 1 + k] for i, t in idx], 1)
+        gt = torch.stack([self.data[i][1][t + 1:t + 1 + k] for i, t in idx], 1)
+        ht = torch.stack([self.data[i][0][t + 1:t + 1 + k] for i, t in idx], 1).float()
+        return h0, toks, gt, ht
+
+
+def unrolled(head: DraftHead, emb: torch.Tensor, w: torch.Tensor, h0, toks):
+    """Logits over the head's vocabulary [K, B, S] and predicted states [K, B, D], fed its own states."""
+    h, logits, states = h0, [], []
+    for k in range(toks.shape[0]):
+        h = head(h, emb[toks[k]])
+        states.append(h)
+        logits.append(F.linear(h, w))
+    return torch.stack(logits), torch.stack(states)
+
+
+@torch.inference_mode()
+def acceptance_by_depth(head, emb, w, batches: Batches, sub_of: torch.Tensor, limit: int = 20000) -> dict:
+    """On held-out positions: for each depth d, how often the head's top-1 equals the model's greedy
+    token given every shallower depth was right (the chance a drafted chain's d-th token is accepted
+    once the (d-1)-th was), the cumulative chance, and depth 1's top-4 hit rate."""
+    rng = random.Random(0)
+    idx = rng.sample(batches.pos, min(limit, len(batches.pos)))
+    h0, toks, gt, _ = batches.get(idx)
+    logits, _ = unrolled(head, emb, w, h0, toks)
+    pred = head.vocab_ids[logits.argmax(-1)]  # [K, B]
+    alive = torch.ones(len(idx), dtype=torch.bool)
+    cond, cum = [], []
+    for k in range(pred.shape[0]):
+        hit = (pred[k] == gt[k]) & alive
+        cond.append(float(hit.sum()) / max(int(alive.sum()), 1))
+        alive = hit
+        cum.append(float(alive.float().mean()))
+    top4 = head.vocab_ids[logits[0].topk(4, -1).indices]
+    return {"positions": len(idx), "conditional": [round(c, 4) for c in cond], "cumulative": [round(c, 4) for c in cum],
+            "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4)}
+
+
+def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 60_000,
+               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 12.0, batch: int = 256,
+               lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Train the head, write EDGE_DIR/draft_head.safetensors, return a report (acceptance by depth on
+    the held-out answers, training time)."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    edge_dir = Path(edge_dir)
+    edge = load_edge(edge_dir)
+    if edge.split_head:
+        raise SplitLMError("train-head needs a tail-local edge shard (split-head: the edge has no final hidden state)")
+    path = Path(warmup) if warmup else find_warmup(edge_dir, edge.manifest.model_hash)
+    if path is None:
+        raise SplitLMError(f"no warm-up answers for {edge_dir}: run `splitlm warmup` first (or pass --warmup FILE)")
+    records = read_warmup_records(path)
+    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
+    if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(model.embed_tokens.weight.float(),
+                                                                      edge.embed_tokens.weight.float().bfloat16().float()):
+        raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
+    tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
+    seqs, starts = [], []
+    for r in records:
+        p = tok(r["prompt"], add_special_tokens=False).input_ids
+        a = tok(r["text"], add_special_tokens=False).input_ids
+        if len(a) >= unroll + 2:
+            seqs.append((p + a)[:384])
+            starts.append(min(len(p), 383))
+    held = [i for i in range(len(seqs)) if i % 10 == 0]
+    train = [i for i in range(len(seqs)) if i % 10]
+    budget, chosen = max_tokens, []
+    for i in train:
+        if budget <= 0:
+            break
+        chosen.append(i)
+        budget -= len(seqs[i]) - starts[i]
+    keep = chosen + held[: max(1, len(chosen) // 9)]
+    n_tok = sum(len(seqs[i]) for i in keep)
+    log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
+        f"on {n_tok} tokens")
+    with tqdm(total=n_tok, unit="tok", desc="features", leave=False) as bar:
+        data = features(model, [seqs[i] for i in keep], progress=bar)
+    feat_s = time.perf_counter() - start
+    ntrain = len(chosen)
+    tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], unroll)
+    ho = Batches(data[ntrain:], [seqs[i] for i in keep[ntrain:]], [starts[i] for i in keep[ntrain:]], unroll)
+    counts = torch.bincount(torch.cat([g for _, g in data[:ntrain]]), minlength=model.cfg.vocab_size)
+    vocab_ids = counts.topk(min(vocab, model.cfg.vocab_size)).indices.sort().values
+    coverage = float(counts[vocab_ids].sum() / counts.sum())
+    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)  # token -> head vocabulary index
+    sub_of[vocab_ids] = torch.arange(len(vocab_ids))
+    d = model.cfg.hidden_size
+    head = DraftHead(d, inner, vocab_ids)
+    emb = model.embed_tokens.weight.detach().float() * (d ** 0.5 if model.cfg.gemma else 1.0)
+    w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
+    del model
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    steps = max(1, len(tr.pos) * 3 // batch)  # three epochs at most, within the time limit
+    deadline = time.perf_counter() + minutes * 60
+    rng = random.Random(seed)
+    done, loss_ema, loss_first = 0, None, None
+    with tqdm(total=steps, unit="step", desc="train-head") as bar:
+        while done < steps and time.perf_counter() < deadline:
+            for g in opt.param_groups:
+                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done / steps))
+            h0, toks, gt, ht = tr.get(rng.sample(tr.pos, batch))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, states = unrolled(head, emb, w, h0, toks)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), sub_of[gt].flatten(), ignore_index=-100)
+            feat = F.smooth_l1_loss(states.float(), ht)
+            loss = ce + feat
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+            loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+            loss_first = loss_ema if loss_first is None else loss_first
+            bar.set_postfix(loss=f"{loss_ema:.3f}")
+            bar.update(1)
+    head.eval()
+    report = acceptance_by_depth(head, emb, w, ho, sub_of)
+    out = edge_dir / HEAD_FILE
+    save_head(head, out)
+    return {"head": str(out), "warmup": str(path), "train_answers": len(chosen), "train_positions": len(tr.pos),
+            "steps": done, "loss_first": round(loss_first or 0.0, 4), "loss_last": round(loss_ema or 0.0, 4),
+            "vocab": len(vocab_ids), "vocab_coverage": round(coverage, 4),
+            "heldout": report, "features_s": round(feat_s, 1), "seconds": round(time.perf_counter() - start, 1)}

@@ -1,0 +1,154 @@
+"""Recycled, retrieval (suffix) and head drafts, and `auto` merging them: sequential greedy output
+exactly, on random models; the index structures against brute force."""
+
+import gzip
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from splitlm.decoding.auto import DraftMemory
+from splitlm.decoding.budget import ComputeFit, StepBudget
+from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.head import DraftHead, HeadRunner, load_head
+from splitlm.decoding.local import LocalSession
+from splitlm.decoding.recycle import RecycleTable
+from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.suffix import ContextAutomaton, SuffixIndex
+from splitlm.decoding.tree import TokenTree
+from splitlm.model.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("new-drafters"), seed=11, vocab_size=64)
+    return load_model(path)[0]
+
+
+def run(model, prompt, n, drafter, cost="measured"):
+    stats, out = SpecStats(), []
+    for new in speculative_decode(LocalSession(model), prompt, n, set(), drafter,
+                                  StepBudget(max_nodes=128, cost=cost), stats):
+        out.extend(new)
+    return out, stats
+
+
+def memory_for(model, rng):
+    corpus = SuffixIndex([[rng.randrange(3, 64) for _ in range(200)] for _ in range(4)])
+    mem = DraftMemory(corpus=corpus)
+    mem.recycle.seed(corpus.text)
+    d = model.cfg.hidden_size
+    torch.manual_seed(0)
+    mem.head = HeadRunner(DraftHead(d, 32, torch.arange(0, 64, 2)), model.embed_tokens.weight,
+                          model.embed_tokens.weight)
+    return mem
+
+
+def test_new_drafters_match_sequential(model):
+    rng = random.Random(0)
+    mem = memory_for(model, rng)
+    for _ in range(2):
+        prompt = [rng.randrange(3, 64) for _ in range(rng.randrange(3, 16))]
+        reference, _ = run(model, prompt, 24, Drafter())
+        for mode in ("recycle", "suffix", "head", "auto"):
+            for cost in ("measured", "zero"):
+                out, stats = run(model, prompt, 24, make_drafter(SpecConfig(mode), memory=mem), cost)
+                assert out == reference, (mode, cost)
+        mem.past.add(reference)  # later prompts retrieve from this one's output
+    assert max(stats.choices) > 20  # zero cost: big trees
+
+
+def test_suffix_index_finds_every_occurrence_of_the_longest_match():
+    rng = random.Random(3)
+    docs = [[rng.randrange(5) for _ in range(rng.randrange(1, 60))] for _ in range(6)]
+    ix = SuffixIndex(docs)
+    text = [t for d in docs for t in d + [-1]]
+    for _ in range(30):
+        ctx = [rng.randrange(5) for _ in range(rng.randrange(1, 8))]
+        ranges = ix.match(ctx)
+        for m, lo, hi in ranges:
+            pat = ctx[-m:]
+            ends = sorted(i + m for i in range(len(text) - m + 1) if text[i:i + m] == pat)
+            got = sorted(len(text) - int(p) for p in ix.sa[lo:hi])  # forward index after the match
+            assert got == ends
+        longest = ranges[-1][0] if ranges else 0
+        if longest < len(ctx):
+            pat = ctx[-(longest + 1):]
+            assert not any(text[i:i + len(pat)] == pat for i in range(len(text)))
+        for cont in ix.continuations(*ranges[-1][1:], depth=4, limit=50) if ranges else []:
+            assert -1 not in cont and 0 < len(cont) <= 4
+
+
+def test_context_automaton_matches_brute_force():
+    rng = random.Random(4)
+    sam, text = ContextAutomaton(), []
+    for _ in range(120):
+        tok = rng.randrange(4)
+        sam.add(tok)
+        text.append(tok)
+        query = text[-rng.randrange(1, 10):] + [rng.randrange(4)]
+        state, length = sam.match(query)
+        best = max((n for n in range(1, len(query) + 1)
+                    if any(text[i:i + n] == query[-n:] for i in range(len(text) - n + 1))), default=0)
+        assert length == best
+        if length:
+            e = sam.end[state]  # the latest end of the match
+            assert text[e - length + 1:e + 1] == query[-length:]
+            assert not any(text[i - length + 1:i + 1] == query[-length:] for i in range(e + 1, len(text)))
+
+
+def test_recycle_table_seeds_from_bigrams_and_learns_from_passes():
+    table = RecycleTable(k=2)
+    table.seed(np.array([5, 6, 5, 6, 5, 7, -1, 9, 9]))
+    assert table.next[5] == [6, 7] and table.next[9] == [9] and -1 not in table.next
+    table.update([5, 8], torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert table.next[5] == [1, 2] and table.next[8] == [4, 5]
+
+
+def test_calibration_scores_only_decided_nodes():
+    tree = TokenTree.root_only(0)
+    a = tree.add(0, 1, 0.5, "a")
+    tree.add(a, 2, 0.5, "b")
+    tree.add(0, 3, 0.5, "c")
+    tree.add(tree.add(0, 4, 0.5, None), 5, 0.5, "d")
+    cal = KeyedCalibration(prior_weight=1.0)
+    cal.learn(tree, [1, 7])  # 1 accepted, then 7 chosen: b rejected, c rejected, d undecided
+    assert cal.counts == {"a": (1.0, 1.0), "b": (0.0, 1.0), "c": (0.0, 1.0)}
+    assert cal.p("a", 0.0) == 0.5 and cal.p("zzz", 0.3) == 0.3
+
+
+def test_cost_curve_is_measured_not_assumed():
+    fit = ComputeFit()
+    for _ in range(4):
+        for t, s in ((1, 0.040), (8, 0.050), (16, 0.052)):
+            fit.add(t, s)
+    assert fit.predict(16) == pytest.approx(0.052, abs=1e-3)  # flat from 8 to 16, as measured
+    assert fit.predict(12) <= fit.predict(16) and fit.predict(64) >= fit.predict(16)
+    budget = StepBudget(explore_every=1)
+    tree = TokenTree.root_only(0)
+    for i in range(40):
+        tree.add(0, i + 1, 0.01)
+    assert budget.choose(tree).nodes >= 2  # an unmeasured bucket up is tried
+
+
+def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path):
+    from splitlm.decoding.train_head import train_head
+    from splitlm.model.shards import split_model
+
+    split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
+    rng = random.Random(0)
+    warm = tmp_path / "w.jsonl.gz"
+    with gzip.open(warm, "wt") as f:
+        for i in range(30):
+            words = " ".join(rng.choice(["def", "return", "x", "=", "(", ")", ":"]) for _ in range(40))
+            f.write(json.dumps({"prompt": f"q{i}: ", "text": words}) + "\n")
+    report = train_head(str(audit_model_dir), split / "edge", warmup=warm, max_tokens=3000, vocab=64, inner=32,
+                        minutes=0.2, batch=64, lr=5e-3)
+    head = load_head(split / "edge")
+    assert head is not None and len(head.vocab_ids) == report["vocab"] <= 64
+    assert report["loss_last"] < report["loss_first"]
+    cond = report["heldout"]["conditional"]
+    assert len(cond) == 4 and all(0.0 <= c <= 1.0 for c in cond)
