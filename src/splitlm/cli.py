@@ -224,7 +224,7 @@ def cmd_audit(args) -> int:
                          whitebox_tokens=args.whitebox_tokens, down_whitebox_tokens=args.down_whitebox_tokens,
                          candidates=args.candidates, probe_epochs=args.probe_epochs,
                          harden=HardenConfig(steps=args.harden_steps, margin=args.harden_margin, tail=True),
-                         adaptive=not args.no_adaptive, output_prompts=args.output_prompts,
+                         adaptive=not args.no_adaptive, adaptive_mlp=not args.no_adaptive_mlp, output_prompts=args.output_prompts,
                          output_tokens=args.output_tokens, output_tails=args.output_tails, seed=args.seed)
     docs = audit_documents(args)
     model, encode, model_dir = load_for_audit(args.model)
@@ -270,6 +270,8 @@ def add_audit_parsers(sub) -> None:
                         "harden; harden trains a private head and tail per K, and the adaptive attacker its own copy)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="skip the adaptive attackers (which rerun each defence on their own copy)")
+    p.add_argument("--no-adaptive-mlp", action="store_true",
+                   help="the adaptive attackers train only the linear probe (the MLP probe costs the most)")
     p.add_argument("--output-prompts", type=non_negative_int, default=12,
                    help="code and prose prompts each decoded for the output-leakage and metadata audit (0: skip)")
     p.add_argument("--output-tokens", type=positive_int, default=32, help="tokens generated per traced prompt")

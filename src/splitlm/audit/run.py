@@ -59,6 +59,7 @@ class AuditConfig:
     mlp_probe_tokens: int = 8192
     harden: HardenConfig = field(default_factory=lambda: HardenConfig(tail=True))
     adaptive: bool = True  # also attack every defence with an attacker that reruns it
+    adaptive_mlp: bool = True  # the adaptive attacker trains an MLP probe too (the costliest probe)
     output_prompts: int = 12  # per label (code, prose) traced for the output and metadata audit; 0 = none
     output_tokens: int = 32  # tokens generated per traced prompt
     output_tails: list[int] = field(default_factory=lambda: [1, 2, 4])  # M values for the output leakage
@@ -114,11 +115,15 @@ def depth_cost(model: Transformer, view: SplitView, ids: torch.Tensor, tail: int
     }
 
 
-def train_probes(h_train: torch.Tensor, y: torch.Tensor, emb: torch.Tensor, config: AuditConfig) -> dict:
-    """The linear and MLP probes on activations h_train [N, D] of the tokens y [N]."""
-    n_mlp = min(len(y), config.mlp_probe_tokens)  # the MLP's training costs far more than the ridge's
-    return {"probe-linear": LinearProbe(h_train, y, emb),
-            "probe-mlp": train_mlp_probe(h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs, seed=config.seed)}
+def train_probes(h_train: torch.Tensor, y: torch.Tensor, emb: torch.Tensor, config: AuditConfig,
+                 mlp: bool = True) -> dict:
+    """The linear and (with `mlp`) MLP probes on activations h_train [N, D] of the tokens y [N]."""
+    probes = {"probe-linear": LinearProbe(h_train, y, emb)}
+    if mlp:
+        n_mlp = min(len(y), config.mlp_probe_tokens)  # the MLP's training costs far more than the ridge's
+        probes["probe-mlp"] = train_mlp_probe(h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs,
+                                              seed=config.seed)
+    return probes
 
 
 def tail_ranks(view: SplitView, down: torch.Tensor, tail, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +227,7 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
                 adv_probes = {}
                 if use_probes:
                     adv_probes = train_probes(adv.uplink(view, corpus.train).flatten(0, 1), corpus.train.flatten(),
-                                              emb, config)
+                                              emb, config, mlp=config.adaptive_mlp)
                 attackers.append(("adaptive", adv, adv_probes))
                 qual["adaptive_setup_s"] = round(time.perf_counter() - t0, 1)
             quality_rows.append({"head": k, "defence": defence.name, **qual})
