@@ -23,7 +23,8 @@ def test_audit_writes_report_json_and_plot(audit_model_dir, corpus_files, tmp_pa
     code = main(["audit", "--model", str(audit_model_dir), "--head", "1,2", "--corpus", *corpus_files,
                  "--max-train-tokens", "2048", "--max-eval-tokens", "128", "--whitebox-tokens", "64",
                  "--down-whitebox-tokens", "32", "--candidates", "16", "--seq-len", "16", "--probe-epochs", "1",
-                 "--defence", "none,quant:4,harden:2", "--out", str(out), "--threads", "1"])
+                 "--defence", "none,quant:4,harden:2", "--output-prompts", "1", "--output-tokens", "8",
+                 "--output-tails", "1,2", "--out", str(out), "--threads", "1"])
     assert code == 0
     doc = json.loads((out / "audit.json").read_text())
     assert {(r["head"], r["defence"]) for r in doc["rows"] if r["attack"] == "whitebox"} == {
@@ -31,6 +32,7 @@ def test_audit_writes_report_json_and_plot(audit_model_dir, corpus_files, tmp_pa
     assert all({"head", "attack", "defence", "top1", "top5"} <= set(r) for r in doc["rows"])
     report = (out / "report.md").read_text()
     assert "## Uplink" in report and "| whitebox |" in report and "harden:2 (2 steps" in report
+    assert "## Output leakage" in report and "## Metadata" in report
     assert (out / "audit.png").stat().st_size > 1000
     assert str(out / "report.md") in capsys.readouterr().out
 

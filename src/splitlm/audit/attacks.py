@@ -6,7 +6,8 @@ token ids, best first) for N activations.
 - `probe`: learnt from activations of public text: `probe-linear` (ridge regression into the
   embedding space, then nearest embedding) and `probe-mlp` (an MLP classifier).
 - `whitebox`: candidate search with the public weights: at each position try candidate tokens
-  after the tokens recovered so far, keep the one whose activation is nearest.
+  after the tokens recovered so far, keep the one whose activation is nearest (or, for an
+  adaptive attacker, the one the defence makes likeliest: `score`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from torch import nn
 from splitlm.model.llama import LayerStack
 
 CHUNK = 256
+
+
+def l2_score(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Squared L2 distance of candidate activations h [b, n, D] to the observed ones [b, D] -> [b, n]."""
+    return (h.float() - target[:, None].float()).pow(2).sum(-1)
 
 
 def _topk_chunked(score_fn, h: torch.Tensor, k: int) -> torch.Tensor:
@@ -118,27 +124,31 @@ def merge_candidates(ranked: list[torch.Tensor], frequent: torch.Tensor, n: int,
 
 
 @torch.no_grad()
-def whitebox(stack: LayerStack, embed_fn, targets: torch.Tensor, candidates: torch.Tensor, k: int = 5,
-             batch: int = 16) -> torch.Tensor:
+def whitebox(stack: LayerStack | list[LayerStack], embed_fn, targets: torch.Tensor, candidates: torch.Tensor,
+             k: int = 5, batch: int = 16, score=l2_score) -> torch.Tensor:
     """Recover sequences position by position from their activations.
 
-    stack: the public layers that produced the activations; embed_fn: ids -> embeddings;
-    targets [B, S, D]; candidates [B, S, N]. Returns ranked guesses [B, S, k]: candidates sorted by
-    the L2 distance of their activation (after the recovered prefix) to the observed one.
+    stack: the public layers that produced the activations (or several guesses of them: a
+    candidate's score is its best over them); embed_fn: ids -> embeddings; targets [B, S, D];
+    candidates [B, S, N]. Returns ranked guesses [B, S, k]: candidates sorted by `score` (default:
+    the L2 distance) of their activation (after the recovered prefix) against the observed one.
     """
+    stacks = stack if isinstance(stack, list) else [stack]
     out = []
     for b0 in range(0, targets.shape[0], batch):
         tgt, cand = targets[b0:b0 + batch], candidates[b0:b0 + batch]
         b, s, n = cand.shape
-        cache = stack.new_cache()
+        caches = [st.new_cache() for st in stacks]
         ranked = torch.empty(b, s, min(k, n), dtype=torch.long)
         visible = torch.eye(n, dtype=torch.bool)  # each candidate sees the prefix and itself
         for t in range(s):
-            h = stack(embed_fn(cand[:, t]), torch.full((b, n), t), visible, cache)  # [b, n, D]
-            dist = (h.float() - tgt[:, t, None].float()).pow(2).sum(-1)  # [b, n]
-            order = dist.argsort(dim=-1)
+            x = embed_fn(cand[:, t])
+            scores = torch.stack([score(st(x, torch.full((b, n), t), visible, c), tgt[:, t])
+                                  for st, c in zip(stacks, caches, strict=True)]).amin(0)  # [b, n]
+            order = scores.argsort(dim=-1)
             ranked[:, t] = cand[:, t].gather(1, order[:, :k])
-            cache.keep_per_row(order[:, 0])
+            for c in caches:
+                c.keep_per_row(order[:, 0])
         out.append(ranked)
     return torch.cat(out)
 

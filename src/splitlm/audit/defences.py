@@ -6,6 +6,9 @@
 - `harden` / `harden:STEPS`: a private head (see `harden.py`): its activations differ from what
   the public weights produce while the model's output is kept.
 More local layers (a larger K) is a defence too; its cost is in the depth table of the report.
+
+`score` is how an adaptive white-box attacker, who knows the defence (not its seed), ranks a
+candidate activation against the observed one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ class Defence:
             scale = h.abs().amax(-1, keepdim=True).clamp_min(1e-12) / levels
             return (torch.round(h / scale).clamp(-levels, levels) * scale).to(h.dtype)
         return h
+
+    def score(self, cand: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """cand [b, n, D] candidate activations, target [b, D] observed -> [b, n], lower = likelier.
+
+        noise: the Gaussian negative log-likelihood with the candidate's own noise scale; quant:
+        the distance after quantising the candidate the same way (ties, common at few bits, broken
+        by the plain distance); otherwise the L2 distance."""
+        cand, target = cand.float(), target[:, None].float()
+        if self.kind == "noise" and self.value > 0:
+            sigma = (self.value * cand.pow(2).mean(-1).sqrt()).clamp_min(1e-12)  # [b, n]
+            return (cand - target).pow(2).sum(-1) / (2 * sigma**2) + cand.shape[-1] * sigma.log()
+        if self.kind == "quant":
+            return (self.apply(cand) - target).pow(2).sum(-1) + 1e-3 * (cand - target).pow(2).sum(-1)
+        return (cand - target).pow(2).sum(-1)
 
     def wire_bytes_per_token(self, hidden_size: int) -> float:
         """Uplink bytes per token (fp16 on the wire; quantised: B bits per value + an fp16 scale)."""

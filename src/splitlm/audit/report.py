@@ -17,6 +17,11 @@ def find(rows: list[dict], **match) -> dict | None:
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
+def fixed(rows: list[dict], **match) -> dict | None:
+    """The fixed attacker's row (reports written before adaptive attackers have no `attacker`)."""
+    return find(rows, **match, attacker="fixed") or find([r for r in rows if "attacker" not in r], **match)
+
+
 def recovery_table(doc: dict, attacks: list[str], defence: str = "none") -> list[str]:
     heads = doc["config"]["heads"]
     lines = ["| attack | " + " | ".join(f"K={k} top-1 / top-5 / seq" for k in heads) + " |",
@@ -24,7 +29,7 @@ def recovery_table(doc: dict, attacks: list[str], defence: str = "none") -> list
     for attack in attacks:
         cells = []
         for k in heads:
-            r = find(doc["rows"], head=k, attack=attack, defence=defence)
+            r = fixed(doc["rows"], head=k, attack=attack, defence=defence)
             cells.append("–" if r is None else f"{pct(r['top1'])} / {pct(r['top5'])} / {pct(r['exact_seq'])}")
         if any(c != "–" for c in cells):
             lines.append(f"| {attack} | " + " | ".join(cells) + " |")
@@ -32,17 +37,77 @@ def recovery_table(doc: dict, attacks: list[str], defence: str = "none") -> list
 
 
 def defence_table(doc: dict) -> list[str]:
-    lines = ["| K | defence | agreement | perplexity | uplink moved (rel. L2) | uplink bytes/token | nn | lens | "
-             "probe-linear | probe-mlp | **whitebox** | down-lens-next |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| K | defence | agreement | perplexity | uplink moved (rel. L2) | uplink bytes/token | probe-linear | "
+             "probe-mlp | **whitebox** | cloud reads the output |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for q in doc["quality"]:
         k, d = q["head"], q["defence"]
-        tops = [pct((find(doc["rows"], head=k, defence=d, attack=a) or {}).get("top1"))
-                for a in ("nn", "lens", "probe-linear", "probe-mlp", "whitebox", "down-lens-next")]
-        tops[4] = f"**{tops[4]}**"
+        cells = []
+        for a in ("probe-linear", "probe-mlp", "whitebox", "tail-output"):
+            f = pct((fixed(doc["rows"], head=k, defence=d, attack=a) or {}).get("top1"))
+            ad = find(doc["rows"], head=k, defence=d, attack=a, attacker="adaptive")
+            cell = f if ad is None else f"{f} / {pct(ad['top1'])}"
+            cells.append(f"**{cell}**" if a == "whitebox" else cell)
         extra = f" ({q['harden_steps']} steps, {q['harden_s']:.0f} s)" if "harden_steps" in q else ""
         lines.append(f"| {k} | {d}{extra} | {pct(q['agreement'])} | {q['ppl']:.2f} | {q['uplink_distance']:.2f} | "
-                     f"{q['wire_bytes_per_token']:.0f} | " + " | ".join(tops) + " |")
+                     f"{q['wire_bytes_per_token']:.0f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def output_tables(doc: dict) -> list[str]:
+    out = doc["output"]
+    tails = sorted({r["tail"] for r in out if "tail" in r})
+    heads = sorted({r["head"] for r in out if "head" in r})
+    lines = ["| what the cloud reads | " + " | ".join(f"M={m}" for m in tails) + " |", "|---|" + "---|" * len(tails)]
+
+    def cells(kind, key="top1", **match):
+        return " | ".join(pct((find(out, kind=kind, tail=m, **match) or {}).get(key)) for m in tails)
+    n_rows = (find(out, kind="row-outputs") or {}).get("tokens", 0)
+    lines.append(f"| the edge's next-token choice, every verified row ({n_rows} rows) | {cells('row-outputs')} |")
+    for k in heads:
+        n = (find(out, kind="generated", head=k) or {}).get("tokens", 0)
+        lines.append(f"| generated tokens ({n}; last step checked with the public head at K={k}) | "
+                     f"{cells('generated', head=k)} |")
+        lines.append(f"| whole generations exact (K={k}) | {cells('generated', 'exact_seq', head=k)} |")
+    d = find(out, kind="drafts", via="parent-output") or {}
+    lines.append(f"| drafted tokens from the parent row's output ({d.get('tokens', 0)} drafts) | "
+                 f"{cells('drafts', via='parent-output')} |")
+    lines.append(f"| rejected drafts from the parent row's output ({d.get('rejected', 0)}) | "
+                 f"{cells('drafts', 'rejected_top1', via='parent-output')} |")
+    lines += ["", "| drafted tokens from the uplink (linear probe) | " + " | ".join(f"K={k}" for k in heads) + " |",
+              "|---|" + "---|" * len(heads)]
+    for key, label in (("top1", "all drafts"), ("rejected_top1", "rejected drafts")):
+        lines.append(f"| {label} | " + " | ".join(pct((find(out, kind="drafts", via="uplink-probe", head=k) or {})
+                                                      .get(key)) for k in heads) + " |")
+    return lines
+
+
+def metadata_lines(doc: dict) -> list[str]:
+    m = doc["metadata"]
+    labels = m["labels"]
+    feats = ["prompt_tokens", "steps", "mean_rows", "max_rows", "mean_accepted", "accept_rate"]
+    lines = [f"{m['generations']} generations ({' and '.join(labels)} prompts in equal numbers, "
+             f"{doc['config']['output_tokens']} tokens each at most, speculative mode `{doc['config']['spec']}`).",
+             "",
+             "| what the cloud infers from shapes alone | measured |", "|---|---|",
+             f"| exact count of generated tokens, from the keep lists it was sent (lower bound) | "
+             f"{pct(m['count_exact_known'])} % of generations (mean error {m['count_mean_abs_error_known']:.1f} tokens) |"]
+    if "count_exact_estimated" in m:
+        lines.append(f"| exact count, also checking the last step's drafts with the public head | "
+                     f"{pct(m['count_exact_estimated'])} % |")
+    if "count_exact_estimated_capped" in m:
+        lines.append(f"| the same, cut at the length limit ({doc['config']['output_tokens']} tokens) when the cloud "
+                     f"knows it | {pct(m['count_exact_estimated_capped'])} % |")
+    lines += [f"| code vs prose, nearest centroid, leave-one-out, from tree shapes and keep lists | "
+              f"{pct(m['classify_shape'])} % (chance 50 %) |",
+              f"| the same with fixed tree shapes (keep lists and step count only) | {pct(m['classify_keep_only'])} % |",
+              f"| the same from the prompt's length alone | {pct(m['classify_prompt_length'])} % |",
+              f"| padding every step to the largest tree ({m['max_rows_per_step']} rows; mean "
+              f"{m['mean_rows_per_step']:.2f}) | +{100 * m['fixed_shape_row_overhead']:.0f} % rows (uplink bytes, "
+              "cloud compute) |",
+              "", "| label | " + " | ".join(feats) + " |", "|---|" + "---|" * len(feats)]
+    for lab in labels:
+        lines.append(f"| {lab} | " + " | ".join(f"{m['per_label'][lab][f]:.2f}" for f in feats) + " |")
     return lines
 
 
@@ -66,7 +131,9 @@ def render_markdown(doc: dict, plot_name: str | None) -> str:
         f"({c['train_docs']} documents), {c['held_out_tokens']} held-out tokens ({c['held_out_docs']} other documents), "
         f"sequences of {c['seq_len']} tokens. White-box search: {cfg['whitebox_tokens']} held-out tokens on the uplink, "
         f"{cfg['down_whitebox_tokens']} on the downlink, {cfg['candidates']} candidate tokens per position. "
-        f"Wall time {doc['wall_s']:.0f} s on {doc['threads']} torch threads.",
+        f"Wall time {doc['wall_s']:.0f} s on {doc['threads']} torch threads"
+        + (f" (load average {doc['load_average_start'][0]:.1f} at the start, {doc['load_average_end'][0]:.1f} at "
+           "the end: other jobs shared the CPU)." if "load_average_start" in doc else "."),
         "",
         "Numbers are token recovery in % of held-out tokens: top-1 / top-5 / exact sequence "
         f"(all {c['seq_len']} tokens right).",
@@ -79,10 +146,13 @@ def render_markdown(doc: dict, plot_name: str | None) -> str:
         "",
         *recovery_table(doc, DOWN_ORDER),
         "",
-        "## Defences and their cost",
+        "## Defences and their cost: fixed / adaptive attacker",
         "",
         "Agreement: teacher-forced next-token argmax equal to the undefended model's, on the held-out text. "
-        "Attack columns: top-1 %. The white-box attacker uses the public weights (it does not know a hardened head).",
+        "Attack columns: top-1 % for the fixed attacker (public weights, probes trained on undefended activations) "
+        "/ the adaptive one (reruns the defence on its own copy with its own seed and text; its white-box search "
+        "models the defence). `cloud reads the output`: the cloud runs the public tail (adaptive, for harden: its "
+        "own hardened tail) on the downlink; % of positions where its top-1 is the edge's next-token choice.",
         "",
         *defence_table(doc),
         "",
@@ -90,6 +160,13 @@ def render_markdown(doc: dict, plot_name: str | None) -> str:
         "",
         *depth_table(doc),
         "",
+        *(["## Output leakage: the cloud finishes the forward pass", "",
+            "The cloud mirrors the edge's tail KV cache from the positions, masks and keep lists, and runs the public "
+            "tail layers [L-M, L), norm and LM head on its own downlink, on real speculative decoding of the "
+            "metadata prompts (greedy, no defence).", "",
+            *output_tables(doc), "",
+            "## Metadata: what the shape of the traffic tells", "",
+            *metadata_lines(doc), ""] if "output" in doc else []),
         "## How to read it",
         "",
         "- `freq`: always guess the most frequent training tokens (the floor).",
@@ -102,6 +179,10 @@ def render_markdown(doc: dict, plot_name: str | None) -> str:
         "so these figures are a lower bound on a white-box attacker with more compute.",
         "- `down-*`: the same on the downlink; `down-lens-next` reads the model's next-token prediction at position "
         "t-1 as a guess for token t.",
+        "- adaptive: `noise` scored by the Gaussian likelihood under the candidate's own noise scale, `quant` by the "
+        "distance after quantising the candidate; `harden`: the attacker hardens its own copy of the head and tail "
+        "(same procedure, its own text and seed), trains its probes on that copy and searches through it and the "
+        "public head. It also tries the fixed attacks' guesses.",
     ]
     if plot_name:
         lines += ["", f"![audit]({plot_name})"]
@@ -117,7 +198,7 @@ def plot(doc: dict, path: Path) -> None:
     heads = doc["config"]["heads"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for attack in UP_ORDER + DOWN_ORDER:
-        ys = [(find(doc["rows"], head=k, attack=attack, defence="none") or {}).get("top1") for k in heads]
+        ys = [(fixed(doc["rows"], head=k, attack=attack, defence="none") or {}).get("top1") for k in heads]
         if any(y is not None for y in ys):
             style = "--" if attack.startswith("down-") else "-"
             axes[0].plot(heads, [100 * y if y is not None else float("nan") for y in ys], style, marker="o", label=attack)
@@ -126,10 +207,15 @@ def plot(doc: dict, path: Path) -> None:
     axes[0].legend(fontsize=7)
     defences = doc["config"]["defences"]
     for d in defences:
-        ys = [(find(doc["rows"], head=k, attack="whitebox", defence=d) or {}).get("top1") for k in heads]
+        ys = [(fixed(doc["rows"], head=k, attack="whitebox", defence=d) or {}).get("top1") for k in heads]
         ag = [(find(doc["quality"], head=k, defence=d) or {}).get("agreement") for k in heads]
         label = f"{d} (agreement {100 * min(a for a in ag if a is not None):.0f}–{100 * max(a for a in ag if a is not None):.0f} %)"
-        axes[1].plot(heads, [100 * y if y is not None else float("nan") for y in ys], marker="o", label=label)
+        line = axes[1].plot(heads, [100 * y if y is not None else float("nan") for y in ys], marker="o", label=label)
+        ya = [(find(doc["rows"], head=k, attack="whitebox", defence=d, attacker="adaptive") or {}).get("top1")
+              for k in heads]
+        if any(y is not None for y in ya):
+            axes[1].plot(heads, [100 * y if y is not None else float("nan") for y in ya], ":", marker="x",
+                         color=line[0].get_color(), label=f"{d}, adaptive")
     axes[1].set(title="White-box recovery under defences", xlabel="local head layers K", ylabel="top-1 recovery %",
                 ylim=(0, 102))
     axes[1].legend(fontsize=7)
@@ -154,3 +240,10 @@ def write_audit(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
     (out / "report.md").write_text(render_markdown(doc, plot_name))
     written.append(out / "report.md")
     return written
+
+
+if __name__ == "__main__":  # re-render a report from its audit.json: python -m splitlm.audit.report DIR
+    import sys
+
+    target = Path(sys.argv[1])
+    write_audit(json.loads((target / "audit.json").read_text()), target, plots=(target / "audit.png").exists())

@@ -1,17 +1,22 @@
 """Run the audit: for every head depth K and defence, attack the uplink (layer K's output, what the
-cloud receives) and the downlink (layer L-M's output, what it sends back), and measure the
-defence's cost. Returns a JSON-ready dict; `report.py` writes it out."""
+cloud receives) and the downlink (layer L-M's output, what it sends back), with a fixed attacker
+(public weights, probes trained on undefended activations) and an adaptive one (which reruns the
+defence on its own copy, `adaptive.py`), and measure the defence's cost; then trace real decoding
+for the output leakage (`output.py`) and the metadata (`metadata.py`). Returns a JSON-ready dict;
+`report.py` writes it out."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from splitlm import SplitLMError
+from splitlm.audit.adaptive import Attacker, adaptive_attacker, public_attacker
 from splitlm.audit.attacks import (
     LinearProbe,
     merge_candidates,
@@ -24,11 +29,17 @@ from splitlm.audit.attacks import (
 from splitlm.audit.data import AuditCorpus, build_corpus, load_for_audit  # noqa: F401 (re-exported)
 from splitlm.audit.defences import Defence, parse_defence
 from splitlm.audit.harden import HardenConfig, harden_head, relative_distance
+from splitlm.audit.metadata import metadata_audit
+from splitlm.audit.output import checked_guesses, cloud_outputs, output_leakage, reconstruct
+from splitlm.audit.prompts import CODE, PROSE
+from splitlm.audit.traces import trace_generation
 from splitlm.audit.views import SplitView, batched, quality
 from splitlm.model.llama import Transformer
 from splitlm.progress import bar
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["ATTACKS", "AuditConfig", "load_for_audit", "run_audit"]
 
 ATTACKS = ("nn", "lens", "probe", "whitebox")
 
@@ -47,7 +58,13 @@ class AuditConfig:
     candidates: int = 64  # tokens the white-box search tries per position
     probe_epochs: int = 2
     mlp_probe_tokens: int = 8192
-    harden: HardenConfig = field(default_factory=HardenConfig)
+    harden: HardenConfig = field(default_factory=lambda: HardenConfig(tail=True))
+    adaptive: bool = True  # also attack every defence with an attacker that reruns it
+    adaptive_mlp: bool = True  # the adaptive attacker trains an MLP probe too (the costliest probe)
+    output_prompts: int = 12  # per label (code, prose) traced for the output and metadata audit; 0 = none
+    output_tokens: int = 32  # tokens generated per traced prompt
+    output_tails: list[int] = field(default_factory=lambda: [1, 2, 4])  # M values for the output leakage
+    spec: str = "ngram"  # the drafter of the traced decoding
     seed: int = 0
 
     def check(self, num_layers: int) -> None:
@@ -55,6 +72,9 @@ class AuditConfig:
             if k < 1 or k + self.tail >= num_layers:
                 raise SplitLMError(f"--head {k} with --tail {self.tail} leaves no layer for the cloud "
                                    f"(the model has {num_layers})")
+            if self.output_prompts and k + max(self.output_tails) >= num_layers:
+                raise SplitLMError(f"--head {k} with --output-tails {max(self.output_tails)} leaves no layer for the "
+                                   f"cloud (the model has {num_layers})")
         unknown = set(self.attacks) - set(ATTACKS)
         if unknown or not self.attacks:
             raise SplitLMError(f"unknown attack(s) {', '.join(sorted(unknown)) or '(none given)'}; "
@@ -97,8 +117,52 @@ def depth_cost(model: Transformer, view: SplitView, ids: torch.Tensor, tail: int
     }
 
 
+def train_probes(h_train: torch.Tensor, y: torch.Tensor, emb: torch.Tensor, config: AuditConfig,
+                 mlp: bool = True) -> dict:
+    """The linear and (with `mlp`) MLP probes on activations h_train [N, D] of the tokens y [N]."""
+    probes = {"probe-linear": LinearProbe(h_train, y, emb)}
+    if mlp:
+        n_mlp = min(len(y), config.mlp_probe_tokens)  # the MLP's training costs far more than the ridge's
+        probes["probe-mlp"] = train_mlp_probe(h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs,
+                                              seed=config.seed)
+    return probes
+
+
+def tail_ranks(view: SplitView, down: torch.Tensor, tail, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edge's next-token argmax [B, S] and the cloud's top-k [B, S, k] through `tail`."""
+    edge, cloud = [], []
+    with torch.no_grad():
+        for i in range(0, down.shape[0], 16):
+            edge.append(view.logits(down[i:i + 16]).argmax(-1))
+            cloud.append(view.logits(down[i:i + 16], tail).topk(k, dim=-1).indices)
+    return torch.cat(edge), torch.cat(cloud)
+
+
+def attack_uplink(config: AuditConfig, view: SplitView, attacker: Attacker, probes: dict, up: torch.Tensor,
+                  ids: torch.Tensor, frequent: torch.Tensor, n_wb: int,
+                  known: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Ranked guesses [B, S, k] per uplink attack; `known`: other attacks' guesses the white-box
+    search tries too (the adaptive attacker keeps the fixed one's)."""
+    model, ncand, shape = view.model, config.candidates, (*ids.shape, -1)
+    flat = up.flatten(0, 1)
+    ranks = {}
+    if "nn" in config.attacks:
+        ranks["nn"] = rank_nn(flat, model.embed_tokens.weight, ncand).view(shape)
+    if "lens" in config.attacks:
+        ranks["lens"] = rank_lens(flat, model, ncand).view(shape)
+    for name, probe in probes.items():
+        ranks[name] = probe.rank(flat, ncand).view(shape)
+    if "whitebox" in config.attacks:
+        pool = list(ranks.values()) + [r for name, r in (known or {}).items() if name != "whitebox"]
+        cands = merge_candidates([r[:n_wb].flatten(0, 1) for r in pool], frequent, ncand, n_wb * config.seq_len)
+        ranks["whitebox"] = whitebox(attacker.search, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1),
+                                     score=attacker.score)
+    return ranks
+
+
 def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list[str], config: AuditConfig) -> dict:
     t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     cfg = model.cfg
     config.check(cfg.num_layers)
     model.eval()
@@ -108,99 +172,144 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     log(f"corpus: {corpus.train.numel()} training tokens ({corpus.train_docs} documents), "
         f"{ids.numel()} held-out tokens ({corpus.held_out_docs} documents)")
     frequent = corpus.frequent(max(config.candidates, 5))
+    edge_text, attacker_text = corpus.train[0::2], corpus.train[1::2]  # who hardens on what (harden)
     rows: list[dict] = []
     freq_ranked = frequent[:5].expand(*ids.shape, 5)
     for k in config.heads:
-        rows.append({"head": k, "link": "up", "attack": "freq", "defence": "none", **recovery(freq_ranked, ids),
-                     "tokens": ids.numel()})
+        rows.append({"head": k, "link": "up", "attack": "freq", "defence": "none", "attacker": "fixed",
+                     **recovery(freq_ranked, ids), "tokens": ids.numel()})
     full = SplitView(model, config.heads[0], config.tail)
     ref_argmax = batched(lambda x: full.logits(full.down(full.up(x))).argmax(-1), ids)  # [Ne, S]
-    quality_rows, depth_rows = [], []
+    quality_rows, depth_rows, linear_probes = [], [], {}
     n_wb = max(1, min(ids.shape[0], config.whitebox_tokens // config.seq_len))
     n_dwb = max(1, min(ids.shape[0], config.down_whitebox_tokens // config.seq_len))
-    ncand = config.candidates
     undefended_down = None  # the downlink white-box result without a defence (the same for every K)
-    stages = bar(len(config.heads) * (1 + len(config.defences)), "audit", unit="stage")  # probes + each defence
+    use_probes = "probe" in config.attacks
+    emb = model.embed_tokens.weight
+    tracing = config.output_prompts > 0
+    stages = bar(len(config.heads) * (1 + len(config.defences)) + (2 if tracing else 0), "audit",
+                 unit="stage")  # probes + each defence (+ tracing, its attacks)
     for k in config.heads:
         view = SplitView(model, k, config.tail)
         depth_rows.append(depth_cost(model, view, ids, config.tail))
-        probes = {}
-        if "probe" in config.attacks:
+        fixed = public_attacker(view)
+        fixed_probes = {}
+        if use_probes:
             t0 = time.perf_counter()
-            h_train = batched(view.up, corpus.train).flatten(0, 1)  # [N, D]
-            y, emb = corpus.train.flatten(), model.embed_tokens.weight
-            probes["probe-linear"] = LinearProbe(h_train, y, emb)
-            n_mlp = min(len(y), config.mlp_probe_tokens)  # the MLP's training costs far more than the ridge's
-            probes["probe-mlp"] = train_mlp_probe(h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs,
-                                                  seed=config.seed)
-            del h_train
+            fixed_probes = train_probes(fixed.uplink(view, corpus.train).flatten(0, 1), corpus.train.flatten(), emb,
+                                        config)
+            linear_probes[k] = fixed_probes["probe-linear"]
             log(f"K={k}: probes trained in {time.perf_counter() - t0:.0f} s")
         stages.update()
         for defence in config.defences:
             t0 = time.perf_counter()
+            stages.set_postfix_str(f"K={k} {defence.name}")
             dview, extra = view, {}
             if defence.kind == "harden":
-                hc = HardenConfig(**{**asdict(config.harden), "steps": int(defence.value) or config.harden.steps})
-                result = harden_head(view, corpus.train, hc)
-                dview = SplitView(model, k, config.tail, private_head=result.head)
-                extra = {"harden_steps": result.steps, "harden_s": round(result.seconds, 1)}
+                hc = replace(config.harden, steps=int(defence.value) or config.harden.steps, seed=config.seed)
+                result = harden_head(view, edge_text, hc)
+                dview = SplitView(model, k, config.tail, private_head=result.head, private_tail=result.tail)
+                extra = {"harden_steps": result.steps, "harden_s": round(result.seconds, 1),
+                         "private_tail": result.tail is not None}
             up = defence.apply(batched(dview.up, ids), seed=config.seed + k)  # [Ne, S, D]
             down = batched(dview.down, up)  # [Ne, S, D]
-            public_up = batched(view.up, ids)
             qual = {**quality(dview, down, ids, ref_argmax),
-                    "uplink_distance": float(relative_distance(up, public_up).mean()),
+                    "uplink_distance": float(relative_distance(up, batched(view.up, ids)).mean()),
                     "wire_bytes_per_token": defence.wire_bytes_per_token(cfg.hidden_size), **extra}
-            quality_rows.append({"head": k, "defence": defence.name, **qual})
             row_q = {"agreement": qual["agreement"], "ppl": qual["ppl"]}
 
-            def add(link: str, attack: str, ranked: torch.Tensor, truth: torch.Tensor,
+            def add(link: str, attack: str, ranked: torch.Tensor, truth: torch.Tensor, who: str,
                     k=k, defence=defence, row_q=row_q) -> None:
-                rows.append({"head": k, "link": link, "attack": attack, "defence": defence.name,
+                rows.append({"head": k, "link": link, "attack": attack, "defence": defence.name, "attacker": who,
                              **recovery(ranked, truth), "tokens": truth.numel(), **row_q})
 
-            flat_up, flat_down = up.flatten(0, 1), down.flatten(0, 1)
-            shape = (*ids.shape, -1)
-            up_ranks, down_ranks = {}, {}
+            attackers = [("fixed", fixed, fixed_probes)]
+            if config.adaptive and defence.kind != "none":
+                adv = adaptive_attacker(view, defence, attacker_text, config.harden if defence.kind != "harden" else hc,
+                                        seed=config.seed + 1000 + k)
+                adv_probes = {}
+                if use_probes:
+                    adv_probes = train_probes(adv.uplink(view, corpus.train).flatten(0, 1), corpus.train.flatten(),
+                                              emb, config, mlp=config.adaptive_mlp)
+                attackers.append(("adaptive", adv, adv_probes))
+                qual["adaptive_setup_s"] = round(time.perf_counter() - t0, 1)
+            quality_rows.append({"head": k, "defence": defence.name, **qual})
+            fixed_ranks = None
+            for who, attacker, probes in attackers:
+                ranks = attack_uplink(config, view, attacker, probes, up, ids, frequent, n_wb, fixed_ranks)
+                fixed_ranks = fixed_ranks or ranks
+                for name, ranked in ranks.items():
+                    add("up", name, ranked, ids[:ranked.shape[0]], who)
+                edge_argmax, cloud = tail_ranks(dview, down, attacker.tail)
+                add("down", "tail-output", cloud, edge_argmax, who)
+            flat_down, shape = down.flatten(0, 1), (*ids.shape, -1)
+            down_ranks = {}
             if "nn" in config.attacks:
-                up_ranks["nn"] = rank_nn(flat_up, model.embed_tokens.weight, ncand).view(shape)
-                down_ranks["down-nn"] = rank_nn(flat_down, model.embed_tokens.weight, ncand).view(shape)
+                down_ranks["down-nn"] = rank_nn(flat_down, emb, config.candidates).view(shape)
             if "lens" in config.attacks:
-                up_ranks["lens"] = rank_lens(flat_up, model, ncand).view(shape)
-                lens_down = rank_lens(flat_down, model, ncand).view(shape)
+                lens_down = rank_lens(flat_down, model, config.candidates).view(shape)
                 down_ranks["down-lens"] = lens_down
                 down_ranks["down-lens-next"] = shift_next(lens_down, frequent)
-            for name, probe in probes.items():
-                up_ranks[name] = probe.rank(flat_up, ncand).view(shape)
-            for name, ranked in {**up_ranks, **down_ranks}.items():
-                add("down" if name.startswith("down-") else "up", name, ranked, ids)
-            if "whitebox" in config.attacks:
-                cands = merge_candidates([r[:n_wb].flatten(0, 1) for r in up_ranks.values()], frequent, ncand,
-                                         n_wb * config.seq_len)
-                ranked = whitebox(view.public_head, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1))
-                add("up", "whitebox", ranked, ids[:n_wb])
-                if defence.kind == "none":
-                    if undefended_down is None:  # layers [0, L-M) whatever K is: searched once
-                        cands = merge_candidates([r[:n_dwb].flatten(0, 1) for r in down_ranks.values()], frequent,
-                                                 ncand, n_dwb * config.seq_len)
-                        undefended_down = whitebox(view.down_prefix, view.embed, down[:n_dwb],
-                                                   cands.view(n_dwb, config.seq_len, -1))
-                    add("down", "down-whitebox", undefended_down, ids[:n_dwb])
-            summary = ", ".join(f"{r['attack']} {r['top1']:.2f}" for r in rows
-                                if r["head"] == k and r["defence"] == defence.name and r["attack"] != "freq")
+            for name, ranked in down_ranks.items():
+                add("down", name, ranked, ids, "fixed")
+            if "whitebox" in config.attacks and defence.kind == "none":
+                if undefended_down is None:  # layers [0, L-M) whatever K is: searched once
+                    cands = merge_candidates([r[:n_dwb].flatten(0, 1) for r in down_ranks.values()], frequent,
+                                             config.candidates, n_dwb * config.seq_len)
+                    undefended_down = whitebox(view.down_prefix, view.embed, down[:n_dwb],
+                                               cands.view(n_dwb, config.seq_len, -1))
+                add("down", "down-whitebox", undefended_down, ids[:n_dwb], "fixed")
+            summary = ", ".join(f"{r['attack']}{'*' if r['attacker'] == 'adaptive' else ''} {r['top1']:.2f}"
+                                for r in rows if r["head"] == k and r["defence"] == defence.name
+                                and r["attack"] in ("probe-linear", "whitebox", "tail-output"))
             log(f"K={k} {defence.name}: agreement {qual['agreement']:.3f}, ppl {qual['ppl']:.2f}; top-1 {summary} "
-                f"({time.perf_counter() - t0:.0f} s)")
+                f"(* adaptive; {time.perf_counter() - t0:.0f} s)")
             stages.update()
-    stages.close()
-    return {
+    doc = {
         "config": {**asdict(config), "defences": [d.name for d in config.defences]},
         "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         "corpus": corpus_summary(corpus),
         "rows": rows,
         "quality": quality_rows,
         "depth": depth_rows,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        "threads": torch.get_num_threads(),
+        "load_average_start": load_start,
     }
+    if tracing:
+        doc.update(trace_audit(model, encode, config, linear_probes, stages))
+    stages.close()
+    doc["wall_s"] = round(time.perf_counter() - t_start, 1)
+    doc["threads"] = torch.get_num_threads()
+    doc["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # other jobs on the machine slow the run
+    return doc
+
+
+def trace_audit(model: Transformer, encode: Callable[[str], list[int]], config: AuditConfig,
+                probes: dict[int, LinearProbe], stages) -> dict:
+    """Decode the code and prose prompts speculatively, recorded; attack the outputs and the metadata."""
+    t0 = time.perf_counter()
+    n = model.cfg.num_layers
+    heads = [k for k in config.heads if k in probes]
+    layers = {k - 1 for k in heads} | {n - m - 1 for m in config.output_tails}
+    prompts = [("code", p) for p in CODE[:config.output_prompts]] + [("prose", p) for p in PROSE[:config.output_prompts]]
+    stages.set_postfix_str("tracing decoding")
+    traces = [trace_generation(model, encode(p), label, layers, config.output_tokens, config.spec)
+              for label, p in prompts]
+    log(f"traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
+        f"{sum(len(t.steps) - 1 for t in traces)} steps) in {time.perf_counter() - t0:.0f} s")
+    stages.update()
+    stages.set_postfix_str("output leakage")
+    output_rows = output_leakage(model, traces, heads, config.output_tails, probes)
+    estimated = None
+    if heads:  # the cloud's own count: the keep lists it was sent, then the last step's path it checks
+        k = heads[min(1, len(heads) - 1)]
+        estimated = []
+        for t in traces:
+            outs, last = cloud_outputs(model, t, config.tail), len(t.steps) - 1
+            estimated.append(len(reconstruct(t, outs, checked_guesses(model, t, last, k, outs[last]) if last else [])))
+    meta = metadata_audit(traces, estimated, config.output_tokens)
+    stages.update()
+    log(f"output leakage and metadata in {time.perf_counter() - t0:.0f} s")
+    return {"output": output_rows, "metadata": meta, "trace_s": round(time.perf_counter() - t0, 1)}
 
 
 def corpus_summary(corpus: AuditCorpus) -> dict:

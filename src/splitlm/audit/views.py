@@ -23,15 +23,20 @@ def sub_stack(model: Transformer, start: int, end: int) -> LayerStack:
 
 
 class SplitView:
-    """`up`: what the cloud receives (layer K's output); `down`: what it sends back (layer L-M's)."""
+    """`up`: what the cloud receives (layer K's output); `down`: what it sends back (layer L-M's).
 
-    def __init__(self, model: Transformer, head: int, tail: int, private_head: LayerStack | None = None):
+    `private_head` / `private_tail`: the edge's own (hardened) layers in place of the public ones;
+    `public_head` / `public_tail` stay what anyone with the public weights can run."""
+
+    def __init__(self, model: Transformer, head: int, tail: int, private_head: LayerStack | None = None,
+                 private_tail: LayerStack | None = None):
         n = model.cfg.num_layers
         self.model, self.k, self.tail_layers = model, head, tail
-        self.head = private_head if private_head is not None else sub_stack(model, 0, head)
         self.public_head = sub_stack(model, 0, head)
+        self.public_tail = sub_stack(model, n - tail, n)
+        self.head = private_head if private_head is not None else self.public_head
+        self.tail = private_tail if private_tail is not None else self.public_tail
         self.middle = sub_stack(model, head, n - tail)
-        self.tail = sub_stack(model, n - tail, n)
         self.down_prefix = sub_stack(model, 0, n - tail)  # the public layers that produce `down`
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -43,8 +48,9 @@ class SplitView:
     def down(self, up: torch.Tensor) -> torch.Tensor:
         return self.middle(up, torch.arange(up.shape[1]))  # [B, T, D]
 
-    def logits(self, down: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(self.tail(down, torch.arange(down.shape[1])))  # [B, T, V]
+    def logits(self, down: torch.Tensor, tail: LayerStack | None = None) -> torch.Tensor:
+        """The edge's logits [B, T, V] from the downlink; `tail`: another tail (the cloud's copy)."""
+        return self.model.logits((tail or self.tail)(down, torch.arange(down.shape[1])))
 
 
 def batched(fn, x: torch.Tensor, batch: int = 16) -> torch.Tensor:

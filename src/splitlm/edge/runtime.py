@@ -28,10 +28,10 @@ from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
-from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
-from splitlm.edge.prefill import PrefillCosts
 from splitlm.edge.adapters import apply_edge_adapter
 from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
+from splitlm.edge.prefill import PrefillCosts
+from splitlm.edge.results import GenerationResult, Stream, format_stats  # noqa: F401 (re-exported)
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, GenerationStats
 from splitlm.edge.vocab import VocabSubset, resolve_vocab
 from splitlm.model.device import describe, resolve_device, resolve_dtype, to_device
