@@ -167,7 +167,7 @@ def test_generate_json_fp32_with_keys_matches_transformers(bundled_split, bundle
     with BackgroundServer(bundled_split / "cloud", identity=tmp_path / "cloud.key",
                           allowed_clients=tmp_path / "clients") as server:
         code = main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", server.url, "--prompt",
-                     "The sky is", "--max-new-tokens", "16", "--json", "--wire-dtype", "fp32",
+                     "The sky is", "--max-new-tokens", "16", "--json", "--wire-dtype", "fp32", "--no-chat",
                      "--identity", str(tmp_path / "alice.key"), "--cloud-key", str(tmp_path / "cloud.pub")])
     assert code == 0
     out = json.loads(capsys.readouterr().out)

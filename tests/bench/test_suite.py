@@ -132,7 +132,7 @@ def test_report_and_plots_from_synthetic_doc(tmp_path):
 def test_tiny_bench_run_on_bundled_model(bundled_dir, tmp_path, capsys):
     rtt = 20
     argv = ["bench", "--limit", "2", "--max-new-tokens", "8", "--rtt-ms", str(rtt), "--wire-dtype", "fp32",
-            "--out", str(tmp_path), "--no-plots"]
+            "--out", str(tmp_path), "--no-plots", "--modes", "local-hf,split-seq"]
     assert main(argv) == 0
     assert "## Overall" in capsys.readouterr().out
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -248,3 +248,19 @@ def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_pa
     assert doc["config"]["cloud_dtype"] == "bf16"
     seq = next(r for r in doc["results"] if r["mode"] == "split-seq" and r["category"] == "all")
     assert seq["agreement"] >= 0.75  # bf16 middle layers: close to, not exactly, the fp32 model
+
+
+def test_default_modes_and_results_directory(tmp_path, monkeypatch):
+    """Without --modes the bench runs the reference, sequential and the default speculative mode; without
+    --out it writes outside the source tree ($SPLITLM_RESULTS, else ~/.local/share/splitlm/results)."""
+    from splitlm.bench.suite import default_results_dir
+    from splitlm.cli import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    assert args.modes.split(",") == ["local-hf", "split-seq", "auto"]
+    assert Path(args.out) == default_results_dir()
+    monkeypatch.setenv("SPLITLM_RESULTS", str(tmp_path / "r"))
+    assert default_results_dir() == tmp_path / "r"
+    monkeypatch.delenv("SPLITLM_RESULTS")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert default_results_dir() == tmp_path / "data" / "splitlm" / "results"

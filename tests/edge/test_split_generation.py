@@ -142,6 +142,6 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
     assert out == expected
     assert stats.pipelined > 0 and stats.missed > 0  # bets placed, and rolled back on a miss
     assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt", prompt,
-                 "--max-new-tokens", "48", "--json", "--wire-dtype", "fp32", "--pipeline"]) == 0
+                 "--max-new-tokens", "48", "--json", "--wire-dtype", "fp32", "--pipeline", "--no-chat"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["token_ids"] == expected and result["stats"]["spec_mode"] == "auto pipelined"
