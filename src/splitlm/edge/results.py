@@ -51,7 +51,7 @@ def format_stats(s: GenerationStats) -> str:
     """One line: mode, tokens, round trips, tokens per round trip, TTFT, speed, bytes."""
     return (f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, "
             f"{s.tokens_per_round_trip:.2f} tokens/round trip, TTFT {s.prefill_s * 1000:.0f} ms, "
-            f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]")
+            f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB{s.failover_note}]")
 
 
 def print_stats(s: GenerationStats, file: TextIO | None = None) -> None:
