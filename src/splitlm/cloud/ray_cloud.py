@@ -88,7 +88,12 @@ def connect(config: RayConfig) -> None:
         ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=config.local_cpus,
                  object_store_memory=config.object_store_mb * 2**20, log_to_driver=False)
     else:
-        ray.init(address=config.address, namespace=config.namespace, log_to_driver=False)
+        try:
+            ray.init(address=config.address, namespace=config.namespace, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+            first = str(e).strip().splitlines()
+            raise SplitLMError(f"cannot join the Ray cluster at {config.address}: "
+                               f"{first[0] if first else type(e).__name__} (docs/scale-out.md)") from None
 
 
 @dataclass
