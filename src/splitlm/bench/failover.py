@@ -72,15 +72,20 @@ def cut_runs(edge, wan: WanEmulator, prompt: str | list[int], runs: int, max_new
     for i in range(runs):
         name, spec, sampling = cases[i % len(cases)]
         ids, wall_ref, size = ref[name]
-        cut = rng.randrange(1, int(size * 0.95))  # within the traffic of any run of the case
-        cuts = wan.cuts
-        wan.cut_after(cut)
-        t0 = time.perf_counter()
-        r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
-        wall = time.perf_counter() - t0
-        wan.cut_after(None)
-        if wan.cuts == cuts:
-            raise RuntimeError(f"run {i}: the link was not cut")
+        cut = rng.randrange(1, int(size * 0.95))  # within the traffic of the case's runs
+        while True:  # a run whose trees came out smaller may end before the cut: run it again, cut earlier
+            cuts = wan.cuts
+            wan.cut_after(cut)
+            t0 = time.perf_counter()
+            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
+            wall = time.perf_counter() - t0
+            wan.cut_after(None)
+            if wan.cuts > cuts:
+                break
+            log.info("run %d ended before its cut at %d bytes; again, cut at half of that", i, cut)
+            if r.token_ids != ids:
+                raise RuntimeError(f"run {i}: an uncut run differs from the undisturbed one")
+            cut = max(1, cut // 2)
         s = r.stats
         step = (wall - s.failover_stall_s) / max(1, s.round_trips - s.failovers)  # the other steps' mean
         lost = s.failover_stall_s - s.failovers * step
