@@ -252,12 +252,10 @@ class RayFrontDoor(CloudServer):
 
     async def place(self, exclude: set[int]) -> int:
         """The replica for a new session: fewest open sessions (counting OPENs in flight here), then fewest
-        queued token rows, among those whose stages all answer (else among those that answer at all;
-        else by the monitor's last poll)."""
-        loads = await self.poll(PLACE_TIMEOUT_S)
+        queued token rows, among those whose stages all answer (else among those that answer at all)."""
+        fresh = await self.poll(PLACE_TIMEOUT_S)  # where a replica is slower: the monitor's last answer
+        loads = [load if load is not None else rep.load for load, rep in zip(fresh, self.replicas, strict=True)]
         live = [(i, load) for i, load in enumerate(loads) if load is not None and i not in exclude]
-        if not live:  # none answered that fast (a busy machine): the monitor's last answers
-            live = [(r.index, r.load) for r in self.replicas if r.load is not None and r.index not in exclude]
         ready = [(i, load) for i, load in live if load.ready] or live
         if not ready:
             raise ProtocolError(ErrorCode.CAPACITY, "no replica of the Ray cloud answers; retry later")
