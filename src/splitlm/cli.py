@@ -153,7 +153,7 @@ def cmd_chat(args) -> int:
 def print_stats(s) -> None:
     print(f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, {s.tokens_per_round_trip:.2f} tokens/round trip, "
           f"TTFT {s.prefill_s * 1000:.0f} ms, {s.tokens_per_s:.1f} tok/s, "
-          f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB]", file=sys.stderr)
+          f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB{s.failover_note}]", file=sys.stderr)
 
 
 def cmd_train_draft(args) -> int:

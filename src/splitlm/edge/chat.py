@@ -21,7 +21,7 @@ def stats_line(s: GenerationStats, context_tokens: int) -> str:
     return (f"[{s.new_tokens} tokens in {s.round_trips} round trips · {s.tokens_per_round_trip:.2f} tokens/round trip · "
             f"{s.tokens_per_s:.1f} tok/s · TTFT {s.prefill_s * 1000:.0f} ms · "
             f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB · "
-            f"context {context_tokens} tokens · {s.spec_mode}]")
+            f"context {context_tokens} tokens · {s.spec_mode}{s.failover_note}]")
 
 
 def read_line() -> str | None:

@@ -50,6 +50,13 @@ class GenerationStats:
     spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
 
     @property
+    def failover_note(self) -> str:
+        """`, 1 failover (0.19 s)` when the request survived faults, else empty (for stats lines)."""
+        if not self.failovers:
+            return ""
+        return f", {self.failovers} failover{'s' if self.failovers > 1 else ''} ({self.failover_s:.2f} s)"
+
+    @property
     def decode_round_trips(self) -> int:
         return max(0, self.round_trips - self.prefill_round_trips)
 
