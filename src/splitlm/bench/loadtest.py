@@ -25,7 +25,8 @@ Per configuration:
    decoders' p50 step latency before the prefill, the p50 and the worst step that overlapped it,
    the worst step's delay over the p50, and the prefill's own time.
 
-Results: a table on stdout (`--json`: the JSON document instead) and `OUT/loadtest-<timestamp>.json`.
+Results: a table on stdout (`--json`: the JSON document instead) and `OUT/loadtest-<timestamp>.json`,
+with `speedup` (batched / max-batch 1 aggregate tok/s) or, with `--ray-replicas`, `ray_vs_single_process`.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "splitlm"
 LOST_CLOSE_CODE = 1011  # WebSocket "internal error": the edge fails over (reconnects and replays)
 MONITOR_INTERVAL_S = 1.0
-LOAD_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 10.0  # the monitor's poll: a stage 0 silent for this long has lost its sessions
+PLACE_TIMEOUT_S = 1.0  # an OPEN's poll: a replica slower than this to answer is passed over
 START_TIMEOUT_S = 600.0  # actors load their layers before they answer
 
 
@@ -88,7 +89,12 @@ def connect(config: RayConfig) -> None:
         ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=config.local_cpus,
                  object_store_memory=config.object_store_mb * 2**20, log_to_driver=False)
     else:
-        ray.init(address=config.address, namespace=config.namespace, log_to_driver=False)
+        try:
+            ray.init(address=config.address, namespace=config.namespace, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
+            first = str(e).strip().splitlines()
+            raise SplitLMError(f"cannot join the Ray cluster at {config.address}: "
+                               f"{first[0] if first else type(e).__name__} (docs/scale-out.md)") from None
 
 
 @dataclass
@@ -247,25 +253,23 @@ class RayFrontDoor(CloudServer):
     async def place(self, exclude: set[int]) -> int:
         """The replica for a new session: fewest open sessions (counting OPENs in flight here), then fewest
         queued token rows, among those whose stages all answer (else among those that answer at all)."""
-        await self.poll()
-        live = [r for r in self.replicas if r.load is not None and r.index not in exclude]
-        ready = [r for r in live if r.load.ready] or live
+        fresh = await self.poll(PLACE_TIMEOUT_S)  # where a replica is slower: the monitor's last answer
+        loads = [load if load is not None else rep.load for load, rep in zip(fresh, self.replicas, strict=True)]
+        live = [(i, load) for i, load in enumerate(loads) if load is not None and i not in exclude]
+        ready = [(i, load) for i, load in live if load.ready] or live
         if not ready:
             raise ProtocolError(ErrorCode.CAPACITY, "no replica of the Ray cloud answers; retry later")
-        best = min(ready, key=lambda r: (r.load.sessions + self.opening[r.index], r.load.queued_rows, r.index))
-        return best.index
+        return min(ready, key=lambda x: (x[1].sessions + self.opening[x[0]], x[1].queued_rows, x[0]))[0]
 
-    async def poll(self) -> None:
-        """Every replica's load (None where stage 0 does not answer in time)."""
+    async def poll(self, timeout_s: float) -> list[Load | None]:
+        """Every replica's load (None where stage 0 does not answer within `timeout_s`)."""
         async def one(rep: Replica) -> Load | None:
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(rep.head.load.remote().future()), LOAD_TIMEOUT_S)
+                return await asyncio.wait_for(asyncio.wrap_future(rep.head.load.remote().future()), timeout_s)
             except Exception:  # noqa: BLE001 - dead, restarting or unreachable
                 return None
 
-        loads = await asyncio.gather(*[one(r) for r in self.replicas])
-        for rep, load in zip(self.replicas, loads, strict=True):
-            rep.load = load
+        return list(await asyncio.gather(*[one(r) for r in self.replicas]))
 
     async def call(self, index: int, conn: Connection, frame: Frame, incarnation: str | None) -> Reply:
         """Send a decrypted request to replica `index`; its reply, or the ERROR it asks for. A lost replica
@@ -317,7 +321,8 @@ class RayFrontDoor(CloudServer):
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             try:
-                await self.poll()
+                for rep, load in zip(self.replicas, await self.poll(LOAD_TIMEOUT_S), strict=True):
+                    rep.load = load
                 for rep in self.replicas:
                     if rep.load is None:
                         await self.lose(rep.index, None, "stage 0 does not answer")

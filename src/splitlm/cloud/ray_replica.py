@@ -273,9 +273,10 @@ class ReplicaHead:
         loses the replica; once all answer again it is ready for new sessions."""
         while self.core.downstream:
             await asyncio.sleep(PING_INTERVAL_S)
+            # while ready, a stage gets PING_TIMEOUT_S to answer; while not (restarting), pings are retried quickly
+            timeout = PING_TIMEOUT_S if self.core.ready else PING_INTERVAL_S
             try:
-                incs = await asyncio.wait_for(asyncio.gather(*[s.ping.remote() for s in self.core.downstream]),
-                                              PING_TIMEOUT_S)
+                incs = await asyncio.wait_for(asyncio.gather(*[s.ping.remote() for s in self.core.downstream]), timeout)
             except Exception as e:  # noqa: BLE001 - dead, restarting or unreachable
                 if self.core.ready:
                     self.core.lose(f"a stage did not answer its ping ({type(e).__name__})")
