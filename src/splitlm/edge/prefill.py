@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -214,9 +214,6 @@ class PrefillRun:
     unchunked_predicted_s: float | None
     seconds: float = 0.0
     chunks: list[ChunkRecord] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def per_token_bytes(session: EdgeSession) -> tuple[float, float]:
