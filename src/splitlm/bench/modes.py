@@ -147,8 +147,8 @@ class BenchContext:
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of parameters held by what has been loaded so far."""
         loaded = {"hf": self.__dict__.get("hf"), "edge": getattr(self.__dict__.get("edge"), "model", None)}
-        return {name: sum(p.numel() * p.element_size() for p in m.parameters())
-                for name, m in loaded.items() if m is not None}
+        return {name: m.weight_bytes() if hasattr(m, "weight_bytes") else  # (an ONNX edge: its graphs)
+                sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in loaded.items() if m is not None}
 
     def close(self) -> None:
         self.set_cloud_url(None)

@@ -30,9 +30,9 @@ PRECISIONS = ("fp32", "int8")
 
 
 class _Segment:
-    """One graph and the number of layers (caches) it holds."""
+    """One graph, the number of layers (caches) it holds and their K/V shape (H_kv, head_dim)."""
 
-    def __init__(self, path: Path, n_layers: int, threads: int | None):
+    def __init__(self, path: Path, n_layers: int, kv_shape: tuple[int, int], threads: int | None):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -40,8 +40,7 @@ class _Segment:
             opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        self.n_layers = n_layers
-        self.path = path
+        self.n_layers, self.kv_shape, self.path = n_layers, kv_shape, path
         self.inputs = {i.name for i in self.session.get_inputs()}  # (a graph without layers drops what it does not read)
 
     def new_cache(self) -> KVCache:
@@ -56,7 +55,7 @@ class _Segment:
         for i in range(self.n_layers):  # the S entries so far, [1, Hkv, S, hd] (a copy: ONNX Runtime reads dense arrays)
             view = None if cache is None or not past else cache.view(i)
             if view is None:
-                k = v = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=np.float32)
+                k = v = np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=np.float32)
             else:
                 k, v = (x.float().contiguous().numpy() for x in view)
             feeds[f"past_k_{i}"], feeds[f"past_v_{i}"] = k, v
@@ -93,10 +92,9 @@ class OnnxEdge:
                                f"{edge_dir}{' --int8' if precision == 'int8' else ''}`")
         self.precision, self.adapter = precision, onnx.adapter
         threads = threads or int(os.environ.get("SPLITLM_ONNX_THREADS", "0")) or torch.get_num_threads()
-        self.head = _Segment(graph_file(edge_dir, "head", precision), onnx.head_layers, threads)
-        self.tail = _Segment(graph_file(edge_dir, "tail", precision), onnx.tail_layers, threads)
-        for seg in (self.head, self.tail):
-            seg._kv_heads, seg._head_dim = self.cfg.num_kv_heads, self.cfg.head_dim
+        kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.head = _Segment(graph_file(edge_dir, "head", precision), onnx.head_layers, kv, threads)
+        self.tail = _Segment(graph_file(edge_dir, "tail", precision), onnx.tail_layers, kv, threads)
         log.info("edge %s: ONNX Runtime %s graphs (CPU)", edge_dir, precision)
 
     def embed_and_head(self, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None = None,
