@@ -42,7 +42,7 @@ def classify(traces: list[Trace], names: list[str]) -> float:
     right = 0
     for i in range(len(traces)):
         rest = [j for j in range(len(traces)) if j != i]
-        mu, sd = x[rest].mean(0), x[rest].std(0).clamp_min(1e-9)
+        mu, sd = x[rest].mean(0), x[rest].std(0, correction=0).clamp_min(1e-9)
         z = (x - mu) / sd
         best = min(set(labels[j] for j in rest),
                    key=lambda lab: float((z[i] - z[[j for j in rest if labels[j] == lab]].mean(0)).norm()))

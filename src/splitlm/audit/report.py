@@ -121,6 +121,56 @@ def depth_table(doc: dict) -> list[str]:
     return lines
 
 
+def defence_label(name: str) -> str:
+    kind, _, value = name.partition(":")
+    if kind == "noise":
+        return f"noise {value} × RMS on the uplink"
+    if kind == "quant":
+        return f"{value}-bit uplink"
+    if kind == "harden":
+        return "hardened private head + tail" + (f" ({value} steps)" if value else "")
+    return name
+
+
+def summary_table(doc: dict) -> list[str]:
+    """The short table the README quotes: top-1 % per K."""
+    heads, rows = doc["config"]["heads"], doc["rows"]
+
+    def cell(k, attack, defence="none", who="fixed"):
+        r = (fixed(rows, head=k, attack=attack, defence=defence) if who == "fixed"
+             else find(rows, head=k, attack=attack, defence=defence, attacker=who))
+        return pct(None if r is None else r["top1"])
+    lines = ["| top-1 token recovery, % | " + " | ".join(f"K = {k}" for k in heads) + " |",
+             "|---|" + "---|" * len(heads)]
+    for label, attack in (("most frequent token (the floor)", "freq"), ("linear probe on the uplink", "probe-linear"),
+                          ("**white-box search on the uplink**", "whitebox")):
+        lines.append(f"| {label} | " + " | ".join(cell(k, attack) if attack != "whitebox" else f"**{cell(k, attack)}**"
+                                                  for k in heads) + " |")
+    for d in doc["config"]["defences"]:
+        if d == "none":
+            continue
+        cells = []
+        for k in heads:
+            q = find(doc["quality"], head=k, defence=d) or {}
+            cells.append(f"{cell(k, 'whitebox', d)} / {cell(k, 'whitebox', d, 'adaptive')} "
+                         f"(agreement {pct(q.get('agreement'))})")
+        lines.append(f"| {defence_label(d)}: white-box, fixed / adaptive attacker | " + " | ".join(cells) + " |")
+    if "harden" in "".join(doc["config"]["defences"]):
+        d = next(x for x in doc["config"]["defences"] if x.startswith("harden"))
+        lines.append(f"| {defence_label(d)}: the cloud's tail reads the edge's next token, fixed / adaptive | "
+                     + " | ".join(f"{cell(k, 'tail-output', d)} / {cell(k, 'tail-output', d, 'adaptive')}" for k in heads)
+                     + " |")
+    out = doc.get("output")
+    if out:
+        m = doc["config"]["tail"]
+        lines.append(f"| generated tokens read from the downlink (public tail, M = {m}) | " + " | ".join(
+            pct((find(out, kind="generated", head=k, tail=m) or {}).get("top1")) for k in heads) + " |")
+        lines.append("| drafted tokens read from the uplink: all / rejected | " + " | ".join(
+            f"{pct(r.get('top1'))} / {pct(r.get('rejected_top1'))}"
+            for r in (find(out, kind="drafts", via="uplink-probe", head=k) or {} for k in heads)) + " |")
+    return lines
+
+
 def render_markdown(doc: dict, plot_name: str | None) -> str:
     c, cfg = doc["corpus"], doc["config"]
     lines = [
@@ -137,6 +187,10 @@ def render_markdown(doc: dict, plot_name: str | None) -> str:
         "",
         "Numbers are token recovery in % of held-out tokens: top-1 / top-5 / exact sequence "
         f"(all {c['seq_len']} tokens right).",
+        "",
+        "## Summary (the README's table)",
+        "",
+        *summary_table(doc),
         "",
         "## Uplink: what the cloud receives (layer K's output)",
         "",
