@@ -33,8 +33,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from splitlm import SplitLMError
-
 PROFILES = {"torch-fp32": ("cpu", "fp32"), "torch-bf16": ("cpu", "bf16"), "onnx-fp32": ("onnx", "auto"),
             "onnx-int8": ("onnx:int8", "auto")}
 CONTEXT, TREE, REPS = 256, 16, 7
@@ -186,14 +184,10 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def edge_profiles_main(args: argparse.Namespace, config, progress) -> int:
+def edge_profiles_main(args: argparse.Namespace, config, progress, split_dir: Path) -> int:
+    """`splitlm bench --edge-profiles` on the split in `split_dir` (tail-local; the bench resolves it)."""
     from splitlm.bench.prompts import load_prompts
-    from splitlm.bench.suite import resolve_split
-    from splitlm.model.loading import resolve_model
 
-    if config.topology != "tail-local":
-        raise SplitLMError("--edge-profiles needs the tail-local topology (the ONNX edge has a tail)")
-    split_dir, _ = resolve_split(config, resolve_model(config.model))
     path = Path(config.prompts) if config.prompts else Path(__file__).parents[3] / "benchmarks" / "prompts-heldout.json"
     prompts = [{"prompt": p.prompt, "chat": p.chat} for p in load_prompts(path)][: config.limit or 8]
     doc = edge_profiles_doc(split_dir, prompts, config.max_new_tokens, args.threads or 2, progress)

@@ -111,8 +111,8 @@ def cut_runs(edge, wan: WanEmulator, prompt: str | list[int], runs: int, max_new
 
 def main(argv: list[str] | None = None) -> int:
     from splitlm.cloud.local import cloud_process
-    from splitlm.demo import cached_split
     from splitlm.edge import Edge
+    from splitlm.model.shards import cached_split
 
     p = argparse.ArgumentParser(prog="python -m splitlm.bench.failover", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")

@@ -131,9 +131,9 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
     from splitlm.bench.prompts import load_tokenizer
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.local import cloud_process
-    from splitlm.demo import cached_split
     from splitlm.edge import Edge
     from splitlm.model.loading import resolve_model
+    from splitlm.model.shards import cached_split
 
     torch.set_num_threads(1)
     model_dir = resolve_model(config.model)

@@ -449,8 +449,11 @@ def bench_main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.edge_profiles:
         from splitlm.bench.edge_profiles import edge_profiles_main
+        from splitlm.model.loading import resolve_model
 
-        return edge_profiles_main(args, config, progress)
+        if config.topology != "tail-local":
+            raise SplitLMError("--edge-profiles needs the tail-local topology (the ONNX edge has a tail)")
+        return edge_profiles_main(args, config, progress, resolve_split(config, resolve_model(config.model))[0])
     load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
     if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():
         raise SplitLMError(f"--vocab {config.vocab!r}: not all, en, zh or an allow-list file")

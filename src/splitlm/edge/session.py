@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+import splitlm.edge.prefill as prefill
 from splitlm import SplitLMError
-from splitlm.edge import prefill
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward, lost
+from splitlm.transport.codecs import wire_nbytes
 from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger(__name__)
@@ -291,9 +292,9 @@ class EdgeSession:
                     if cap is not None and n > cap]
         limit = min(exceeded) if exceeded else None
         if mask is None and positions is None and self.pipelines and not self._context_rows():
-            p = prefill.choose(self, len(ids), limit or len(ids))
+            p = self._prefill_plan(len(ids), limit or len(ids))
             if p is not None:
-                return prefill.stream(self, ids, want, p, argmax)
+                return self._stream_prefill(ids, want, p, argmax)
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
@@ -309,6 +310,64 @@ class EdgeSession:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
         return self._finish(self._send(ids, positions, mask, rows, argmax, extras))
+
+    # -- streamed prefill (`splitlm.edge.prefill` plans it) ---------------------------------------
+    def _prefill_bytes_per_token(self) -> tuple[float, float]:
+        """Bytes per prompt token up (hidden states and a position) and down (tail-local: hidden states;
+        split-head: none but for the last chunk's rows of logits)."""
+        edge = self.edge
+        d = wire_nbytes(self.wire_dtype, [1, edge.cfg.hidden_size])
+        return d + 3.0, (0.0 if edge.split_head else float(d))
+
+    def _prefill_plan(self, total: int, max_chunk: int) -> prefill.Plan | None:
+        """The edge's plan for a causal run of `total` tokens: None = one forward."""
+        edge = self.edge
+        setting = edge.prefill_chunk
+        if setting == 0:
+            return None
+        if setting != "auto":
+            chunk = min(int(setting), max_chunk)
+            return None if chunk >= total else prefill.Plan(chunk, None, None)
+        p = prefill.plan(total, max_chunk, edge.prefill_costs.stages(*self._prefill_bytes_per_token()), self.length,
+                           self.client.info.limits.pass_rows)
+        if p.chunk >= total or p.predicted_s > (1 - prefill.MIN_GAIN) * p.unchunked_s:
+            return None  # within the fits' error of one forward, which needs no overlap to go right
+        return p
+
+    @torch.inference_mode()
+    def _stream_prefill(self, ids: list[int], want: list[int], p: prefill.Plan, argmax: bool) -> torch.Tensor:
+        """Run `ids` (causal, after the session's committed tokens) as pipelined chunks of `p.chunk`;
+        returns the logits (or greedy tokens, with `argmax`) of the rows `want`, as one forward would."""
+        client, s = self.client, self.stats
+        run = prefill.PrefillRun(len(ids), p.chunk, p.predicted_s, p.unchunked_s)
+        start = time.perf_counter()
+        flights, out = [], []
+
+        def take() -> None:
+            f, sent_at, up = flights.pop(0)
+            edge0, cloud0, down0, ser0 = s.edge_compute_s, s.cloud_compute_s, s.bytes_down, s.serialize_s
+            out.append(self._finish(f))
+            cloud_s = s.cloud_compute_s - cloud0
+            tail_s = s.edge_compute_s - edge0 - f.edge_s + (s.serialize_s - ser0 - f.serialize_s)
+            run.chunks.append(prefill.ChunkRecord(len(f.ids), f.edge_s + f.serialize_s, tail_s, cloud_s, up,
+                                                  s.bytes_down - down0, sent_at, time.perf_counter() - start))
+
+        for a in range(0, len(ids), p.chunk):
+            part = [r - a for r in want if a <= r < a + p.chunk]
+            self.settle()  # the chunk before stays whole: this request commits it
+            up0 = s.bytes_up
+            f = self._send(ids[a:a + p.chunk], None, None, part, argmax)
+            flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
+            while flights and client.reply_waiting():  # tails of what already came back
+                take()
+        while flights:
+            take()
+        run.seconds = time.perf_counter() - start
+        s.prefill_round_trips = len(run.chunks)
+        self.last_prefill = run
+        # a pipelined chunk's wait says nothing about the link: the next step's budget gets the RTT estimate
+        self.last_step["network_s"] = self.edge.prefill_costs.link.rtt_s
+        return torch.cat(out)
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
