@@ -598,14 +598,20 @@ class EdgeSession:
                 dev = self.edge.device
                 pos, h = torch.tensor(f.positions, device=dev), to_device(out["hidden"], dev, torch.float32)[None]
                 mask = None if f.mask is None else to_device(f.mask, dev)
-                normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
-                if f.argmax:
+                if self.edge.onnx:  # the tail graph ends in the LM head: logits, no final hidden state
+                    full = self.edge.vocab.mask_logits(model.tail_and_logits(h, pos, mask, self.tail_cache,
+                                                                              f.rows)[0])  # [R, V]
+                    topk = full.topk(f.extras, -1).indices if f.extras else None
+                    logits = full.argmax(-1) if f.argmax else full
+                elif f.argmax:
+                    normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
                     logits, topk = model.greedy_head().candidates(normed, self.edge.allowed, f.extras)
                     logits = to_host(logits)
                 else:
+                    normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
                     logits = self.edge.vocab.mask_logits(to_host(model.lm_logits(normed)))
                     topk = logits.topk(f.extras, -1).indices if f.extras else None
-                hidden = to_host(normed) if f.extras else None
+                hidden = to_host(normed) if f.extras and not self.edge.onnx else None
                 topk = None if topk is None else to_host(topk)
             self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
