@@ -166,3 +166,25 @@ def test_bundled_edge_adapter_is_token_identical_to_peft(bundled_dir, bundled_sp
             with ref.disable_adapter():
                 changed += hf_greedy(ref, ids, 24) != want
     assert changed >= 2
+
+
+def test_adapter_merged_into_the_onnx_export(tiny_llama, tiny_split, tmp_path, capsys):
+    """`export-onnx --edge-adapter`: the graphs carry the adapted weights (peft's logits); the onnx edge
+    refuses a second adapter at run time."""
+    import json
+    import shutil
+
+    from splitlm.cli import main
+    from splitlm.edge.onnx_runtime import OnnxEdge
+
+    adapter = save_lora(tiny_llama, tmp_path / "lora", [0, 5], ("q_proj", "up_proj", "lm_head"))
+    shutil.copytree(tiny_split / "edge", tmp_path / "edge")
+    assert main(["export-onnx", "--edge", str(tmp_path / "edge"), "--edge-adapter", str(adapter)]) == 0
+    assert json.loads(capsys.readouterr().out)["adapter"] == str(adapter)
+    onnx = OnnxEdge(tmp_path / "edge")
+    assert len(onnx.adapter) == 16
+    with torch.no_grad():
+        want = peft_model(tiny_llama, adapter)(torch.tensor([PROMPT])).logits[0]
+    assert torch.allclose(split_logits(onnx, load_cloud(tiny_split / "cloud"), PROMPT), want, atol=1e-4)
+    with pytest.raises(SplitLMError, match="merged into the graphs at export"):
+        Edge(tmp_path / "edge", "ws://127.0.0.1:9", device="onnx", edge_adapter=adapter)

@@ -9,6 +9,7 @@ import torch
 from conftest import BUNDLED_PROMPTS
 from splitlm import SplitLMError
 from splitlm.cloud.server import BackgroundServer
+from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
 from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
 from splitlm.model.device import resolve_device
@@ -72,7 +73,8 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
             assert torch.allclose(t.view(i)[0], o.view(i)[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "lookahead"])
+@pytest.mark.parametrize("spec", ["none", "ngram", "lookahead", SpecConfig("lookahead", pipeline=True)],
+                         ids=["none", "ngram", "lookahead", "lookahead-pipelined"])
 def test_onnx_edge_is_token_identical_to_the_torch_edge(onnx_split, onnx_server, spec):
     with Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref, \
             Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx:

@@ -38,7 +38,8 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         return torch.device("mps")
     kind, colon, index = spec.partition(":")
     if kind == "onnx":
-        raise SplitLMError(f"--device {spec} runs only the edge's layers (generate, chat, serve-edge, bench)")
+        raise SplitLMError(f"--device {spec} runs only the edge's layers (generate, chat, serve-edge, "
+                           "bench --edge-profiles); the cloud's run on cpu or cuda")
     if kind != "cuda" or (colon and not index.isdigit()):
         raise SplitLMError(f"unknown device {spec!r} (choose from {DEVICE_CHOICES})")
     if not torch.cuda.is_available():
