@@ -88,12 +88,12 @@ def test_noisy_trees_match_sequential(model, seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto"])
+@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto-window", "auto"])
 def test_drafters_match_sequential(model, seed, mode):
     rng = random.Random(seed)
     prompt = random_prompt(rng, rng.randrange(4, 30))
     reference, _ = run(model, prompt, 48, Drafter())
-    out, stats = run(model, prompt, 48, make_drafter(SpecConfig(mode)), adaptive=mode == "auto")
+    out, stats = run(model, prompt, 48, make_drafter(SpecConfig(mode)), adaptive=mode == "auto-window")
     assert out == reference
     assert stats.steps <= 47
 

@@ -134,7 +134,7 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
     with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
         session, stats = edge.open_session(), SpecStats()
         try:
-            drafter = make_drafter(SpecConfig("auto"), edge.corpus_model())
+            drafter = make_drafter(SpecConfig("auto-window"), edge.corpus_model())
             out = [t for new in pipelined_decode(session, ids, 48, set(edge.cfg.eos_token_ids), drafter,
                                                  StepBudget(fixed_nodes=10), stats, always_bet=True) for t in new]
         finally:
