@@ -193,10 +193,12 @@ class EdgeAPI:
         return Response(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: Request) -> Response:
-        cloud = await asyncio.to_thread(cloud_health, self.edge._connect_args["url"], self.edge._connect_args["tls_ca"])
-        ok = cloud["status"] == "ok"
-        return JSONResponse({"status": "ok" if ok else "degraded", "model": self.config.model_name, "cloud": cloud},
-                            status_code=200 if ok else 503)
+        tls_ca = self.edge._connect_args["tls_ca"]
+        clouds = await asyncio.gather(*(asyncio.to_thread(cloud_health, url, tls_ca) for url in self.edge.cloud_urls))
+        up = [c for c in clouds if c["status"] == "ok"]
+        # "cloud": one that answers (requests fail over to it), else the first; "clouds": every URL of --cloud
+        return JSONResponse({"status": "ok" if up else "degraded", "model": self.config.model_name,
+                             "cloud": (up or clouds)[0], "clouds": list(clouds)}, status_code=200 if up else 503)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat(await self.body(request), self.config.default_temperature)
@@ -404,7 +406,7 @@ def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 80
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", host)
     log.info("serving model '%s' on http://%s:%d/v1 (cloud %s%s)", config.model_name, host, sock.getsockname()[1],
-             edge._connect_args["url"], ", API key required" if config.api_key else "")
+             ",".join(edge.cloud_urls), ", API key required" if config.api_key else "")
     server = uvicorn.Server(uvicorn.Config(RequestLog(api.app), log_level="warning", access_log=False))
     try:
         server.run(sockets=[sock])
