@@ -291,8 +291,16 @@ class _Proxy:
             writers.append(up_writer)
             _set_nodelay(up_writer)
             logger.debug("wan: connection from %s", peer)
-            up = _Link(self.config, self.rng, self._count_up, self._gate)
-            down = _Link(self.config, self.rng, self._count_down, self._gate)
+            cut = False  # once one direction is cut, the other delivers nothing more
+
+            def gate(nbytes: int) -> int:
+                nonlocal cut
+                passing = 0 if cut else self._gate(nbytes)
+                cut = cut or passing < nbytes
+                return passing
+
+            up = _Link(self.config, self.rng, self._count_up, gate)
+            down = _Link(self.config, self.rng, self._count_down, gate)
             up.capture, down.capture = self.capture_up, self.capture_down
             pipes = [
                 asyncio.create_task(_pipe(client_reader, up_writer, up)),
