@@ -48,7 +48,8 @@ def test_cloud_failures_are_502_and_the_api_recovers(tiny_split):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     cloud = BackgroundServer(tiny_split / "cloud").__enter__()
     port = cloud.server.port
-    edge = Edge(tiny_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint)
+    # the edge retries a lost cloud for failover_timeout_s (default 30 s) before the request fails
+    edge = Edge(tiny_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=2.0)
     api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
     try:
         with serving(api.app) as url:
