@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration
 from splitlm.decoding.head import HeadRunner
 from splitlm.decoding.recycle import RecycleTable
 from splitlm.decoding.suffix import PastOutputs, SuffixIndex
@@ -30,21 +30,11 @@ class DraftMemory:
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
 
-class AutoDrafter(Drafter):
+class AutoDrafter(DrafterGroup):
     def __init__(self, drafters: list[Drafter]):
         self.drafters = drafters
         self.name = "auto(" + "+".join(d.name for d in drafters) + ")"
         self.extras = max((d.extras for d in drafters), default=0)
-
-    def reset(self, context: list[int]) -> None:
-        self.context = list(context)
-        for d in self.drafters:
-            d.reset(context)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.context.extend(tokens)
-        for d in self.drafters:
-            d.extend(tokens)
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])

@@ -211,12 +211,10 @@ class LookaheadDrafter(Drafter):
         return tree
 
 
-class CombinedDrafter(Drafter):
-    """Several drafters' trees merged into one deduplicated tree (plus any one lookahead window)."""
+class DrafterGroup(Drafter):
+    """Drafters that see the same context: `reset` and `extend` reach every one of them."""
 
-    def __init__(self, drafters: list[Drafter]):
-        self.drafters = drafters
-        self.name = "+".join(d.name for d in drafters)
+    drafters: list[Drafter]
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -227,6 +225,14 @@ class CombinedDrafter(Drafter):
         self.context.extend(tokens)
         for d in self.drafters:
             d.extend(tokens)
+
+
+class CombinedDrafter(DrafterGroup):
+    """Several drafters' trees merged into one deduplicated tree (plus any one lookahead window)."""
+
+    def __init__(self, drafters: list[Drafter]):
+        self.drafters = drafters
+        self.name = "+".join(d.name for d in drafters)
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
