@@ -187,15 +187,12 @@ def markdown(doc: dict) -> str:
 def edge_profiles_main(args: argparse.Namespace, config, progress, split_dir: Path) -> int:
     """`splitlm bench --edge-profiles` on the split in `split_dir` (tail-local; the bench resolves it)."""
     from splitlm.bench.prompts import load_prompts
+    from splitlm.bench.report import stamped_base, suffixed, write_json
 
     path = Path(config.prompts) if config.prompts else Path(__file__).parents[3] / "benchmarks" / "prompts-heldout.json"
     prompts = [{"prompt": p.prompt, "chat": p.chat} for p in load_prompts(path)][: config.limit or 8]
     doc = edge_profiles_doc(split_dir, prompts, config.max_new_tokens, args.threads or 2, progress)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
-    target = out / f"edge-profiles-{stamp}.json"
-    target.write_text(json.dumps(doc, indent=1) + "\n")
+    target = write_json(suffixed(stamped_base(config.out, "edge-profiles", doc["created"]), ".json"), doc)
     print(markdown(doc))
     progress(f"wrote {target}")
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -233,12 +232,10 @@ def fmt_ms(seconds: float | None) -> str:
 
 
 def write_results(doc: dict, out: str | Path) -> list[Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
-    base = out / f"prefill-{stamp}"
-    paths = [base.with_suffix(".json"), base.with_suffix(".md")]
-    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
+    from splitlm.bench.report import stamped_base, suffixed, write_json
+
+    base = stamped_base(out, "prefill", doc["created"])
+    paths = [write_json(suffixed(base, ".json"), doc), suffixed(base, ".md")]
     paths[1].write_text(markdown(doc))
     return paths
 

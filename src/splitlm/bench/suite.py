@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import platform
@@ -297,21 +296,17 @@ def run_bench(config: BenchConfig) -> dict:
 
 def write_results(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
     """Write `bench-<stamp>.json`, `.md`, the plots, and `results.json`; returns the paths written."""
-    from splitlm.bench.report import markdown_report, write_plots
+    from splitlm.bench.report import markdown_report, stamped_base, suffixed, write_json, write_plots
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
-    base = out / f"bench-{stamp}"
-    paths = [base.with_suffix(".json"), base.with_suffix(".md")]
-    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
+    base = stamped_base(out, "bench", doc["created"])
+    paths = [write_json(suffixed(base, ".json"), doc), suffixed(base, ".md")]
     report = markdown_report(doc)
     if plots:
         pngs = write_plots(doc, base)
         paths += pngs
         report += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     paths[1].write_text(report)
-    shutil.copyfile(paths[0], out / "results.json")
+    shutil.copyfile(paths[0], base.parent / "results.json")
     return paths
 
 
@@ -414,6 +409,7 @@ def parse_codecs(text: str) -> list[str]:
 
 def pass_cost_main(args: argparse.Namespace) -> int:
     from splitlm.bench.passcost import markdown, pass_cost_doc
+    from splitlm.bench.report import stamped_base, suffixed, write_json
     from splitlm.model.device import resolve_device, resolve_dtype
 
     try:
@@ -426,11 +422,8 @@ def pass_cost_main(args: argparse.Namespace) -> int:
     names = [d.strip() for d in args.pass_dtypes.split(",") if d.strip()] or [args.cloud_dtype or args.dtype]
     dtypes = [resolve_dtype(d, device) for d in names]
     doc = pass_cost_doc(args.pass_cost, device, dtypes, tokens, args.pass_context, reps=10, progress=progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = doc["created"][:19].replace("-", "").replace(":", "").replace("T", "-")
-    path = out / f"pass-cost-{args.pass_cost}-{device.type}-{stamp}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path = write_json(suffixed(stamped_base(args.out, f"pass-cost-{args.pass_cost}-{device.type}", doc["created"]),
+                               ".json"), doc)
     print(markdown(doc))
     progress(f"wrote {path}")
     return 0
