@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-import splitlm.edge.prefill as prefill
+import splitlm.edge.replay as replay
+import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward, lost
-from splitlm.transport.codecs import wire_nbytes
 from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger(__name__)
@@ -292,9 +292,9 @@ class EdgeSession:
                     if cap is not None and n > cap]
         limit = min(exceeded) if exceeded else None
         if mask is None and positions is None and self.pipelines and not self._context_rows():
-            p = self._prefill_plan(len(ids), limit or len(ids))
+            p = stream_prefill.plan_for(self, len(ids), limit or len(ids))
             if p is not None:
-                return self._stream_prefill(ids, want, p, argmax)
+                return stream_prefill.stream(self, ids, want, p, argmax)
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
@@ -310,64 +310,6 @@ class EdgeSession:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
         return self._finish(self._send(ids, positions, mask, rows, argmax, extras))
-
-    # -- streamed prefill (`splitlm.edge.prefill` plans it) ---------------------------------------
-    def _prefill_bytes_per_token(self) -> tuple[float, float]:
-        """Bytes per prompt token up (hidden states and a position) and down (tail-local: hidden states;
-        split-head: none but for the last chunk's rows of logits)."""
-        edge = self.edge
-        d = wire_nbytes(self.wire_dtype, [1, edge.cfg.hidden_size])
-        return d + 3.0, (0.0 if edge.split_head else float(d))
-
-    def _prefill_plan(self, total: int, max_chunk: int) -> prefill.Plan | None:
-        """The edge's plan for a causal run of `total` tokens: None = one forward."""
-        edge = self.edge
-        setting = edge.prefill_chunk
-        if setting == 0:
-            return None
-        if setting != "auto":
-            chunk = min(int(setting), max_chunk)
-            return None if chunk >= total else prefill.Plan(chunk, None, None)
-        p = prefill.plan(total, max_chunk, edge.prefill_costs.stages(*self._prefill_bytes_per_token()), self.length,
-                           self.client.info.limits.pass_rows)
-        if p.chunk >= total or p.predicted_s > (1 - prefill.MIN_GAIN) * p.unchunked_s:
-            return None  # within the fits' error of one forward, which needs no overlap to go right
-        return p
-
-    @torch.inference_mode()
-    def _stream_prefill(self, ids: list[int], want: list[int], p: prefill.Plan, argmax: bool) -> torch.Tensor:
-        """Run `ids` (causal, after the session's committed tokens) as pipelined chunks of `p.chunk`;
-        returns the logits (or greedy tokens, with `argmax`) of the rows `want`, as one forward would."""
-        client, s = self.client, self.stats
-        run = prefill.PrefillRun(len(ids), p.chunk, p.predicted_s, p.unchunked_s)
-        start = time.perf_counter()
-        flights, out = [], []
-
-        def take() -> None:
-            f, sent_at, up = flights.pop(0)
-            edge0, cloud0, down0, ser0 = s.edge_compute_s, s.cloud_compute_s, s.bytes_down, s.serialize_s
-            out.append(self._finish(f))
-            cloud_s = s.cloud_compute_s - cloud0
-            tail_s = s.edge_compute_s - edge0 - f.edge_s + (s.serialize_s - ser0 - f.serialize_s)
-            run.chunks.append(prefill.ChunkRecord(len(f.ids), f.edge_s + f.serialize_s, tail_s, cloud_s, up,
-                                                  s.bytes_down - down0, sent_at, time.perf_counter() - start))
-
-        for a in range(0, len(ids), p.chunk):
-            part = [r - a for r in want if a <= r < a + p.chunk]
-            self.settle()  # the chunk before stays whole: this request commits it
-            up0 = s.bytes_up
-            f = self._send(ids[a:a + p.chunk], None, None, part, argmax)
-            flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
-            while flights and client.reply_waiting():  # tails of what already came back
-                take()
-        while flights:
-            take()
-        run.seconds = time.perf_counter() - start
-        s.prefill_round_trips = len(run.chunks)
-        self.last_prefill = run
-        # a pipelined chunk's wait says nothing about the link: the next step's budget gets the RTT estimate
-        self.last_step["network_s"] = self.edge.prefill_costs.link.rtt_s
-        return torch.cat(out)
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
@@ -474,91 +416,17 @@ class EdgeSession:
         self.cloud_pending = len(f.ids) if retained else 0
         self.cloud_committed = self.cloud_committed + c if retained else 0
 
-    # -- failover: a new session (on the same or another cloud) rebuilt from what the edge holds ----
+    # -- failover (`splitlm.edge.replay`): a new session rebuilt from what the edge holds -----------
     def failover(self, error: CloudError) -> None:
-        """The connection or the cloud died (`error`): reconnect (`Edge.reconnect`: the next cloud of
-        the list, backoff, at most `Edge.failover_timeout_s`), open a new session and replay into it
-        every request whose reply is still owed, so that decoding goes on as if nothing happened.
-
-        What the new session's cache needs is what the edge keeps anyway: the head layers' outputs of
-        every committed token (`history`) and of every block in flight (`Flight.h`); nothing is
-        recomputed. The first owed block goes up with the whole committed context as context rows
-        (a window policy: its last N), each later one with the keep of the block before it; a
-        context longer than the cloud's tokens per forward is rebuilt in chunks first. Rolled-back
-        (void) blocks are not re-sent: their replies are dropped unread. A sealed session gets a new
-        cache key (the new session's seal counter starts again)."""
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + self.edge.failover_timeout_s
-        log.warning("cloud session %d lost (%s): failing over", self.id, error)
-        while True:
-            dead = self.client
-            self.edge._drop_client(dead)
-            authorised = self.edge.vocab.packed() if self.edge.split_head and not self.edge.vocab.everything else None
-            self.client, self.id = self.edge.reconnect(self.policy, authorised, dead.url, deadline)
-            if self.key is not None:
-                self.key = AESGCM.generate_key(bit_length=256)
-            try:
-                self._replay()
-                break
-            except CloudError as e:
-                if not e.retryable or time.monotonic() > deadline:
-                    raise
-                log.warning("the new cloud session failed too (%s): failing over again", e)
-        self.stats.failovers += 1
-        self.stats.failover_s += time.perf_counter() - t0
-        log.warning("failed over to %s (session %d) in %.2f s", self.client.url, self.id, time.perf_counter() - t0)
+        """Reconnect, open a new cloud session and replay into it every request still owed a reply
+        (`splitlm.edge.replay.failover`)."""
+        replay.failover(self, error)
 
     def _replay(self) -> None:
-        """Rebuild an empty cloud session's cache and re-send the blocks still owed a reply (see `failover`)."""
-        self.cloud_committed = self.cloud_pending = 0
-        self.cloud_keep = self.cloud_crop = None
-        retained = self.policy.retention > 0
-        owed = []
-        for f in self.flights:
-            if f.void:
-                f.sent = None  # its reply is dropped unread
-            else:
-                owed.append(f)
-        if owed:
-            owed[0].replayed = True
-        prev = None
-        for f in owed:
-            if prev is None:
-                c = f.start if self.policy.window is None else min(f.start, self.policy.window)
-                if retained and self.policy.window is None:
-                    c -= self._rebuild(f.start, len(f.ids))
-            else:
-                self._replay_keep(prev)
-                c = f.start - self.cloud_committed if retained else f.start
-            self._transmit(f, c)
-            prev = f
-        if prev is not None and prev.settled:
-            self._replay_keep(prev)
-
-    def _replay_keep(self, f: Flight) -> None:
-        """The cloud-side bookkeeping of settling block `f` (sent to the new session) with its keep."""
-        if self.policy.retention == 0:
-            return
-        if f.keep is not None:
-            self.cloud_keep = list(f.keep)
-        self.cloud_committed += len(f.ids) if f.keep is None else len(f.keep)
-        self.cloud_pending = 0
+        replay.replay(self)
 
     def _rebuild(self, upto: int, then: int) -> int:
-        """Send committed rows [0, upto) to the cloud as blocks of their own until the rest fits in one
-        forward with `then` new tokens (the cloud's tokens per forward); returns the rows sent so."""
-        per_forward = self.client.info.limits.max_tokens_per_forward
-        done = 0
-        while per_forward and upto - done + then > per_forward:
-            n = min(per_forward, upto - done)
-            h, pos = to_host(self.history[done:done + n]), self.history_pos[done:done + n]
-            split_head = self.edge.split_head
-            self.client.forward_tensors(self.id, h, pos, self.wire_dtype, control=self.control(),
-                                        rows=[n - 1] if split_head else None,
-                                        max_reply_elements=max(h.numel(), self.edge.vocab.size))
-            done += n
-            self.cloud_committed = done
-        return done
+        return replay.rebuild(self, upto, then)
 
     def _finish(self, f: Flight) -> torch.Tensor | None:
         if not self.flights or self.flights[0] is not f:
