@@ -1,0 +1,3 @@
+from splitlm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Text through a cloud from the terminal: `generate` (one prompt) and `chat` (a conversation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from splitlm import SplitLMError
+from splitlm.cli.options import (
+    CLOUD_HELP,
+    DEFAULT_PORT,
+    SPEC_CHOICES,
+    add_draft_option,
+    add_edge_options,
+    add_pipeline_option,
+    add_sampling_options,
+    open_edge,
+    positive_int,
+    sampling_config,
+    set_threads,
+    spec_arg,
+)
+from splitlm.model.device import dtype_name
+
+
+def cmd_generate(args) -> int:
+    from splitlm.edge.results import print_stats
+
+    set_threads(args.threads)
+    sampling = sampling_config(args)
+    prompt = read_prompt(args)
+    with open_edge(args) as edge:
+        stop_at_eos = not args.ignore_eos
+        chat = args.chat if args.chat is not None else edge.has_chat_template
+        options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop)
+        if args.json:
+            result = edge.generate(prompt, args.max_new_tokens, **options)
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
+                              "edge": {"device": f"onnx:{edge.onnx}" if edge.onnx else str(edge.device),
+                                       "dtype": dtype_name(edge.dtype)}}))
+            return 0
+        stream = edge.stream(prompt, args.max_new_tokens, **options)
+        for piece in stream:
+            print(piece, end="", flush=True)
+        print()
+        print_stats(stream.result.stats)
+    return 0
+
+
+def read_prompt(args) -> str:
+    """--prompt TEXT, --prompt - (stdin) or --prompt-file FILE."""
+    if args.prompt_file is not None:
+        try:
+            text = open(args.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SplitLMError(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        return args.prompt
+    text = text.rstrip("\n")
+    if not text.strip():
+        raise SplitLMError("the prompt is empty")
+    return text
+
+
+def cmd_chat(args) -> int:
+    from splitlm.edge.chat import run_chat
+
+    set_threads(args.threads)
+    sampling = sampling_config(args)
+    with open_edge(args) as edge:
+        return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        spec=spec_arg(args))
+
+
+def add_generate(sub) -> None:
+    """The `generate` command's parser."""
+    p = sub.add_parser("generate", help="generate text through a cloud server")
+    p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help=CLOUD_HELP)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this UTF-8 file")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when the tokenizer has one; "
+                        "--no-chat continues the text as it is)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    add_draft_option(p)
+    add_pipeline_option(p)
+    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
+                   help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the text before this string (repeatable)")
+    add_sampling_options(p)
+    add_edge_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def add_chat(sub) -> None:
+    """The `chat` command's parser."""
+    p = sub.add_parser("chat", help="chat in the terminal through a cloud server (streams, shows stats)")
+    p.add_argument("--edge", required=True, help="the edge shard directory (DIR/edge)")
+    p.add_argument("--cloud", default=f"ws://127.0.0.1:{DEFAULT_PORT}", help=CLOUD_HELP)
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
+    add_sampling_options(p)
+    add_draft_option(p)
+    add_pipeline_option(p)
+    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
+                   help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
+    add_edge_options(p)
+    p.set_defaults(func=cmd_chat)

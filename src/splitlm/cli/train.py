@@ -1,0 +1,122 @@
+"""Commands that fit the edge's own parts on local text: drafters (`train-draft`, `train-head`, `warmup`)
+and LoRA adapters (`train-adapter`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from splitlm import SplitLMError
+from splitlm.cli.options import int_at_least, need_edge_shard, positive_int, set_threads
+
+log = logging.getLogger(__name__)
+
+
+def cmd_train_draft(args) -> int:
+    from splitlm.decoding.train_draft import train_draft
+
+    need_edge_shard(args)
+    report = train_draft(args.model, args.edge, max_tokens=args.max_tokens,
+                         progress=lambda msg: log.info("[train-draft] %s", msg))
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_train_adapter(args) -> int:
+    from pathlib import Path
+
+    from splitlm.edge.train_adapter import train_adapter
+
+    set_threads(args.threads)
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SplitLMError(f"cannot read the training text {args.text}: {e}") from None
+    report = train_adapter(args.model, args.edge, text, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
+                           lr=args.lr, seq_len=args.seq_len)
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_train_head(args) -> int:
+    from pathlib import Path
+
+    from splitlm.decoding.train_head import train_head
+
+    set_threads(args.threads)
+    if not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    report = train_head(args.model, args.edge, warmup=args.warmup, max_tokens=args.max_tokens, minutes=args.minutes,
+                        log=lambda msg: print(f"[train-head] {msg}", file=sys.stderr, flush=True))
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    from pathlib import Path
+
+    from splitlm.decoding.warmup import WARMUP_FILE, build_warmup
+
+    set_threads(args.threads)
+    if (args.edge is None) == (args.out is None):
+        raise SplitLMError("give exactly one of --edge DIR (writes DIR/warmup.jsonl.gz) and --out FILE")
+    if args.edge is not None and not Path(args.edge).is_dir():
+        raise SplitLMError(f"edge shard {args.edge} not found")
+    out = Path(args.edge) / WARMUP_FILE if args.edge is not None else Path(args.out)
+    report = build_warmup(args.model, out, limit=args.limit, batch=args.batch,
+                          progress=lambda msg: log.info("[warmup] %s", msg))
+    print(json.dumps(report))
+    return 0
+
+
+def add_train_draft(sub) -> None:
+    """The `train-draft` command's parser."""
+    p = sub.add_parser("train-draft", help="fit the self-draft's adapter from the full model on local text")
+    p.add_argument("--model", default="default", help="the model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory; the adapter is written into it")
+    p.add_argument("--max-tokens", type=positive_int, default=8000, help="training tokens (default 8000)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_draft)
+
+
+def add_train_adapter(sub) -> None:
+    """The `train-adapter` command's parser."""
+    p = sub.add_parser("train-adapter", help="fit a LoRA adapter for the edge's layers on your own text, locally")
+    p.add_argument("--model", default="default", help="the full model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory (which layers the adapter may change)")
+    p.add_argument("--text", required=True, help="a UTF-8 text file to fit")
+    p.add_argument("--out", required=True, help="the adapter directory to write (peft format; use with --edge-adapter)")
+    p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--steps", type=positive_int, default=40, help="optimiser steps (default 40)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seq-len", type=int_at_least(2), default=128, help="tokens per training window (default 128)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_adapter)
+
+
+def add_train_head(sub) -> None:
+    """The `train-head` command's parser."""
+    p = sub.add_parser("train-head", help="train the edge's draft head (--spec head/auto) on the model's own warm-up "
+                                          "answers")
+    p.add_argument("--model", default="default", help="the model the edge shard was split from")
+    p.add_argument("--edge", required=True, help="the edge shard directory; the head is written into it")
+    p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
+    p.add_argument("--max-tokens", type=positive_int, default=60000, help="answer tokens to train on (default 60000)")
+    p.add_argument("--minutes", type=float, default=12.0, help="training time limit (default 12)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_train_head)
+
+
+def add_warmup(sub) -> None:
+    """The `warmup` command's parser."""
+    p = sub.add_parser("warmup", help="generate the model's answers to generic requests, a corpus for the "
+                                      "auto drafter (bundled for the default model)")
+    p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
+    p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
+    p.add_argument("--out", default=None, help="or: write the file here")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 2,860 for the bundled model)")
+    p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.set_defaults(func=cmd_warmup)
