@@ -264,3 +264,29 @@ def test_default_modes_and_results_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("SPLITLM_RESULTS")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     assert default_results_dir() == tmp_path / "data" / "splitlm" / "results"
+
+
+def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import splitlm.decoding.train_head as train_head_module
+    from splitlm.bench.suite import BenchConfig, ensure_head
+
+    monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
+    trained = []
+    monkeypatch.setattr(train_head_module, "train_head", lambda model, edge, log: trained.append(edge) or
+                        {"seconds": 1.0, "heldout": {"conditional": [0.5]}})
+    manifest = SimpleNamespace(model_hash="ab" * 16)
+    edge = tmp_path / "edge"
+    edge.mkdir()
+    ensure_head(BenchConfig(), tmp_path, edge, manifest, ["split-seq"])  # no mode drafts with the head
+    assert trained == []
+    with pytest.raises(SplitLMError, match="needs a trained draft head"):
+        ensure_head(BenchConfig(train_head=False), tmp_path, edge, manifest, ["head"])
+    ensure_head(BenchConfig(train_head=False), tmp_path, edge, manifest, ["auto"])  # auto runs without one
+    assert trained == []
+    ensure_head(BenchConfig(), tmp_path, edge, manifest, ["split-seq", "auto"])
+    assert trained == [edge]
+    (edge / "draft_head.safetensors").write_bytes(b"")  # a head is there: nothing to train
+    ensure_head(BenchConfig(), tmp_path, edge, manifest, ["head"])
+    assert trained == [edge]

@@ -108,6 +108,17 @@ def test_recycle_table_seeds_from_bigrams_and_learns_from_passes():
     assert table.next[5] == [1, 2] and table.next[8] == [4, 5]
 
 
+def test_recycle_pair_rows_win_where_seen_and_the_oldest_pairs_go():
+    table = RecycleTable(k=2, max_pairs=2)
+    table.update([5, 5], torch.tensor([[1, 2], [3, 4]]), before=[7, 8])  # "7 5" -> 1 2, "8 5" -> 3 4
+    assert table.row(7, 5) == ([1, 2], True) and table.row(8, 5) == ([3, 4], True)
+    assert table.row(9, 5) == ([3, 4], False)  # an unseen pair: the token's latest row
+    table.update([6], torch.tensor([[9, 9]]), before=[None])  # no predecessor: the token table only
+    assert table.row(None, 6) == ([9, 9], False) and len(table.pairs) == 2
+    table.update([6], torch.tensor([[1, 1]]), before=[5])
+    assert (7, 5) not in table.pairs and table.row(5, 6) == ([1, 1], True)
+
+
 def test_calibration_scores_only_decided_nodes():
     tree = TokenTree.root_only(0)
     a = tree.add(0, 1, 0.5, "a")
@@ -134,10 +145,12 @@ def test_cost_curve_is_measured_not_assumed():
     assert budget.choose(tree).nodes >= 2  # an unmeasured bucket up is tried
 
 
-def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path):
+def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monkeypatch):
+    from splitlm.decoding.head import find_head
     from splitlm.decoding.train_head import train_head
-    from splitlm.model.shards import split_model
+    from splitlm.model.shards import Manifest, split_model
 
+    monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
     rng = random.Random(0)
     warm = tmp_path / "w.jsonl.gz"
@@ -152,3 +165,8 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path):
     assert report["loss_last"] < report["loss_first"]
     cond = report["heldout"]["conditional"]
     assert len(cond) == 4 and all(0.0 <= c <= 1.0 for c in cond)
+    # another split of the same model finds the head kept for the model; an unrelated shard does not
+    other = split_model(str(audit_model_dir), head=1, tail=1, out=tmp_path / "other")
+    model_hash = Manifest.read(other / "edge", "edge").model_hash
+    assert find_head(other / "edge", model_hash) == tmp_path / "cache" / "heads" / f"{model_hash}.safetensors"
+    assert find_head(other / "edge") is None and find_head(other / "edge", "0" * 32) is None

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "splitlm.bench/1"
 DEFAULT_MODES = "local-hf,split-seq,auto"
+HEAD_MODES = {"auto", "auto-zerocost", "head"}  # the modes that draft with the trained head
 
 
 def default_results_dir() -> Path:
@@ -77,6 +78,7 @@ class BenchConfig:
     dtype: str = "auto"
     cloud_device: str | None = None  # the cloud's (None: as the edge's)
     cloud_dtype: str | None = None
+    train_head: bool = True  # train the draft head once if modes need it and this model has none
 
     @property
     def sweep(self) -> bool:
@@ -133,6 +135,33 @@ def resolve_split(config: BenchConfig, model_dir: Path):
     tail = config.tail if config.tail is not None else (0 if config.topology == "split-head" else 2)
     split_dir = cached_split(config.model, config.head, tail, config.topology, config.d_end)
     return split_dir, Manifest.read(split_dir / "edge", "edge")
+
+
+def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, modes: list[str]) -> None:
+    """Train the draft head once (`splitlm train-head`, cached for the model) when a mode drafts with it
+    and neither the edge shard nor this machine has one; --no-train-head runs those modes without it."""
+    import torch
+
+    from splitlm.decoding.head import find_head
+    from splitlm.decoding.train_head import train_head
+
+    if not HEAD_MODES & set(modes) or find_head(edge_dir, manifest.model_hash) is not None:
+        return
+    if not config.train_head:
+        if "head" in modes:
+            raise SplitLMError("mode head needs a trained draft head: run `splitlm train-head` or drop --no-train-head")
+        progress("no draft head for this model (--no-train-head): auto drafts without it")
+        return
+    progress("no draft head for this model yet: training it once (`splitlm train-head`; about 10 minutes on "
+             "2 cores, kept for every later split of this model; --no-train-head skips this)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        report = train_head(str(model_dir), edge_dir, log=progress)
+    finally:
+        torch.set_num_threads(threads)
+    progress(f"draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
+             + " · ".join(f"{c:.2f}" for c in report["heldout"]["conditional"]))
 
 
 def split_fields(manifest, config: BenchConfig, edge) -> dict:
@@ -192,6 +221,8 @@ def run_bench(config: BenchConfig) -> dict:
     if manifest is not None:  # the split decides: a pre-split edge's own K, M and topology
         config.head, config.tail, config.topology = manifest.head, manifest.tail, manifest.topology
         config.d_end = manifest.d_end or None
+    if network and config.topology == "tail-local":
+        ensure_head(config, model_dir, split_dir / "edge", manifest, modes)
     tok = load_tokenizer(model_dir)
     tokenize(prompts, tok)
     started = time.time()
@@ -371,6 +402,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="--edge-profiles: threads per profile (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-train-head", action="store_true",
+                   help="run auto without the draft head when none is trained for the model (else it is trained "
+                        "once, about 10 minutes, before the modes that use it)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -393,7 +427,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
         d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
-        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, codecs=parse_codecs(args.codecs), draft=args.draft,
+        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, train_head=not args.no_train_head,
+        codecs=parse_codecs(args.codecs), draft=args.draft,
         device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype)
 
 

@@ -15,7 +15,10 @@ weak, and one small shared block serves every depth (a few MB); an MLP instead o
 transformer layer trains within minutes on a CPU and drafts in a few ms per depth.
 
 Trained by `splitlm train-head` on the model's own greedy answers (`splitlm.decoding.train_head`);
-stored as EDGE_DIR/draft_head.safetensors; never sent.
+stored as EDGE_DIR/draft_head.safetensors, and a copy per model under
+`$SPLITLM_CACHE/heads/MODEL_HASH.safetensors`: the head reads only the final hidden state and the LM
+head, so it does not depend on where the model is split, and every later split of the same model
+finds it. Never sent.
 """
 
 from __future__ import annotations
@@ -51,10 +54,27 @@ def save_head(head: DraftHead, path: str | Path) -> None:
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
 
 
-def load_head(edge_dir: str | Path) -> DraftHead | None:
-    """The edge shard's trained draft head, or None."""
-    path = Path(edge_dir) / HEAD_FILE
-    if not path.is_file():
+def cached_head_path(model_hash: str) -> Path:
+    """Where the trained head of a model (any split of it) is kept on this machine."""
+    from splitlm.model.loading import cache_root
+
+    return cache_root() / "heads" / f"{model_hash}.safetensors"
+
+
+def find_head(edge_dir: str | Path, model_hash: str | None = None) -> Path | None:
+    """The edge shard's own trained head, else the one trained for its model on this machine, else None."""
+    own = Path(edge_dir) / HEAD_FILE
+    if own.is_file():
+        return own
+    if model_hash and (cached := cached_head_path(model_hash)).is_file():
+        return cached
+    return None
+
+
+def load_head(edge_dir: str | Path, model_hash: str | None = None) -> DraftHead | None:
+    """The trained draft head for this edge shard (`find_head`), or None."""
+    path = find_head(edge_dir, model_hash)
+    if path is None:
         return None
     from safetensors.torch import load_file
 
@@ -80,19 +100,23 @@ class HeadRunner:
         """h [B, D], next tokens [B] -> (ĥ [B, D], top-k probabilities [B, k], their token ids [B, k])."""
         e = self.embed[torch.tensor(tokens)] * self.scale
         nh = self.head(h, e)
-        probs = torch.softmax(F.linear(nh, self.w), -1)  # [B, S]
-        top = probs.topk(k, -1)
-        return nh, top.values, self.ids[top.indices]
+        logits = F.linear(nh, self.w)  # [B, S]
+        top = logits.topk(k, -1)
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()  # [B, k]
+        return nh, probs, self.ids[top.indices]
 
 
 class HeadDrafter(Drafter):
-    """Best-first tree from the head: expand the likeliest paths, `width` at a depth, top `k` each."""
+    """Best-first tree from the head: expand the likeliest paths, `width` at a depth, top `k` each,
+    until no path is left with a chance of `min_reach` to be accepted that far."""
 
     name = "head"
     extras = 1  # the hidden states (and the top-1 it comes with)
 
-    def __init__(self, runner: HeadRunner, max_depth: int = 6, k: int = 4, width: int = 4, max_nodes: int = 48):
+    def __init__(self, runner: HeadRunner, max_depth: int = 8, k: int = 4, width: int = 6, max_nodes: int = 64,
+                 min_reach: float = 0.01):
         self.runner, self.max_depth, self.k, self.width, self.max_nodes = runner, max_depth, k, width, max_nodes
+        self.min_reach = min_reach
         self.hidden: torch.Tensor | None = None  # [D] of the node before the root
         self.last: TokenTree | None = None
 
@@ -117,7 +141,7 @@ class HeadDrafter(Drafter):
                     q = cal.p(key, p)
                     child = tree.add(node, t, q, key)
                     grown.append((reach * q, child, h))
-            frontier = heapq.nlargest(self.width, grown, key=lambda x: x[0])
+            frontier = [x for x in heapq.nlargest(self.width, grown, key=lambda x: x[0]) if x[0] >= self.min_reach]
         return tree
 
     def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:

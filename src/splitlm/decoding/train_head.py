@@ -6,13 +6,15 @@ prompt + answer once and gives, per position t, the final-normed hidden state H[
 next token G[t]. The head learns, from (H[t], the next token X[t+1]), to predict H[t+1] and G[t+1];
 unrolled for `unroll` depths on its own predicted states, as it drafts. Loss: cross-entropy over
 the head's vocabulary (the `vocab` commonest greedy tokens) plus a smooth-L1 feature term.
-Nothing is sent anywhere; the head goes to EDGE_DIR/draft_head.safetensors.
+Nothing is sent anywhere; the head goes to EDGE_DIR/draft_head.safetensors (and a copy to the
+model's entry under $SPLITLM_CACHE/heads, which later splits of the same model load).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from splitlm import SplitLMError
-from splitlm.decoding.head import HEAD_FILE, DraftHead, save_head
+from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, save_head
 from splitlm.decoding.warmup import find_warmup, read_warmup_records
 from splitlm.model.llama import embed
 from splitlm.model.loading import load_model
@@ -103,8 +105,8 @@ def acceptance_by_depth(head, emb, w, batches: Batches, sub_of: torch.Tensor, li
             "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4)}
 
 
-def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 60_000,
-               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 12.0, batch: int = 256,
+def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 400_000,
+               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 15.0, batch: int = 256,
                lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
     """Train the head, write EDGE_DIR/draft_head.safetensors, return a report (acceptance by depth on
     the held-out answers, training time)."""
@@ -188,7 +190,10 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
     report = acceptance_by_depth(head, emb, w, ho, sub_of)
     out = edge_dir / HEAD_FILE
     save_head(head, out)
-    return {"head": str(out), "warmup": str(path), "train_answers": len(chosen), "train_positions": len(tr.pos),
+    cached = cached_head_path(edge.manifest.model_hash)  # what later splits of this model load
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out, cached)
+    return {"head": str(out), "cached": str(cached), "warmup": str(path), "train_answers": len(chosen), "train_positions": len(tr.pos),
             "steps": done, "loss_first": round(loss_first or 0.0, 4), "loss_last": round(loss_ema or 0.0, 4),
             "vocab": len(vocab_ids), "vocab_coverage": round(coverage, 4),
             "heldout": report, "features_s": round(feat_s, 1), "seconds": round(time.perf_counter() - start, 1)}
