@@ -238,8 +238,9 @@ def test_pipelining_fractions_and_report_table():
 
 @pytest.mark.slow
 def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_path, capsys):
-    argv = ["bench", "--limit", "1", "--max-new-tokens", "8", "--rtt-ms", "0", "--modes", "split-seq",
-            "--device", "cpu", "--cloud-dtype", "bf16", "--out", str(tmp_path), "--no-plots", "--no-memory"]
+    argv = ["bench", "--limit", "1", "--max-new-tokens", "8", "--rtt-ms", "0", "--modes", "split-seq,auto",
+            "--device", "cpu", "--cloud-dtype", "bf16", "--out", str(tmp_path), "--no-plots", "--no-memory",
+            "--no-train-head"]
     assert main(argv) == 0
     capsys.readouterr()
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -248,6 +249,7 @@ def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_pa
     assert doc["config"]["cloud_dtype"] == "bf16"
     seq = next(r for r in doc["results"] if r["mode"] == "split-seq" and r["category"] == "all")
     assert seq["agreement"] >= 0.75  # bf16 middle layers: close to, not exactly, the fp32 model
+    assert any(r["mode"] == "auto" for r in doc["results"])  # with or without a head kept on this machine
 
 
 def test_default_modes_and_results_directory(tmp_path, monkeypatch):

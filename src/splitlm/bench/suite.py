@@ -222,7 +222,7 @@ def run_bench(config: BenchConfig) -> dict:
         config.head, config.tail, config.topology = manifest.head, manifest.tail, manifest.topology
         config.d_end = manifest.d_end or None
     if network and config.topology == "tail-local":
-        ensure_head(config, model_dir, split_dir / "edge", manifest, modes)
+        ensure_head(config, model_dir, split_dir / "edge", manifest, [m.name for m in modes])
     tok = load_tokenizer(model_dir)
     tokenize(prompts, tok)
     started = time.time()
