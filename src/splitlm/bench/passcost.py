@@ -68,8 +68,9 @@ def measure(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, token
     cfg = stack.cfg
     gen = torch.Generator(device).manual_seed(0)
     cache = stack.new_cache()
-    stack(torch.randn(1, context, cfg.hidden_size, device=device, generator=gen), torch.arange(context, device=device),
-          None, cache)
+    if context:  # --pass-context 0: every pass starts from an empty cache
+        stack(torch.randn(1, context, cfg.hidden_size, device=device, generator=gen),
+              torch.arange(context, device=device), None, cache)
     rows = []
     for t in tokens:
         x = torch.randn(1, t, cfg.hidden_size, device=device, generator=gen)  # [1, T, D]

@@ -371,7 +371,8 @@ class Edge:
             if key not in self._memories:
                 memory = DraftMemory(corpus=self._suffix_index)
                 memory.recycle.seed(self._suffix_index.text)
-                head = load_head(self.edge_dir, self.model.manifest.model_hash) if not self.split_head else None
+                # the head reads the final hidden state: split-head and ONNX edges have none
+                head = None if self.split_head or self.onnx else load_head(self.edge_dir, self.model.manifest.model_hash)
                 if head is not None:
                     scale = self.cfg.hidden_size ** 0.5 if self.cfg.gemma else 1.0
                     memory.head = HeadRunner(head.to(self.device), self.model.embed_tokens.weight,
