@@ -114,7 +114,7 @@ class HeadDrafter(Drafter):
     extras = 1  # the hidden states (and the top-1 it comes with)
 
     def __init__(self, runner: HeadRunner, max_depth: int = 8, k: int = 4, width: int = 6, max_nodes: int = 64,
-                 min_reach: float = 0.05):
+                 min_reach: float = 0.01):
         self.runner, self.max_depth, self.k, self.width, self.max_nodes = runner, max_depth, k, width, max_nodes
         self.min_reach = min_reach
         self.hidden: torch.Tensor | None = None  # [D] of the node before the root

@@ -75,9 +75,7 @@ def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=Non
         recycle = RecycledDrafter(memory.recycle)
         if cfg.mode == "head" and memory.head is None:
             raise ValueError("speculative mode head needs a trained draft head (splitlm train-head)")
-        # a cloud whose extra tokens cost nothing takes deep trees; else paths below 5 % are not worth drafting
-        head = HeadDrafter(memory.head, min_reach=0.01 if cfg.cost == "zero" else 0.05) \
-            if memory.head is not None else None
+        head = HeadDrafter(memory.head) if memory.head is not None else None
         if cfg.mode != "auto":
             return {"recycle": recycle, "suffix": suffix, "head": head}[cfg.mode]
         return AutoDrafter([d for d in (suffix, recycle, head) if d is not None])
