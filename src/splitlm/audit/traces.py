@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.local import LocalSession
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
 from splitlm.model.llama import Transformer
 
@@ -42,15 +43,14 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
 
 
-class TracingSession:
+class TracingSession(LocalSession):
     """A `StepSession` over the whole model recording what the cloud sees (`trace.steps`)."""
 
     def __init__(self, model: Transformer, layers: set[int], trace: Trace, c0_s: float = 0.02, c1_s: float = 0.005,
                  rtt_s: float = 0.08):
-        self.model, self.trace = model, trace
-        self.cache = model.stack.new_cache()
+        super().__init__(model)
+        self.trace = trace
         self.c0_s, self.c1_s, self.rtt_s = c0_s, c1_s, rtt_s
-        self.last_step: dict = {}
         self._hidden: dict[int, torch.Tensor] = {}
         self._hooks = [model.stack.layers[i].register_forward_hook(self._hook(i)) for i in sorted(layers)]
 
@@ -63,23 +63,16 @@ class TracingSession:
         for h in self._hooks:
             h.remove()
 
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
     def settle(self, keep: list[int] | None = None) -> None:
-        if keep is not None:
-            self.cache.keep(keep)
+        super().settle(keep)
         self.trace.steps[-1].keep = None if keep is None else list(keep)
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
-        if keep is not None:
-            self.cache.keep(keep)
+        super().settle(keep)  # before the positions: they follow the kept entries
         if positions is None:
-            positions = list(range(self.cache.length, self.cache.length + len(ids)))
-        logits = self.model(torch.tensor([ids]), torch.tensor(positions), mask, self.cache)[0]  # [T, V]
+            positions = list(range(self.length, self.length + len(ids)))
+        logits = super().forward(ids, positions, mask)  # [T, V], every row: the trace keeps each one's argmax
         out = logits.argmax(-1)
         self.trace.steps.append(Step(list(ids), list(positions), None if mask is None else mask.clone(), out.tolist(),
                                      dict(self._hidden), prefill=not self.trace.steps))

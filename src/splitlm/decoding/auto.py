@@ -4,8 +4,9 @@ Each drafter scores its nodes by its own calibrated acceptance (learned separate
 `KeyedCalibration`: the chance a node is accepted once its parent is). Merging gives a node that
 several drafters propose the chance that any of them is right, as if they were independent,
 1 − Π(1 − p): agreement is evidence (in our offline runs it beat keeping the best chance), and the
-step budget's own calibration by score corrects what independence overstates. The budget then keeps the nodes whose chance to be reached pays for their cost in the
-pass (`splitlm.decoding.budget`)."""
+step budget's own calibration by score corrects what independence overstates. The budget then
+keeps the nodes whose chance to be reached pays for their cost in the pass
+(`splitlm.decoding.budget`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class DraftMemory:
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
 
+def either(p: float, q: float) -> float:
+    """The chance that at least one of two independent guesses is right."""
+    return 1.0 - (1.0 - p) * (1.0 - q)
+
+
 class AutoDrafter(DrafterGroup):
     def __init__(self, drafters: list[Drafter]):
         self.drafters = drafters
@@ -43,13 +49,7 @@ class AutoDrafter(DrafterGroup):
             tree = d.propose()
             where = {0: 0}
             for i in range(1, len(tree)):
-                parent, p = where[tree.parents[i]], tree.scores[i]
-                node = merged.child(parent, tree.tokens[i])
-                if node is None:
-                    node = merged.add(parent, tree.tokens[i], p)
-                else:
-                    merged.scores[node] = 1.0 - (1.0 - merged.scores[node]) * (1.0 - p)
-                where[i] = node
+                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], combine=either)
         return merged
 
     def accepted(self, drafted: list[int]) -> None:

@@ -75,13 +75,12 @@ class RecycledDrafter(Drafter):
         self.table, self.max_nodes, self.max_depth = table, max_nodes, max_depth
         self.extras = table.k
         self.last: TokenTree | None = None
-        self.root_before: int | None = None
 
     def propose(self) -> TokenTree:
-        self.root_before = self.context[-2] if len(self.context) > 1 else None
         cal = self.table.calibration
         tree = TokenTree.root_only(self.context[-1])
-        frontier = [(-1.0, 0, self.context[-1], self.root_before, 0)]  # (-reach, node, token, token before, depth)
+        before = self.context[-2] if len(self.context) > 1 else None
+        frontier = [(-1.0, 0, self.context[-1], before, 0)]  # (-reach, node, token, token before, depth)
         while frontier and len(tree) < self.max_nodes:
             neg, node, tok, prev, depth = heapq.heappop(frontier)
             if depth >= self.max_depth:
@@ -102,10 +101,10 @@ class RecycledDrafter(Drafter):
     def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
         topk = step.get("topk")
         if topk is not None:  # rows past the tree: a lookahead window's
-            # the root's predecessor: as proposed, or (the prefill's tree: the prompt's last token) the
-            # token before it, which the context already follows with the first generated one
-            root_before = self.root_before if self.last is not None else \
-                (self.context[-3] if len(self.context) > 2 else None)
+            # the root is the context's last token, or for the prefill's tree (proposed by no one: the
+            # prompt's last token) the one before it, the context already holding the first generated one
+            back = 2 if self.last is not None else 3
+            root_before = self.context[-back] if len(self.context) >= back else None
             before = [tree.tokens[p] if p >= 0 else root_before for p in tree.parents]
             self.table.update(tree.tokens, topk[: len(tree)], before)
         if self.last is not None:

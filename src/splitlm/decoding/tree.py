@@ -7,6 +7,7 @@ own ancestors, nothing else; its position is the root's position plus its depth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +45,15 @@ class TokenTree:
                 return i
         return None
 
-    def add(self, parent: int, token: int, score: float, key=None) -> int:
-        """Add `token` under `parent` unless that child exists (then keep the higher score and its key);
-        return its index."""
+    def add(self, parent: int, token: int, score: float, key=None,
+            combine: Callable[[float, float], float] | None = None) -> int:
+        """Add `token` under `parent` unless that child exists (then keep the higher score and its key,
+        or with `combine` give it combine(its score, `score`)); return its index."""
         existing = self.child(parent, token)
         if existing is not None:
-            if score > self.scores[existing]:
+            if combine is not None:
+                self.scores[existing] = combine(self.scores[existing], score)
+            elif score > self.scores[existing]:
                 self.scores[existing], self.keys[existing] = score, key
             return existing
         self.tokens.append(token)
