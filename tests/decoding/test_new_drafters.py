@@ -61,6 +61,22 @@ def test_new_drafters_match_sequential(model):
     assert max(stats.choices) > 20  # zero cost: big trees
 
 
+def test_head_runner_drafts_in_bf16_as_in_fp32(model):
+    d = model.cfg.hidden_size
+    torch.manual_seed(1)
+    head = DraftHead(d, 32, torch.arange(0, 64))
+    w = model.embed_tokens.weight
+    exact = HeadRunner(DraftHead(d, 32, torch.arange(0, 64)).requires_grad_(False), w, w, dtype=torch.float32)
+    exact.head.load_state_dict(head.state_dict())
+    half = HeadRunner(head, w, w, dtype=torch.bfloat16)
+    assert half.w.dtype == half.head.fc1.weight.dtype == torch.bfloat16
+    h = torch.randn(6, d)
+    (_, p32, ids32), (_, p16, ids16) = exact.step(h, [3, 4, 5, 6, 7, 8], 4), half.step(h, [3, 4, 5, 6, 7, 8], 4)
+    assert p16.dtype == torch.float32 and torch.allclose(p16.sum(-1), p32.sum(-1), atol=0.05)
+    assert (ids16[:, 0] == ids32[:, 0]).float().mean() >= 0.5  # rounding may swap near-ties, not the drafts' sense
+    assert HeadRunner(DraftHead(d, 32, torch.arange(0, 64)), w, w).dtype in (torch.float32, torch.bfloat16)
+
+
 def test_suffix_index_finds_every_occurrence_of_the_longest_match():
     rng = random.Random(3)
     docs = [[rng.randrange(5) for _ in range(rng.randrange(1, 60))] for _ in range(6)]

@@ -18,6 +18,14 @@ def test_instructions_are_fixed_and_varied():
         assert any(word in q for q in first)
 
 
+def test_instructions_stay_clear_of_the_benchmark_prompts_subjects():
+    # docs/speculative.md: the warm-up list is not tuned to benchmarks/prompts*.json
+    text = " ".join(instructions()).lower()
+    for subject in ("planet", "lighthouse", "fizzbuzz", "stack", "queue", "houseplant", "rainbow", "twinkle",
+                    "budget", "interview", "penguin", "dragon", "astronaut", "debounce", "bakery"):
+        assert subject not in text, subject
+
+
 def test_build_warmup_writes_one_answer_per_prompt(audit_model_dir, tmp_path):
     lines = []
     out = tmp_path / "w.jsonl.gz"

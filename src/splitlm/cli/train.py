@@ -99,10 +99,10 @@ def add_train_head(sub) -> None:
     p.add_argument("--model", default="default", help="the model the edge shard was split from")
     p.add_argument("--edge", required=True, help="the edge shard directory; the head is written into it")
     p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
-    p.add_argument("--max-tokens", type=positive_int, default=400_000,
-                   help="answer tokens to train on (default 400000: every bundled answer)")
-    p.add_argument("--minutes", type=float, default=15.0,
-                   help="training time limit (default 15; three epochs of the bundled answers take about 6 on 2 cores)")
+    p.add_argument("--max-tokens", type=positive_int, default=1_000_000,
+                   help="answer tokens to train on (default 1000000: every bundled answer)")
+    p.add_argument("--minutes", type=float, default=25.0,
+                   help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_train_head)
 
@@ -114,7 +114,7 @@ def add_warmup(sub) -> None:
     p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
     p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
     p.add_argument("--out", default=None, help="or: write the file here")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 2,860 for the bundled model)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 5,000)")
     p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_warmup)

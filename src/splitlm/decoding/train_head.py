@@ -105,8 +105,8 @@ def acceptance_by_depth(head, emb, w, batches: Batches, sub_of: torch.Tensor, li
             "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4)}
 
 
-def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 400_000,
-               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 15.0, batch: int = 256,
+def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 1_000_000,
+               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 25.0, batch: int = 256,
                lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
     """Train the head, write EDGE_DIR/draft_head.safetensors, return a report (acceptance by depth on
     the held-out answers, training time)."""

@@ -204,7 +204,7 @@ MORE_SUBJECTS = ["a bicycle that wants to fly", "a snowman in summer", "a shy vo
 
 
 def instructions(seed: int = 0) -> list[str]:
-    """The generic requests (about 2500), in a fixed shuffled order."""
+    """The generic requests (about 4 300: the first list, then `warmup_more`'s), in a fixed shuffled order."""
     out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS)]
     out += [f"Write a {lang} class {name} with a few useful methods."
             for name in CODE_CLASSES for lang in ["Python", "Java", "JavaScript"]]
@@ -233,7 +233,11 @@ def instructions(seed: int = 0) -> list[str]:
         out += [f"What is the difference between {a} and {b}?", f"{a[0].upper() + a[1:]} or {b}? Give pros and cons."]
     out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(MORE_KINDS + CREATIVE_KINDS, MORE_SUBJECTS)]
     random.Random(seed).shuffle(out)
-    return out
+    from splitlm.decoding.warmup_more import more_instructions
+
+    more = more_instructions()  # the second list goes after the first, so files made from the first grow
+    random.Random(seed + 1).shuffle(more)
+    return out + more
 
 
 def stdlib_snippets(rng: random.Random, count: int = 160, lines: int = 15, pattern: str = "*.py") -> list[str]:
@@ -263,6 +267,8 @@ def warmup_prompts(tokenizer, answer_tokens: int = 128, continue_tokens: int = 9
     rng = random.Random(1)
     prompts += [(s, continue_tokens) for s in stdlib_snippets(rng)]
     prompts += [(s, continue_tokens) for s in stdlib_snippets(random.Random(2), 200, pattern="*/*.py")]
+    prompts += [(s, continue_tokens) for s in stdlib_snippets(random.Random(3), 200, pattern="*/*/*.py")]
+    prompts += [(s, continue_tokens) for s in stdlib_snippets(random.Random(4), 200, pattern="*/*.py")]
     rng.shuffle(prompts)
     return prompts
 
