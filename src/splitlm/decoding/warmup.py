@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.decoding.warmup_more import more_instructions
 from splitlm.progress import bar
 
 WARMUP_FILE = "warmup.jsonl.gz"
@@ -233,9 +234,7 @@ def instructions(seed: int = 0) -> list[str]:
         out += [f"What is the difference between {a} and {b}?", f"{a[0].upper() + a[1:]} or {b}? Give pros and cons."]
     out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(MORE_KINDS + CREATIVE_KINDS, MORE_SUBJECTS)]
     random.Random(seed).shuffle(out)
-    from splitlm.decoding.warmup_more import more_instructions
-
-    more = more_instructions()  # the second list goes after the first, so files made from the first grow
+    more = more_instructions(LANGS, FORMATS + MORE_FORMATS)  # after the first list: files made from it grow
     random.Random(seed + 1).shuffle(more)
     return out + more
 

@@ -147,15 +147,14 @@ ADVICE = ["I have too much homework tonight", "my friend forgot my birthday", "I
           "I am starting university next month", "I want to read more but never find the time", "I argued with my sister", "I feel tired every afternoon"]
 
 
-def more_instructions() -> list[str]:
-    """About 1 800 more generic requests, in the first list's kinds (unshuffled)."""
-    from splitlm.decoding.warmup import FORMATS, LANGS, MORE_FORMATS
-
-    out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(LANGS, CODE_TASKS_2)]
-    out += [f"How do I {how} in {lang}?" for how, lang in itertools.product(CODE_HOWTOS_2, LANGS[:4])]
+def more_instructions(langs: list[str], formats: list[str]) -> list[str]:
+    """About 1 800 more generic requests, in the first list's kinds (unshuffled); `langs` and
+    `formats`: the first list's programming languages and record formats."""
+    out = [f"Write a {lang} function that {task}." for lang, task in itertools.product(langs, CODE_TASKS_2)]
+    out += [f"How do I {how} in {lang}?" for how, lang in itertools.product(CODE_HOWTOS_2, langs[:4])]
     out += [f"Explain {c} in programming, with a short example." for c in CODE_CONCEPTS_2]
     out += [f"Give {fmt} with three {things}, with the fields {fields}."
-            for fmt, (things, fields) in itertools.product(FORMATS + MORE_FORMATS, RECORDS_2)]
+            for fmt, (things, fields) in itertools.product(formats, RECORDS_2)]
     out += [f"Write {kind} about {subj}." for kind, subj in itertools.product(CREATIVE_KINDS_2, SUBJECTS_2)]
     out += [ask.format(goal) for ask, goal in itertools.product(
         ["How can I {}?", "What is the best way to {}?", "Can you give me tips to {}?"], GOALS_2)]
