@@ -17,6 +17,7 @@ from torch import nn
 
 from splitlm.model.config import ModelConfig
 from splitlm.model.kv_cache import KVCache
+from splitlm.model.linear import Linear, project
 
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -92,10 +93,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias, qkv_bias = cfg.attention_bias, cfg.attention_bias or cfg.qkv_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.hd, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
         if cfg.gemma:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         The projections run once over all N rows; rotary embedding, the cache and attention per part.
         `layer`: the index in the caches; `window`: the layer's sliding window; `local`: its own rotary base."""
         b = x.shape[0]
-        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, N, H*hd], [B, N, Hkv*hd] x2
+        q_all, k_all, v_all = project(x, self.q_proj, self.k_proj, self.v_proj)  # [B, N, H*hd], [B, N, Hkv*hd] x2
         ys, start = [], 0
         for part in parts:
             t = part.t
@@ -143,13 +144,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.gate_proj = Linear(d, f, bias=bias)
+        self.up_proj = Linear(d, f, bias=bias)
+        self.down_proj = Linear(f, d, bias=bias)
         self.act = partial(F.gelu, approximate="tanh") if cfg.hidden_act.startswith("gelu") else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)  # [B, N, F] each
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):

@@ -1,0 +1,81 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitlm.model import linear
+from splitlm.model.linear import Linear
+
+needs_onednn = pytest.mark.skipif(not linear.ENABLED, reason="oneDNN's packed linear is not in this torch build")
+
+
+def layer(seed: int = 0, bias: bool = True) -> Linear:
+    torch.manual_seed(seed)
+    return Linear(96, 160, bias=bias)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, linear.MIN_ROWS, 11, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_product_matches_the_plain_one(rows, bias):
+    lin = layer(bias=bias)
+    x = torch.randn(1, rows, 96)  # [B, T, in]
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.shape == (1, rows, 160)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert (lin._packed is not None) == (rows >= linear.MIN_ROWS)
+
+
+@needs_onednn
+def test_the_blocked_copy_is_remade_when_the_weight_changes_in_place():
+    lin = layer()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # what merging an adapter into the weight does
+    with torch.inference_mode():
+        after = lin(x)
+    torch.testing.assert_close(after - lin.bias, 2 * (before - lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_goes_through_the_plain_product():
+    lin = layer()
+    x = torch.randn(12, 96, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin._packed is None
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(12, 96))
+
+
+def test_other_dtypes_use_the_plain_product():
+    lin = layer().to(torch.bfloat16)
+    x = torch.randn(12, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = lin(x)
+    assert lin._packed is None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 11])
+def test_project_multiplies_several_layers_as_one(rows):
+    torch.manual_seed(3)
+    layers = [Linear(64, 80, bias=True), Linear(64, 16, bias=False), Linear(64, 16, bias=True)]
+    x = torch.randn(2, rows, 64)
+    with torch.inference_mode():
+        outs = linear.project(x, *layers)
+    for out, m in zip(outs, layers, strict=True):
+        torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert (layers[0]._packed is not None) == (rows >= linear.MIN_ROWS)
+    assert layers[1]._packed is None and layers[2]._packed is None  # one blocked copy, on the first
+
+
+def test_project_calls_a_wrapped_layer_itself():
+    torch.manual_seed(4)
+    plain, inner = Linear(32, 8), Linear(32, 8)
+    wrapped = torch.nn.Sequential(inner, torch.nn.ReLU())  # stands in for an adapter around a layer
+    x = torch.randn(12, 32)
+    with torch.inference_mode():
+        a, b = linear.project(x, plain, wrapped)
+    torch.testing.assert_close(a, F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b, F.linear(x, inner.weight, inner.bias).relu(), rtol=1e-5, atol=1e-5)
