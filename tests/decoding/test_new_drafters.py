@@ -69,7 +69,8 @@ def test_head_runner_drafts_in_bf16_as_in_fp32(model):
     exact = HeadRunner(DraftHead(d, 32, torch.arange(0, 64)).requires_grad_(False), w, w, dtype=torch.float32)
     exact.head.load_state_dict(head.state_dict())
     half = HeadRunner(head, w, w, dtype=torch.bfloat16)
-    assert half.w.dtype == half.head.fc1.weight.dtype == torch.bfloat16
+    assert half.lm.weight.dtype == half.head.fc1.weight.dtype == torch.bfloat16
+    assert head.fc1.weight.dtype == torch.float32  # the runner converts a copy, not the caller's head
     h = torch.randn(6, d)
     (_, p32, ids32), (_, p16, ids16) = exact.step(h, [3, 4, 5, 6, 7, 8], 4), half.step(h, [3, 4, 5, 6, 7, 8], 4)
     assert p16.dtype == torch.float32 and torch.allclose(p16.sum(-1), p32.sum(-1), atol=0.05)

@@ -14,7 +14,7 @@ def layer(seed: int = 0, bias: bool = True) -> Linear:
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, linear.MIN_ROWS, 11, 40])
+@pytest.mark.parametrize("rows", [1, linear.MIN_ROWS, 11, 40, linear.MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_product_matches_the_plain_one(rows, bias):
     lin = layer(bias=bias)
@@ -23,7 +23,7 @@ def test_packed_product_matches_the_plain_one(rows, bias):
         got = lin(x)
     assert got.shape == (1, rows, 160)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert (lin._packed is not None) == (rows >= linear.MIN_ROWS)
+    assert (lin._packed is not None) == (linear.MIN_ROWS <= rows <= linear.MAX_ROWS)
 
 
 @needs_onednn
@@ -47,12 +47,26 @@ def test_autograd_goes_through_the_plain_product():
     torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(12, 96))
 
 
-def test_other_dtypes_use_the_plain_product():
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 6])
+def test_bf16_goes_blocked_at_every_row_count_where_the_layer_allows_it(rows):
     lin = layer().to(torch.bfloat16)
-    x = torch.randn(12, 96, dtype=torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        plain = lin(x)
+        assert lin._packed is None  # a model's bf16 layers: no second copy
+        lin.bf16_blocked = True
+        got = lin(x)
+    assert lin._packed is not None and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)
+
+
+def test_other_dtypes_use_the_plain_product():
+    lin = layer().to(torch.float16)
+    x = torch.randn(12, 96, dtype=torch.float16)
     with torch.inference_mode():
         got = lin(x)
-    assert lin._packed is None and got.dtype == torch.bfloat16
+    assert lin._packed is None and got.dtype == torch.float16
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
 
 

@@ -23,6 +23,7 @@ finds it. Never sent.
 
 from __future__ import annotations
 
+import copy
 import heapq
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from splitlm.decoding.drafters import Drafter, KeyedCalibration
 from splitlm.decoding.tree import TokenTree
+from splitlm.model.linear import Linear
 
 HEAD_FILE = "draft_head.safetensors"
 
@@ -39,8 +41,9 @@ HEAD_FILE = "draft_head.safetensors"
 class DraftHead(nn.Module):
     def __init__(self, hidden: int, inner: int, vocab_ids: torch.Tensor):
         super().__init__()
-        self.fc1 = nn.Linear(2 * hidden, inner)
-        self.fc2 = nn.Linear(inner, hidden)
+        self.fc1 = Linear(2 * hidden, inner)
+        self.fc2 = Linear(inner, hidden)
+        self.fc1.bf16_blocked = self.fc2.bf16_blocked = True  # a few MB: drafting in bf16 is faster blocked
         self.register_buffer("vocab_ids", vocab_ids.long())  # [S] the draft's vocabulary
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -107,9 +110,12 @@ class HeadRunner:
         if dtype is None:
             dtype = torch.bfloat16 if native_bf16(w.device) else torch.float32
         self.dtype = dtype
-        self.head = head.to(dtype)
+        self.head = copy.deepcopy(head).to(dtype)  # the caller's head stays as it was
         self.embed, self.scale = embed.detach(), embed_scale  # [V, D]
-        self.w = w.to(dtype)
+        self.lm = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=dtype).requires_grad_(False)
+        self.lm.bf16_blocked = True
+        with torch.no_grad():
+            self.lm.weight.copy_(w)  # [S, D]
         self.ids = head.vocab_ids
         self.calibration = KeyedCalibration()
 
@@ -118,7 +124,7 @@ class HeadRunner:
         """h [B, D], next tokens [B] -> (ĥ [B, D], top-k probabilities [B, k], their token ids [B, k])."""
         e = (self.embed[torch.tensor(tokens)].float() * self.scale).to(self.dtype)
         nh = self.head(h.to(self.dtype), e)
-        logits = F.linear(nh, self.w).float()  # [B, S]
+        logits = self.lm(nh).float()  # [B, S]
         top = logits.topk(k, -1).indices  # [B, k]
         # softmax, not exp(top - logsumexp): logsumexp's exp of a wide logit range was 3x slower here
         probs = torch.softmax(logits, -1).gather(-1, top)  # [B, k]
