@@ -93,3 +93,45 @@ def test_project_calls_a_wrapped_layer_itself():
         a, b = linear.project(x, plain, wrapped)
     torch.testing.assert_close(a, F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b, F.linear(x, inner.weight, inner.bias).relu(), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_replaced_weight_is_seen_even_at_a_reused_address():
+    lin = layer()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        lin(x)
+        for scale in (2.0, 3.0, 4.0):  # replace the weight again and again: an allocator may reuse addresses
+            lin.weight = torch.nn.Parameter(torch.full_like(lin.weight, scale))
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            lin.weight.data = torch.zeros_like(lin.weight)
+        torch.testing.assert_close(lin(x), lin.bias.expand(12, 160))
+
+
+@needs_onednn
+def test_a_layer_with_a_blocked_copy_can_be_deep_copied_and_pickled():
+    import copy
+    import pickle
+
+    lin = layer()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        want = lin(x)
+    assert lin._packed is not None
+    for twin in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert twin._packed is None
+        with torch.inference_mode():
+            torch.testing.assert_close(twin(x), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_forget_blocked_after_a_change_through_data():
+    lin = layer()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        lin(x)
+    lin.weight.data.mul_(0)  # what peft's merge does: no version bump
+    linear.forget_blocked(torch.nn.Sequential(lin))
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), lin.bias.expand(12, 160))

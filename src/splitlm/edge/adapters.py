@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from splitlm import SplitLMError
+from splitlm.model.linear import forget_blocked
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,11 @@ def _merge_into_base(view: nn.Module) -> None:
 
     for name, module in list(view.named_modules()):
         if isinstance(module, BaseTunerLayer):
-            module.merge()
+            module.merge()  # peft adds B A into `weight.data` in place, which bumps no version counter
+            base = module.get_base_layer()
+            forget_blocked(base)
             parent_name, _, child = name.rpartition(".")
-            setattr(view.get_submodule(parent_name) if parent_name else view, child, module.get_base_layer())
+            setattr(view.get_submodule(parent_name) if parent_name else view, child, base)
 
 
 def _digest(weights: dict[str, torch.Tensor]) -> str:

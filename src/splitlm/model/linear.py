@@ -55,9 +55,35 @@ def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
 
 
+def _version(w: torch.Tensor) -> int:
+    return -1 if w.is_inference() else w._version  # inference tensors keep no version counter
+
+
+def _same(key: tuple, weights: list[torch.Tensor]) -> bool:
+    """Whether the blocked copy made for `key` still holds `weights`. The key keeps each weight and its
+    storage alive, so no later tensor can take its address: a weight replaced (`load_state_dict`,
+    `.to()`, `.data = ...`) or changed in place (which bumps its version) is always seen. A change
+    made through `.data` in place bumps no version and is not: call `forget_blocked` after one (as
+merging a peft adapter does)."""
+    return len(key) == len(weights) and all(
+        k[0] is w and k[2] == w.data_ptr() and k[3] == _version(w) for k, w in zip(key, weights, strict=True))
+
+
+def forget_blocked(module: nn.Module) -> None:
+    """Drop the blocked copies in `module` (after its weights changed through `.data`)."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m._packed = None
+
+
 class Linear(nn.Linear):
     bf16_blocked = False  # a model's bf16 layers stay plain: a second copy of a large model costs too much memory
-    # (the weights' data_ptrs and versions, blocked copy, bias): made by `project`, kept on the first layer
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)  # a copy or a pickle remakes it (oneDNN's blocked tensor cannot be copied)
+        return state
+    # (the weights it was made from, `_same`'s key; blocked copy; bias): made by `project`, kept on the first layer
     _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -72,12 +98,12 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if not _blocked(x, weights, all(m.bf16_blocked for m in linears)):
         return [F.linear(x, m.weight, m.bias) for m in linears]
     first = linears[0]
-    key = tuple((w.data_ptr(), w._version) for w in weights)
-    if first._packed is None or first._packed[0] != key:
+    if first._packed is None or not _same(first._packed[0], weights):
         w = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum out, in]
         biases = [m.bias for m in linears]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else w.new_zeros(m.out_features) for b, m in zip(biases, linears, strict=True)])
+        key = tuple((w, w.untyped_storage(), w.data_ptr(), _version(w)) for w in weights)
         first._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS),
                          None if bias is None else bias.detach())
     y = torch.ops.mkldnn._linear_pointwise(x, first._packed[1], first._packed[2], "none", [], "")
