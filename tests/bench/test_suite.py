@@ -149,7 +149,8 @@ def test_tiny_bench_run_on_bundled_model(bundled_dir, tmp_path, capsys):
     assert seq["tokens_per_round_trip"] == 1.0
     assert seq["exact_match"] == 1.0 and seq["agreement"] == 1.0  # fp32 on the wire: token-identical
     assert overall["local-hf"]["exact_match"] == 1.0
-    assert rtt * 0.9 / 1000 <= seq["network_s_per_step"] <= (rtt + 10) / 1000
+    # up to 15 ms of thread scheduling on a loaded 2-core machine (30.05 ms at 20 ms once failed a 10 ms slack)
+    assert rtt * 0.9 / 1000 <= seq["network_s_per_step"] <= (rtt + 15) / 1000
     assert seq["bytes_up_per_token"] > 576 * 4 and seq["tok_s"] > 0
     mem = doc["memory"]
     assert mem["split-seq"]["peak_rss_mb"] < mem["local-hf"]["peak_rss_mb"]
