@@ -8,6 +8,11 @@ from splitlm.model.linear import Linear
 needs_onednn = pytest.mark.skipif(not linear.ENABLED, reason="oneDNN's packed linear is not in this torch build")
 
 
+@pytest.fixture(autouse=True)
+def any_weight_size(monkeypatch):
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)  # these layers are small; the size rule has its own test
+
+
 def layer(seed: int = 0, bias: bool = True) -> Linear:
     torch.manual_seed(seed)
     return Linear(96, 160, bias=bias)
@@ -37,6 +42,21 @@ def test_the_blocked_copy_is_remade_when_the_weight_changes_in_place():
     with torch.inference_mode():
         after = lin(x)
     torch.testing.assert_close(after - lin.bias, 2 * (before - lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_small_weight_keeps_the_plain_product(monkeypatch):
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 96 * 160 + 1)
+    lin = layer()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        got = lin(x)
+    assert lin._packed is None
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 96 * 160)
+    with torch.inference_mode():
+        lin(x)
+    assert lin._packed is not None
 
 
 def test_autograd_goes_through_the_plain_product():

@@ -32,6 +32,7 @@ from torch import nn
 MIN_ROWS = 4  # below this the plain product is faster here (3 rows: 1.17x slower blocked, 4 rows: 0.9x)
 MAX_ROWS = 64  # fp32 prefill-sized products: the plain sgemm is as fast or faster (384 rows: 4 % faster)
 PACK_FOR_ROWS = 32  # the row count oneDNN tunes its layout for; 8–64 measured within noise
+MIN_WEIGHT_ELEMENTS = 1 << 18  # 1 MB in fp32; smaller weights (tiny test models) stay plain: 64x64 costs 52 us blocked, 16 plain
 
 
 def _available() -> bool:
@@ -46,12 +47,19 @@ ENABLED = os.environ.get("SPLITLM_PACKED_LINEAR", "1") != "0" and _available()
 
 def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
     """Whether this product goes through the blocked copy (`bf16`: the layers allow it in bf16)."""
+    if not ENABLED or x.shape[-1] == 0:
+        return False
+    if x.dtype == torch.float32:
+        rows = x.numel() // x.shape[-1]
+        if not MIN_ROWS <= rows <= MAX_ROWS:
+            return False
+    elif not (bf16 and x.dtype == torch.bfloat16):
+        return False
+    if sum(w.numel() for w in weights) < MIN_WEIGHT_ELEMENTS:
+        return False  # small enough to stay in cache: oneDNN's fixed cost per call (about 20 us) outweighs the gain
     if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling():
         return False  # exporters and compilers get the plain product they know
-    rows = x.numel() // max(x.shape[-1], 1)
-    rows_pay = (x.dtype == torch.float32 and MIN_ROWS <= rows <= MAX_ROWS) or (bf16 and x.dtype == torch.bfloat16)
-    return (ENABLED and x.shape[-1] > 0 and rows_pay
-            and all(w.device.type == "cpu" and w.dtype == x.dtype for w in weights)
+    return (all(w.device.type == "cpu" and w.dtype == x.dtype for w in weights)
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
 
 
@@ -78,13 +86,13 @@ def forget_blocked(module: nn.Module) -> None:
 
 class Linear(nn.Linear):
     bf16_blocked = False  # a model's bf16 layers stay plain: a second copy of a large model costs too much memory
+    # (the weights it was made from, `_same`'s key; blocked copy; bias): made by `project`, kept on the first layer
+    _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
         state.pop("_packed", None)  # a copy or a pickle remakes it (oneDNN's blocked tensor cannot be copied)
         return state
-    # (the weights it was made from, `_same`'s key; blocked copy; bias): made by `project`, kept on the first layer
-    _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return project(x, self)[0]
@@ -99,12 +107,12 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
         return [F.linear(x, m.weight, m.bias) for m in linears]
     first = linears[0]
     if first._packed is None or not _same(first._packed[0], weights):
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum out, in]
+        stacked = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum out, in]
         biases = [m.bias for m in linears]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else w.new_zeros(m.out_features) for b, m in zip(biases, linears, strict=True)])
+            [b if b is not None else stacked.new_zeros(m.out_features) for b, m in zip(biases, linears, strict=True)])
         key = tuple((w, w.untyped_storage(), w.data_ptr(), _version(w)) for w in weights)
-        first._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_FOR_ROWS),
+        first._packed = (key, torch.ops.mkldnn._reorder_linear_weight(stacked.detach(), PACK_FOR_ROWS),
                          None if bias is None else bias.detach())
     y = torch.ops.mkldnn._linear_pointwise(x, first._packed[1], first._packed[2], "none", [], "")
     return list(y.split([m.out_features for m in linears], dim=-1)) if len(linears) > 1 else [y]
