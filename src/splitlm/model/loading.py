@@ -10,6 +10,8 @@ memory maps (`splitlm.model.weights`) and needs no `transformers`.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -44,6 +46,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPLITLM_CACHE") or Path.home() / ".cache" / "splitlm")
 
 
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """Hold an exclusive lock on `path` (a cache entry) while it is made: a second process making the
+    same entry (two `splitlm` commands, two test workers) waits, then finds it made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def log(msg: str) -> None:
     """A status line for the user (logging, configured by the CLI; off under --quiet)."""
     logger.info(msg)
@@ -69,7 +84,9 @@ def builtin_gguf(name: str) -> Path:
         return path
     module = importlib.import_module(package)
     if hasattr(module, "assemble"):  # a package that ships the GGUF in chunks
-        return Path(module.assemble(cache_root() / "gguf" / filename))
+        target = cache_root() / "gguf" / filename
+        with cache_lock(target):
+            return Path(module.assemble(target))
     raise SplitLMError(f"built-in model {name!r}: {path} is missing")
 
 
@@ -112,6 +129,13 @@ def convert_gguf(path: Path) -> Path:
     out = cache_root() / "models" / f"{path.stem}-{digest}"
     if (out / "model.safetensors").is_file():
         return out
+    with cache_lock(out):
+        if not (out / "model.safetensors").is_file():  # another process may have made it while we waited
+            _convert_gguf_into(path, out)
+    return out
+
+
+def _convert_gguf_into(path: Path, out: Path) -> None:
     log(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,7 +167,6 @@ def convert_gguf(path: Path) -> Path:
     finally:
         steps.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def read_hf_config(model_dir: Path) -> dict:

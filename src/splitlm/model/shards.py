@@ -31,6 +31,7 @@ from splitlm.model.device import DTYPE_NAMES, DTYPES
 from splitlm.model.greedy_head import GreedyHead
 from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
 from splitlm.model.loading import (
+    cache_lock,
     cache_root,
     file_sha256,
     log,
@@ -321,6 +322,12 @@ def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail
     name = model.replace("/", "_").strip("_.") or "model"
     kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"
     out = cache_root() / "splits" / f"{name}-k{head}{kind}-fp32"
-    if not (out / "edge" / "manifest.json").is_file() or not (out / "cloud" / "manifest.json").is_file():
-        split_model(model, head, tail, out, topology=topology, d_end=d_end)
+
+    done = out / "complete"  # written last: a split cut short (or still being written) is never taken
+
+    if not done.is_file():
+        with cache_lock(out):
+            if not done.is_file():
+                split_model(model, head, tail, out, topology=topology, d_end=d_end)
+                done.touch()
     return out
