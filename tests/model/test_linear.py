@@ -155,3 +155,17 @@ def test_forget_blocked_after_a_change_through_data():
     linear.forget_blocked(torch.nn.Sequential(lin))
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), lin.bias.expand(12, 160))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_product_matches_the_plain_one(dtype):
+    torch.manual_seed(5)
+    w = torch.randn(300, 64).to(dtype)
+    product = linear.frozen_product(w)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got = product(x)
+        assert got.dtype == dtype and got.shape == (rows, 300)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), F.linear(x.to(dtype), w).float(), rtol=tol, atol=tol)

@@ -24,6 +24,7 @@ it is used only without autograd and costs one more copy of the weight's bytes. 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,18 @@ def _same(key: tuple, weights: list[torch.Tensor]) -> bool:
 merging a peft adapter does)."""
     return len(key) == len(weights) and all(
         k[0] is w and k[2] == w.data_ptr() and k[3] == _version(w) for k, w in zip(key, weights, strict=True))
+
+
+def frozen_product(weight: torch.Tensor, rows: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., in] -> x @ weight.T for a weight that never changes (the screened LM head's bf16 copy):
+    through its blocked copy alone on a CPU with oneDNN, so the plain copy need not be kept. bf16,
+    a 49152x576 weight read from cache, 1-20 rows: 12 -> 4 ms tuned for 16 rows (32 and 64 were slower
+    from memory)."""
+    dtype = weight.dtype
+    if ENABLED and weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)  # the only copy kept
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), blocked, None, "none", [], "")
+    return lambda x: F.linear(x.to(dtype), weight)
 
 
 def forget_blocked(module: nn.Module) -> None:
