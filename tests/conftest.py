@@ -109,6 +109,10 @@ def bundled_dir() -> Path:
     return resolve_model("default")
 
 
+# session fixtures' models (never changed by a test) -> {(ids, n): tokens}: many tests ask for the same continuation
+_HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @pytest.fixture(scope="session")
 def bundled_hf(bundled_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,10 +135,6 @@ def bundled_server(bundled_split):
 
     with BackgroundServer(bundled_split / "cloud") as server:
         yield server
-
-
-# session fixtures' models (never changed by a test) -> {(ids, n): tokens}: many tests ask for the same continuation
-_HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -4,10 +4,10 @@ vocabulary columns that could still win.
 A verification pass needs only the argmax of each row's logits `h @ W.T` ([N, D] × [D, V]). On
 CPUs with bf16 dot products the bf16 product is 2–4× cheaper than fp32 (half the bytes of W to
 read, twice the multiply-adds per instruction; it goes through oneDNN's blocked copy of W,
-`linear.frozen_product`: 18 -> 8 ms for one row, 27 -> 15 ms for ten, on the bundled model here). Rounding h and W to bf16 (unit roundoff
-u = 2⁻⁸) moves logit j by at most (2u + u²)·Σ|h_i||w_ji| ≤ (2u + u²)·‖h‖·‖w_j‖; accumulating in
-fp32 adds at most D·2⁻²⁴ of the same; rounding the product to bf16 adds u·|logit|. A column whose
-upper bound lies below some column's lower bound cannot be the argmax. The columns whose bf16
+`linear.frozen_product`: 18 -> 8 ms for one row, 27 -> 15 ms for ten, on the bundled model here).
+Rounding h and W to bf16 (unit roundoff u = 2⁻⁸) moves logit j by at most
+(2u + u²)·Σ|h_i||w_ji| ≤ (2u + u²)·‖h‖·‖w_j‖; accumulating in fp32 adds at most D·2⁻²⁴ of the
+same; rounding the product to bf16 adds u·|logit|. A column whose upper bound lies below some column's lower bound cannot be the argmax. The columns whose bf16
 logit clears the best column's lower bound less the largest slack any column has (a superset of
 those that could win, one to ~100 of 49k per row on the bundled model) are recomputed in fp32, so
 the choice is the fp32 LM head's: the same token, ties to the lowest id, up to the last-bit
@@ -35,11 +35,11 @@ def _seconds(fn, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def bf16_pays(weight: torch.Tensor, weight16: torch.Tensor, rows: int = 8) -> bool:
-    """Whether a product with `weight16` (bf16) is clearly faster than with `weight` (fp32) on this machine."""
+def bf16_pays(weight: torch.Tensor, product16, rows: int = 8) -> bool:
+    """Whether `product16` (h -> bf16 logits, the screen's own product) is clearly faster than the
+    fp32 product with `weight` on this machine."""
     h = torch.randn(rows, weight.shape[1], device=weight.device)
-    h16 = h.to(torch.bfloat16)
-    return _seconds(lambda: F.linear(h16, weight16)) < 0.8 * _seconds(lambda: F.linear(h, weight))
+    return _seconds(lambda: product16(h)) < 0.8 * _seconds(lambda: F.linear(h, weight))
 
 
 class GreedyHead:
@@ -49,10 +49,10 @@ class GreedyHead:
         self.weight, self.cap = weight, cap  # [V, D]
         # on accelerators the plain head is one fused kernel; the screen's per-row survivors would sync per row
         wanted = screen if screen is not None else weight.device.type == "cpu"
-        weight16 = weight.to(torch.bfloat16) if weight.dtype == torch.float32 and wanted else None
-        self.screen = weight16 is not None and (screen or bf16_pays(weight, weight16))
+        product16 = frozen_product(weight.to(torch.bfloat16)) if weight.dtype == torch.float32 and wanted else None
+        self.screen = product16 is not None and (screen or bf16_pays(weight, product16))
         if self.screen:
-            self.screen_product = frozen_product(weight16)  # h [N, D] -> bf16 logits [N, V]
+            self.screen_product = product16  # h [N, D] -> bf16 logits [N, V]
             self.col_norm = weight.norm(dim=1)  # [V]
             self.col_max = self.col_norm.max()
             self.rel = 1.01 * (2 * U + U * U + weight.shape[1] * 2.0 ** -24)

@@ -322,9 +322,7 @@ def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail
     name = model.replace("/", "_").strip("_.") or "model"
     kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"
     out = cache_root() / "splits" / f"{name}-k{head}{kind}-fp32"
-
     done = out / "complete"  # written last: a split cut short (or still being written) is never taken
-
     if not done.is_file():
         with cache_lock(out):
             if not done.is_file():
