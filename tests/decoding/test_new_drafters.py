@@ -188,3 +188,42 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
     model_hash = Manifest.read(other / "edge", "edge").model_hash
     assert find_head(other / "edge", model_hash) == tmp_path / "cache" / "heads" / f"{model_hash}.safetensors"
     assert find_head(other / "edge") is None and find_head(other / "edge", "0" * 32) is None
+
+
+def head_drafter_at(model, seed=2):
+    from splitlm.decoding.head import HeadDrafter
+
+    d = model.cfg.hidden_size
+    torch.manual_seed(seed)
+    drafter = HeadDrafter(HeadRunner(DraftHead(d, 32, torch.arange(0, 64)), model.embed_tokens.weight,
+                                     model.embed_tokens.weight, dtype=torch.float32), min_reach=0.0, width=1, k=2)
+    drafter.reset([5, 6, 7])
+    drafter.hidden = torch.randn(d)
+    return drafter
+
+
+def test_head_guided_by_the_merged_tree_goes_deeper_along_the_others_votes(model):
+    drafter = head_drafter_at(model)
+    alone = drafter.propose()
+    # the head's own first-ranked chain (width 1: the likeliest child is expanded), each token
+    # voted for at 0.95 by "other drafters"
+    chain, node = [], 0
+    while (kids := [i for i in range(len(alone)) if alone.parents[i] == node]):
+        node = kids[0]
+        chain.append(alone.tokens[node])
+    guide = TokenTree.root_only(7)
+    guide.add_path(chain, [0.95] * len(chain))
+    drafter.min_reach = 0.15
+    unguided = drafter.propose()
+    guided = drafter.propose(guide=guide)
+    assert max(guided.depths()) > max(unguided.depths())
+    assert tuple(chain[: max(guided.depths())]) in guided.paths()
+
+
+def test_tree_finds_children_by_index_and_keeps_the_first_of_duplicates():
+    tree = TokenTree([1, 2, 3, 2], [-1, 0, 1, 0], [1.0, 0.5, 0.4, 0.3])
+    assert tree.child(0, 2) == 1 and tree.child(1, 3) == 2 and tree.child(2, 9) is None
+    assert tree.add(2, 9, 0.1) == 4 and tree.child(2, 9) == 4
+    assert tree.add(0, 2, 0.9) == 1 and tree.scores[1] == 0.9
+    pruned = tree.pruned(3, [1.0, 0.9, 0.8, 0.1, 0.05])
+    assert pruned.tokens == [1, 2, 3] and pruned.child(1, 3) == 2

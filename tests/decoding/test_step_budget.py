@@ -65,3 +65,16 @@ def test_fixed_nodes_ignores_the_cost_and_caps_at_the_tree():
     assert budget(0.01, 0.01, 0.5, fixed_nodes=3).choose(TREE).nodes == 3
     assert budget(0.01, 0.01, 0.5, fixed_nodes=64).choose(TREE).nodes == 5
     assert budget(0.08, 0.002, 0.0001, max_nodes=2).choose(TREE).nodes == 2
+
+
+def test_drafting_time_counts_in_the_step_time_and_makes_larger_trees_pay():
+    # 50 ms per token, as in test_costly_compute_stops_where_a_node_no_longer_pays (3 nodes). With
+    # 1 s of drafting around every pass the whole tree pays: 3.34/1.27 = 2.63 tok/s against
+    # 2.85/1.17 = 2.44 for root, a, b.
+    b = budget(0.01, 0.01, 0.05)
+    for _ in range(60):  # the overhead average settles on what is observed
+        b.observe_step(3, 0.01 + 0.05 * 3, 0.01, overhead_s=1.0)
+    choice = b.choose(TREE)
+    assert b.overhead_s == pytest.approx(1.0, rel=1e-4)
+    assert choice.predicted_step_s == pytest.approx(0.01 + 1.0 + 0.01 + 0.05 * choice.nodes, rel=1e-3)
+    assert choice.nodes == 5

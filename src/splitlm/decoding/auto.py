@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration
-from splitlm.decoding.head import HeadRunner
+from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration, either
+from splitlm.decoding.head import HeadDrafter, HeadRunner
 from splitlm.decoding.recycle import RecycleTable
 from splitlm.decoding.suffix import PastOutputs, SuffixIndex
 from splitlm.decoding.tree import TokenTree
@@ -32,11 +32,6 @@ class DraftMemory:
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
 
-def either(p: float, q: float) -> float:
-    """The chance that at least one of two independent guesses is right."""
-    return 1.0 - (1.0 - p) * (1.0 - q)
-
-
 class AutoDrafter(DrafterGroup):
     def __init__(self, drafters: list[Drafter]):
         self.drafters = drafters
@@ -45,8 +40,8 @@ class AutoDrafter(DrafterGroup):
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
-        for d in self.drafters:
-            tree = d.propose()
+        for d in self.drafters:  # the head last: it expands where the others' merged tree is strong
+            tree = d.propose(guide=merged) if isinstance(d, HeadDrafter) else d.propose()
             where = {0: 0}
             for i in range(1, len(tree)):
                 where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], combine=either)

@@ -1,6 +1,7 @@
 """How many candidates to send per step, from the measured link and compute.
 
-A step with T input tokens takes about `rtt + c0 + c1·T` (network + edge and cloud compute) and
+A step with T input tokens takes about `rtt + c0 + c1·T + d` (network, edge and cloud compute, and
+the edge's drafting and bookkeeping around the pass) and
 yields `1 + Σ p(node)` tokens in expectation, p(node) being the calibrated chance that the
 target accepts the node. The budget picks the tree size that maximises tokens per second.
 """
@@ -116,10 +117,12 @@ class StepBudget:
         self.calibration = Calibration()
         self.rtt_s = rtt_prior_s
         self.rtt_seen = False
+        self.overhead_s = 0.0  # drafting and bookkeeping per step, outside the pass (about constant in T)
 
-    def observe_step(self, tokens: int, compute_s: float, network_s: float) -> None:
+    def observe_step(self, tokens: int, compute_s: float, network_s: float, overhead_s: float = 0.0) -> None:
         self.compute.add(tokens, compute_s)
         self.observe_network(network_s)
+        self.overhead_s += 0.2 * (overhead_s - self.overhead_s)
 
     def observe_network(self, network_s: float) -> None:
         self.rtt_s = network_s if not self.rtt_seen else 0.8 * self.rtt_s + 0.2 * network_s
@@ -178,4 +181,4 @@ class StepBudget:
         return current
 
     def step_time(self, tokens: int) -> float:
-        return max(1e-6, self.rtt_s + self.compute.predict(1 if self.cost == "zero" else tokens))
+        return max(1e-6, self.rtt_s + self.overhead_s + self.compute.predict(1 if self.cost == "zero" else tokens))

@@ -43,6 +43,11 @@ class Drafter:
         (with `extras`: "topk" [N, k] and "hidden" [N, D] per tree node)."""
 
 
+def either(p: float, q: float) -> float:
+    """The chance that at least one of two independent guesses is right (how `auto` merges drafters' votes)."""
+    return 1.0 - (1.0 - p) * (1.0 - q)
+
+
 class KeyedCalibration:
     """Observed acceptance of a drafter's nodes by key (what the drafter knows about a node: its rank,
     depth, match length...), shrunk towards the drafter's prior guess while a key is rarely seen."""

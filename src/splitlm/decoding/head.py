@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.linear import Linear
 
@@ -133,7 +133,11 @@ class HeadRunner:
 
 class HeadDrafter(Drafter):
     """Best-first tree from the head: expand the likeliest paths, `width` at a depth, top `k` each,
-    until no path is left with a chance of `min_reach` to be accepted that far."""
+    until no path is left with a chance of `min_reach` to be accepted that far.
+
+    With a `guide` (the other drafters' merged tree, in `auto`), a path's chance counts their
+    votes too (1 − Π(1 − p) per node, as `auto` merges them), so the head spends its depths where
+    the merged tree is strong and confirms the other drafters' chains."""
 
     name = "head"
     extras = 1  # the hidden states (and the top-1 it comes with)
@@ -145,27 +149,30 @@ class HeadDrafter(Drafter):
         self.hidden: torch.Tensor | None = None  # [D] of the node before the root
         self.last: TokenTree | None = None
 
-    def propose(self) -> TokenTree:
+    def propose(self, guide: TokenTree | None = None) -> TokenTree:
         tree = TokenTree.root_only(self.context[-1])
         self.last = tree
         if self.hidden is None:
             return tree
         cal = self.runner.calibration
-        frontier = [(1.0, 0, self.hidden)]  # (reach, node, hidden state before the node's token)
+        # (reach, node, hidden state before the node's token, the node in the guide or None)
+        frontier = [(1.0, 0, self.hidden, 0 if guide is not None else None)]
         for depth in range(1, self.max_depth + 1):
             if not frontier or len(tree) >= self.max_nodes:
                 break
-            hs = torch.stack([h for _, _, h in frontier])
-            nh, probs, ids = self.runner.step(hs, [tree.tokens[n] for _, n, _ in frontier], self.k)
+            hs = torch.stack([h for _, _, h, _ in frontier])
+            nh, probs, ids = self.runner.step(hs, [tree.tokens[n] for _, n, _, _ in frontier], self.k)
             grown = []
-            for (reach, node, _), h, ps, ts in zip(frontier, nh, probs.tolist(), ids.tolist(), strict=True):
+            for (reach, node, _, g), h, ps, ts in zip(frontier, nh, probs.tolist(), ids.tolist(), strict=True):
                 for rank, (p, t) in enumerate(zip(ps, ts, strict=True)):
                     if len(tree) >= self.max_nodes:
                         break
                     key = (min(depth, 5), rank, min(9, int(p * 10)))
                     q = cal.p(key, p)
                     child = tree.add(node, t, q, key)
-                    grown.append((reach * q, child, h))
+                    gc = guide.child(g, t) if g is not None else None
+                    merged = q if gc is None else either(q, guide.scores[gc])
+                    grown.append((reach * merged, child, h, gc))
             frontier = [x for x in heapq.nlargest(self.width, grown, key=lambda x: x[0]) if x[0] >= self.min_reach]
         return tree
 

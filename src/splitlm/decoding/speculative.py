@@ -3,6 +3,7 @@ accepted path. Greedy output is token-identical to sequential decoding."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -186,6 +187,7 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     max_width, levels = (la.width, la.n - 1) if la is not None else (0, 0)
     adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
     while produced < max_new_tokens and root not in eos:
+        started = time.perf_counter()
         if adaptive_window:
             tau = (produced - 1) / stats.steps if stats.steps else 1.0
             width = drafter.window().width if drafter.window() is not None else 0
@@ -201,7 +203,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             choice.nodes = min(choice.nodes, cap - extra)
         tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
+        sent = time.perf_counter()
         out = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
+        returned = time.perf_counter()
         if sampler:
             logits = out
             argmax = logits.argmax(-1).tolist()
@@ -214,8 +218,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         drafter.verified(tree, path, new, step)
         if window is not None:
             drafter.observe(argmax[len(tree):])
-        budget.observe_step(len(tokens), step["compute_s"], step["network_s"])
         budget.observe_acceptance(tree, path)
+        budget.observe_step(len(tokens), step["compute_s"], step["network_s"],
+                            (sent - started) + (time.perf_counter() - returned))
         stats.steps += 1
         stats.tree_nodes += len(tree)
         stats.window_tokens += extra

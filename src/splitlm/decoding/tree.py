@@ -25,6 +25,12 @@ class TokenTree:
     def __post_init__(self):
         if len(self.keys) != len(self.tokens):
             self.keys = [None] * len(self.tokens)
+        # (parent, token) -> node: trees are built by `add` only, and merging drafters' trees asks
+        # for a child at every node (a scan of the later nodes made that quadratic)
+        self._children: dict[tuple[int, int], int] = {}
+        for i, (p, t) in enumerate(zip(self.parents, self.tokens, strict=True)):
+            if p >= 0:
+                self._children.setdefault((p, t), i)
 
     @classmethod
     def root_only(cls, token: int) -> TokenTree:
@@ -40,10 +46,7 @@ class TokenTree:
         return d
 
     def child(self, node: int, token: int) -> int | None:
-        for i in range(node + 1, len(self.tokens)):
-            if self.parents[i] == node and self.tokens[i] == token:
-                return i
-        return None
+        return self._children.get((node, token))
 
     def add(self, parent: int, token: int, score: float, key=None,
             combine: Callable[[float, float], float] | None = None) -> int:
@@ -60,6 +63,7 @@ class TokenTree:
         self.parents.append(parent)
         self.scores.append(score)
         self.keys.append(key)
+        self._children[parent, token] = len(self.tokens) - 1
         return len(self.tokens) - 1
 
     def paths(self) -> list[tuple[int, ...]]:

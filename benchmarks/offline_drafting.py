@@ -1,0 +1,144 @@
+"""Offline drafting harness: tokens per round trip of a speculative mode on the bundled model, the
+whole model in this process (no network, no cloud), with a fixed cost curve instead of measured
+step times, so that two drafter settings can be compared without the machine's noise.
+
+    .venv/bin/python benchmarks/offline_drafting.py --mode auto [--prompts FILE] [--limit N]
+
+Prints τ per category, the mean tree size, the drafting time per step (measured: propose + learn)
+and the tok/s the cost curve predicts (RTT + compute(T) + drafting, per step). Greedy output is
+checked against sequential decoding of the same model. Needs the bundled model's split (any
+`splitlm bench` or `splitlm split` run makes it) and, for `auto`/`head`, its trained draft head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from splitlm.decoding.auto import DraftMemory
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.corpus import default_corpus_documents
+from splitlm.decoding.head import HeadRunner, load_head
+from splitlm.decoding.local import LocalSession
+from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.suffix import SuffixIndex
+from splitlm.decoding.warmup import find_warmup, read_warmup
+from splitlm.edge.runtime import encode_prompt
+from splitlm.model.loading import file_sha256, load_model, safetensors_files
+from splitlm.model.shards import cached_split
+
+ROOT = Path(__file__).resolve().parent
+
+
+def compute_s(tokens: int) -> float:
+    """Edge + cloud compute of a T-token pass, shaped like this CPU's blocked layers (bench 12-02:
+    122 ms at 1 token, about 167 at 13)."""
+    return 0.122 + 0.0045 * min(tokens - 1, 8) + 0.0025 * max(tokens - 9, 0)
+
+
+class FixedCostSession(LocalSession):
+    rtt_s = 0.09
+
+    def forward(self, ids, *args, **kwargs):
+        out = super().forward(ids, *args, **kwargs)
+        self.last_step.update(network_s=self.rtt_s, compute_s=compute_s(len(ids)))
+        return out
+
+
+class TimedDrafter:
+    """Wraps a drafter and adds up the seconds spent drafting and learning."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("propose", "verified", "accepted", "extend", "reset"):
+            return attr
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--cost", default="measured")
+    ap.add_argument("--prompts", default=str(ROOT / "prompts-heldout.json"))
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="print where drafting spends its time (cProfile)")
+    args = ap.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(run, args)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(r"decoding/(auto|head|recycle|suffix|tree|drafters|budget)", 40)
+    else:
+        run(args)
+
+
+def run(args) -> None:
+    torch.set_num_threads(1)
+
+    model, model_dir = load_model("default")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    edge_dir = cached_split("default", 2, 2, "tail-local", None) / "edge"
+    model_hash = file_sha256(safetensors_files(model_dir))[:32]
+    docs = default_corpus_documents()
+    if (w := find_warmup(edge_dir, model_hash)) is not None:
+        docs += read_warmup(w)
+    memory = DraftMemory(corpus=SuffixIndex(tok(docs, add_special_tokens=False).input_ids))
+    memory.recycle.seed(memory.corpus.text)
+    head = load_head(edge_dir, model_hash)
+    if head is not None:
+        memory.head = HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
+    spec = SpecConfig(mode=args.mode, cost=args.cost)
+    budget = StepBudget(max_nodes=spec.budget_nodes, cost=spec.cost)
+    prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
+    eos = set(model.cfg.eos_token_ids)
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0, 0])  # tokens, steps, draft s, step s, nodes
+    for p in prompts:
+        ids = encode_prompt(tok, p["prompt"], p.get("chat", False))
+        drafter = TimedDrafter(make_drafter(spec, memory=memory))
+        stats = SpecStats()
+        out = []
+        for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos, drafter, budget, stats):
+            out += new
+        ref = []
+        for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos,
+                                      make_drafter(SpecConfig()), StepBudget(), SpecStats()):
+            ref += new
+        assert out == ref, f"{p['id']}: speculative output differs from sequential"
+        c = by_cat[p["category"]]
+        c[0] += len(out) - 1
+        c[1] += stats.steps
+        c[2] += drafter.seconds
+        c[3] += sum(FixedCostSession.rtt_s + compute_s(n) for n in stats.choices)
+        c[4] += stats.tree_nodes
+        print(f"{p['id']:36s} tau {(len(out) - 1) / max(stats.steps, 1):.2f}  nodes {stats.tree_nodes / max(stats.steps, 1):5.1f}"
+              f"  draft {1000 * drafter.seconds / max(stats.steps, 1):5.1f} ms/step", flush=True)
+    total = [sum(c[i] for c in by_cat.values()) for i in range(5)]
+    seq_rate = 1.0 / (FixedCostSession.rtt_s + compute_s(1))
+    for name, c in sorted(by_cat.items()) + [("ALL", total)]:
+        rate = c[0] / (c[3] + c[2])
+        print(f"{name:16s} tau {c[0] / c[1]:.3f}  nodes {c[4] / c[1]:5.1f}  draft {1000 * c[2] / c[1]:5.1f} ms/step"
+              f"  predicted x seq {rate / seq_rate:.3f}")
+
+
+if __name__ == "__main__":
+    main()
