@@ -4,8 +4,9 @@ oneDNN's blocked copy of its weight.
 A speculative verification pass multiplies 4–32 rows by each weight. MKL's plain sgemm is poor
 at that size on one thread (measured here: 11 rows cost 2.5× one row for a 1536×576 weight read
 from memory), while oneDNN's kernel on a weight reordered once into its blocked layout costs about
-1.2× (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses). Fewer than 4
-rows, and more than 64 (prefill), stay on the plain product, which is as fast or faster there. The result is the same fp32 product, summed in
+1.2× (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses). More than 64
+rows (prefill) stay on the plain product, which is as fast or faster there, and on Intel CPUs fewer
+than 4 rows too (`MIN_ROWS`; elsewhere MKL's generic path is slower at every size). The result is the same fp32 product, summed in
 another order: last-bit differences, like any change of matrix shape. In bf16 the blocked copy is
 faster at every row count (an 8192×576 weight, 6 rows: 2.3 -> 1.4 ms from memory); layers that set
 `bf16_blocked` (the draft head's) use it there, a model's bf16 layers do not (their second copy
@@ -30,7 +31,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_ROWS = 4  # below this the plain product is faster here (3 rows: 1.17x slower blocked, 4 rows: 0.9x)
+
+def _intel_cpu() -> bool:
+    """Whether this CPU is Intel's: MKL's plain sgemm takes its fast paths only there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return True  # not Linux: keep the rule measured on Intel
+
+
+# Below MIN_ROWS the plain product is used. On Intel it is faster there (3 rows: 1.17x slower
+# blocked, 4 rows: 0.9x; 1 row equal); on other CPUs MKL's generic path is slow at every row count
+# (AMD EPYC, the 26 cloud layers, one thread: 1 row 38.5 -> 29-30 ms blocked, 2 rows 53.6 -> 32-35).
+MIN_ROWS = 4 if _intel_cpu() else 1
 MAX_ROWS = 64  # fp32 prefill-sized products: the plain sgemm is as fast or faster (384 rows: 4 % faster)
 PACK_FOR_ROWS = 32  # the row count oneDNN tunes its layout for; 8–64 measured within noise
 MIN_WEIGHT_ELEMENTS = 1 << 18  # 1 MB in fp32; smaller weights (tiny test models) stay plain: 64x64 costs 52 us blocked, 16 plain
