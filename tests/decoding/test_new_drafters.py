@@ -163,6 +163,20 @@ def test_cost_curve_is_measured_not_assumed():
     assert budget.choose(tree).nodes >= 2  # an unmeasured bucket up is tried
 
 
+def test_a_bucket_not_measured_lately_is_measured_again():
+    fit = ComputeFit(stale_after=10)
+    for _ in range(3):
+        fit.add(16, 0.200)  # measured while the machine was busy
+    assert fit.explored(16)
+    for _ in range(9):
+        fit.add(8, 0.050)
+    assert fit.explored(16)
+    fit.add(8, 0.050)
+    assert not fit.explored(16) and fit.explored(8)  # 10 samples since: worth another look
+    fit.add(16, 0.055)
+    assert fit.explored(16)
+
+
 def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monkeypatch):
     from splitlm.decoding.head import find_head
     from splitlm.decoding.train_head import train_head

@@ -16,29 +16,34 @@ from splitlm.decoding.tree import TokenTree
 
 class ComputeFit:
     """Compute seconds per step as a function of its tokens T, measured: a least-squares line
-    c0 + c1·T over the recent steps, and the mean cost seen in each power-of-two bucket of T.
+    c0 + c1·T over the recent steps, and the mean cost seen in each bucket of T (half octaves).
 
     Where buckets were seen, the prediction interpolates between them (on this CPU a 16-token pass
     costs about what an 8-token one does, which no line through small passes shows); beyond them
     it extends the line from the last one. It never decreases with T."""
 
-    EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # half-octave buckets: matrix kernels block rows by 4, 6, 8 or 12, and the cost steps where a block
+    # fills (AMD EPYC, oneDNN, the 30 layers: 12 rows 51 ms, 13 rows 62; Intel's AMX: 16 rows as 8)
+    EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
-    def __init__(self, window: int = 64, c0: float = 0.02, c1: float = 0.002):
+    def __init__(self, window: int = 64, c0: float = 0.02, c1: float = 0.002, stale_after: int = 64):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.c0, self.c1 = c0, c1  # priors until the data can speak
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean T, mean seconds, count]
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean T, mean seconds, count, last sample's number]
+        self.added, self.stale_after = 0, stale_after
 
     @classmethod
     def bucket(cls, tokens: int) -> int:
         return next((b for b, e in enumerate(cls.EDGES) if tokens <= e), len(cls.EDGES))
 
     def add(self, tokens: int, seconds: float) -> None:
-        b = self.buckets.setdefault(self.bucket(tokens), [float(tokens), seconds, 0])
+        self.added += 1
+        b = self.buckets.setdefault(self.bucket(tokens), [float(tokens), seconds, 0, 0])
         w = max(0.1, 1.0 / (b[2] + 1))  # a running mean, then an EMA
         b[0] += w * (tokens - b[0])
         b[1] += w * (seconds - b[1])
         b[2] += 1
+        b[3] = self.added
         self.samples.append((tokens, seconds))
         xs = [t for t, _ in self.samples]
         if len(set(xs)) < 2:
@@ -51,11 +56,13 @@ class ComputeFit:
         self.c0 = max(my - self.c1 * mx, 0.0)
 
     def explored(self, tokens: int) -> bool:
+        """Whether T's bucket has been measured enough, and recently: a mean taken while the machine was
+        busier would otherwise keep trees out of that bucket for good (it is updated only when sent)."""
         b = self.buckets.get(self.bucket(tokens))
-        return b is not None and b[2] >= 3
+        return b is not None and b[2] >= 3 and self.added - b[3] < self.stale_after
 
     def predict(self, tokens: int) -> float:
-        pts = sorted((t, s) for t, s, c in self.buckets.values() if c >= 2)
+        pts = sorted((t, s) for t, s, c, _ in self.buckets.values() if c >= 2)
         if not pts:
             return self.c0 + self.c1 * tokens
         best, prev = 0.0, None
@@ -105,7 +112,7 @@ COST_MODELS = ("measured", "zero")
 class StepBudget:
     """`cost` "zero" prices every extra token of a pass at nothing (a GPU cloud, emulated here: the
     tree grows to `max_nodes`); "measured" uses the fitted cost curve, and every `explore_every`
-    steps tries the next size bucket up while it is not yet measured."""
+    steps tries the next size bucket up while it is not yet measured, or not in the last 64 steps."""
 
     def __init__(self, max_nodes: int = 64, fixed_nodes: int | None = None, rtt_prior_s: float = 0.05,
                  cost: str = "measured", explore_every: int = 8):

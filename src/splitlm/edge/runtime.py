@@ -505,7 +505,8 @@ class Edge:
                 if spec.mode != "none":
                     s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
                               "compute_c0_s": round(budget.compute.c0, 5),
-                              "compute_c1_s": round(budget.compute.c1, 6)}
+                              "compute_c1_s": round(budget.compute.c1, 6),
+                              "overhead_s": round(budget.overhead_s, 5)}
                 yield new, s
             if memory is not None:
                 memory.past.add(produced)  # the edge's own outputs, for later requests' retrieval
