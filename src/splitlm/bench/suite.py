@@ -152,7 +152,7 @@ def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, 
             raise SplitLMError("mode head needs a trained draft head: run `splitlm train-head` or drop --no-train-head")
         progress("no draft head for this model (--no-train-head): auto drafts without it")
         return
-    progress("no draft head for this model yet: training it once (`splitlm train-head`; about 10 minutes on "
+    progress("no draft head for this model yet: training it once (`splitlm train-head`; 15-40 minutes on "
              "2 cores, kept for every later split of this model; --no-train-head skips this)")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
