@@ -18,8 +18,8 @@ class ComputeFit:
     """Compute seconds per step as a function of its tokens T, measured: a least-squares line
     c0 + c1·T over the recent steps, and the mean cost seen in each bucket of T (half octaves).
 
-    Where buckets were seen, the prediction interpolates between them (on this CPU a 16-token pass
-    costs about what an 8-token one does, which no line through small passes shows); beyond them
+    Where buckets were seen, the prediction interpolates between them (on an Intel Xeon with AMX a
+    16-token pass cost about what an 8-token one did, which no line through small passes shows); beyond them
     it extends the line from the last one. It never decreases with T."""
 
     # half-octave buckets: matrix kernels block rows by 4, 6, 8 or 12, and the cost steps where a block
