@@ -103,11 +103,9 @@ def run(args) -> None:
     docs = default_corpus_documents()
     if (w := find_warmup(edge_dir, model_hash)) is not None:
         docs += read_warmup(w)
-    memory = DraftMemory(corpus=SuffixIndex(tok(docs, add_special_tokens=False).input_ids))
-    memory.recycle.seed(memory.corpus.text)
     head = load_head(edge_dir, model_hash)
-    if head is not None:
-        memory.head = HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
+    runner = None if head is None else HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
+    memory = DraftMemory.seeded(SuffixIndex(tok(docs, add_special_tokens=False).input_ids), runner)
     spec = SpecConfig(mode=args.mode, cost=args.cost)
     budget = StepBudget(max_nodes=spec.budget_nodes, cost=spec.cost)
     prompts = json.loads(Path(args.prompts).read_text())[: args.limit]

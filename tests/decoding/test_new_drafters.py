@@ -38,8 +38,7 @@ def run(model, prompt, n, drafter, cost="measured"):
 
 def memory_for(model, rng):
     corpus = SuffixIndex([[rng.randrange(3, 64) for _ in range(200)] for _ in range(4)])
-    mem = DraftMemory(corpus=corpus)
-    mem.recycle.seed(corpus.text)
+    mem = DraftMemory.seeded(corpus)
     d = model.cfg.hidden_size
     torch.manual_seed(0)
     mem.head = HeadRunner(DraftHead(d, 32, torch.arange(0, 64, 2)), model.embed_tokens.weight,

@@ -1,4 +1,4 @@
-"""StepBudget.choose: the tree size that maximises expected tokens per second, from the measured
+"""StepBudget.choose: the tree size (about) maximising expected tokens per second, from the measured
 round trip, the fitted compute cost per token and the calibrated acceptance of drafted nodes."""
 
 import pytest
@@ -44,13 +44,15 @@ def test_costly_compute_stops_where_a_node_no_longer_pays():
 
 
 def test_prohibitive_compute_sends_the_root_alone():
-    choice = budget(0.01, 0.01, 0.5).choose(TREE)  # a node costs 0.5 s and brings < 1 token
+    # a node costs 0.5 s and brings < 1 token (with no lean: 2 and 3 nodes come within 2 % of the root's rate)
+    choice = budget(0.01, 0.01, 0.5, lean=0.0).choose(TREE)
     assert choice.nodes == 1 and choice.expected_tokens == 1.0
 
 
 def test_extra_tokens_count_in_the_step_time():
     b = budget(0.01, 0.01, 0.05)
-    assert b.choose(TREE, extra_tokens=4).predicted_step_s == pytest.approx(0.02 + 0.05 * (3 + 4))
+    choice = b.choose(TREE, extra_tokens=4)
+    assert choice.predicted_step_s == pytest.approx(0.02 + 0.05 * (choice.nodes + 4))
 
 
 def test_rejections_seen_shrink_the_tree():
@@ -78,3 +80,11 @@ def test_drafting_time_counts_in_the_step_time_and_makes_larger_trees_pay():
     assert b.overhead_s == pytest.approx(1.0, rel=1e-4)
     assert choice.predicted_step_s == pytest.approx(0.01 + 1.0 + 0.01 + 0.05 * choice.nodes, rel=1e-3)
     assert choice.nodes == 5
+
+
+def test_lean_sends_the_largest_tree_within_its_share_of_the_best_rate():
+    # 20 ms per token: root 1/0.04 = 25 tok/s; + a 32.5; + b 35.7 (the best); + c 3.10/0.10 = 31.0;
+    # + d 3.34/0.12 = 27.8. Within 15 % of the best (30.3) the largest is 4 nodes; with no lean, 3.
+    assert budget(0.01, 0.01, 0.02, lean=0.0).choose(TREE).nodes == 3
+    assert budget(0.01, 0.01, 0.02, lean=0.05).choose(TREE).nodes == 3
+    assert budget(0.01, 0.01, 0.02, lean=0.15).choose(TREE).nodes == 4

@@ -31,6 +31,14 @@ class DraftMemory:
     head: HeadRunner | None = None
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
+    @classmethod
+    def seeded(cls, corpus: SuffixIndex, head: HeadRunner | None = None) -> DraftMemory:
+        """A fresh memory over `corpus` (the warm-up corpus's suffix index), its recycled table seeded
+        from the corpus's successor pairs."""
+        memory = cls(corpus=corpus, head=head)
+        memory.recycle.seed(corpus.text)
+        return memory
+
 
 class AutoDrafter(DrafterGroup):
     def __init__(self, drafters: list[Drafter]):

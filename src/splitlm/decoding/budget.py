@@ -3,7 +3,10 @@
 A step with T input tokens takes about `rtt + c0 + c1·T + d` (network, edge and cloud compute, and
 the edge's drafting and bookkeeping around the pass) and
 yields `1 + Σ p(node)` tokens in expectation, p(node) being the calibrated chance that the
-target accepts the node. The budget picks the tree size that maximises tokens per second.
+target accepts the node. The budget finds the tree size that maximises tokens per second, then sends
+the largest tree whose predicted rate is within `lean` (5 %) of that best: near the optimum the rate
+curve is flat and its prediction noisy, while tokens per round trip is the figure that carries over
+to a faster cloud, so ties go to the bigger tree.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitlm.decoding.tree import TokenTree
+
+
+@dataclass
+class CostBucket:
+    """The mean compute of the passes whose T fell in one bucket."""
+
+    tokens: float  # mean T
+    seconds: float  # mean compute
+    count: int = 0
+    last: int = 0  # the number of the last sample added to it
 
 
 class ComputeFit:
@@ -29,7 +42,7 @@ class ComputeFit:
     def __init__(self, window: int = 64, c0: float = 0.02, c1: float = 0.002, stale_after: int = 64):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.c0, self.c1 = c0, c1  # priors until the data can speak
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean T, mean seconds, count, last sample's number]
+        self.buckets: dict[int, CostBucket] = {}
         self.added, self.stale_after = 0, stale_after
 
     @classmethod
@@ -38,12 +51,12 @@ class ComputeFit:
 
     def add(self, tokens: int, seconds: float) -> None:
         self.added += 1
-        b = self.buckets.setdefault(self.bucket(tokens), [float(tokens), seconds, 0, 0])
-        w = max(0.1, 1.0 / (b[2] + 1))  # a running mean, then an EMA
-        b[0] += w * (tokens - b[0])
-        b[1] += w * (seconds - b[1])
-        b[2] += 1
-        b[3] = self.added
+        b = self.buckets.setdefault(self.bucket(tokens), CostBucket(float(tokens), seconds))
+        w = max(0.1, 1.0 / (b.count + 1))  # a running mean, then an EMA
+        b.tokens += w * (tokens - b.tokens)
+        b.seconds += w * (seconds - b.seconds)
+        b.count += 1
+        b.last = self.added
         self.samples.append((tokens, seconds))
         xs = [t for t, _ in self.samples]
         if len(set(xs)) < 2:
@@ -59,10 +72,10 @@ class ComputeFit:
         """Whether T's bucket has been measured enough, and recently: a mean taken while the machine was
         busier would otherwise keep trees out of that bucket for good (it is updated only when sent)."""
         b = self.buckets.get(self.bucket(tokens))
-        return b is not None and b[2] >= 3 and self.added - b[3] < self.stale_after
+        return b is not None and b.count >= 3 and self.added - b.last < self.stale_after
 
     def predict(self, tokens: int) -> float:
-        pts = sorted((t, s) for t, s, c, _ in self.buckets.values() if c >= 2)
+        pts = sorted((b.tokens, b.seconds) for b in self.buckets.values() if b.count >= 2)
         if not pts:
             return self.c0 + self.c1 * tokens
         best, prev = 0.0, None
@@ -115,11 +128,12 @@ class StepBudget:
     steps tries the next size bucket up while it is not yet measured, or not in the last 64 steps."""
 
     def __init__(self, max_nodes: int = 64, fixed_nodes: int | None = None, rtt_prior_s: float = 0.05,
-                 cost: str = "measured", explore_every: int = 8):
+                 cost: str = "measured", explore_every: int = 8, lean: float = 0.05):
         if cost not in COST_MODELS:
             raise ValueError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         self.max_nodes, self.fixed_nodes, self.cost = max_nodes, fixed_nodes, cost
         self.explore_every, self.steps = explore_every, 0
+        self.lean = lean  # the share of the best predicted rate given up for a bigger tree
         self.compute = ComputeFit()
         self.calibration = Calibration()
         self.rtt_s = rtt_prior_s
@@ -143,7 +157,8 @@ class StepBudget:
                 self.calibration.add(tree.scores[i], i in accepted)
 
     def choose(self, tree: TokenTree, extra_tokens: int = 0) -> BudgetChoice:
-        """The tree size (and which nodes) that maximise expected tokens per second.
+        """The tree size (and which nodes) to send: the largest within `lean` of the best expected
+        tokens per second.
 
         Calibrated scores are acceptance chances given the parent was accepted, so a node's chance
         to be reached and accepted is the product along its path; a parent's is never below its
@@ -153,21 +168,20 @@ class StepBudget:
             reach[i] = reach[tree.parents[i]] * self.calibration.p(tree.scores[i])
         limit = min(len(tree), self.max_nodes if self.fixed_nodes is None else self.fixed_nodes)
         ranked = sorted(reach[1:], reverse=True)[: limit - 1]
-        best = BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)
-        expected = 1.0
-        sizes = []
+        sizes = [BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)]
         for k, r in enumerate(ranked, start=2):
-            expected += r
-            t = self.step_time(k + extra_tokens)
-            sizes.append(BudgetChoice(k, expected, t, reach))
-            if self.fixed_nodes is not None or expected / t > best.expected_tokens / best.predicted_step_s:
-                best = sizes[-1]
+            sizes.append(BudgetChoice(k, sizes[-1].expected_tokens + r, self.step_time(k + extra_tokens), reach))
+        if self.fixed_nodes is not None:
+            best = sizes[-1]
+        else:
+            floor = (1.0 - self.lean) * max(c.expected_tokens / c.predicted_step_s for c in sizes)
+            best = next(c for c in reversed(sizes) if c.expected_tokens / c.predicted_step_s >= floor)
         self.steps += 1
         if self.fixed_nodes is None and self.cost == "measured" and self.steps % self.explore_every == 0:
             # measure the next size bucket up once in a while: the curve is only known where it was tried
             up = ComputeFit.EDGES[min(ComputeFit.bucket(best.nodes) + 1, len(ComputeFit.EDGES) - 1)]
-            if not self.compute.explored(up + extra_tokens) and len(sizes) >= up - 1:
-                best = sizes[up - 2]
+            if not self.compute.explored(up + extra_tokens) and len(sizes) >= up:
+                best = sizes[up - 1]
         return best
 
     def window_width(self, current: int, max_width: int, levels: int, gain_tokens: float,

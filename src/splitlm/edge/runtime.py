@@ -369,15 +369,12 @@ class Edge:
                 self._suffix_index = SuffixIndex(docs)
             key = (spec.mode, spec.max_nodes, spec.cost)
             if key not in self._memories:
-                memory = DraftMemory(corpus=self._suffix_index)
-                memory.recycle.seed(self._suffix_index.text)
                 # the head reads the final hidden state: split-head and ONNX edges have none
                 head = None if self.split_head or self.onnx else load_head(self.edge_dir, self.model.manifest.model_hash)
                 if head is not None:
                     scale = self.cfg.hidden_size ** 0.5 if self.cfg.gemma else 1.0
-                    memory.head = HeadRunner(head.to(self.device), self.model.embed_tokens.weight,
-                                             self.model.head_weight, scale)
-                self._memories[key] = memory
+                    head = HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, scale)
+                self._memories[key] = DraftMemory.seeded(self._suffix_index, head)
             return self._memories[key]
 
     def draft_lm(self, draft: str):
