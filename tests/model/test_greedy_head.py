@@ -50,6 +50,21 @@ def test_near_ties_bf16_cannot_separate_are_decided_in_fp32():
     assert GreedyHead(w2, screen=True).argmax(w[50][None]).item() == 10
 
 
+def test_near_ties_among_negative_logits_are_decided_in_fp32():
+    # every logit negative (the screen's floor then lies below the best column's lower bound by
+    # b / (1 - c), not b / (1 + c)): near ties and the winner still come out as the fp32 head's
+    g = torch.Generator().manual_seed(3)
+    h = torch.rand(6, 32, generator=g) + 0.5
+    w = -(torch.rand(800, 32, generator=g) + 0.1)
+    best = full_argmax(h, w)
+    for r in range(6):
+        w[300 + r] = w[best[r]] + 1e-4 * h[r] / h[r].norm()
+    want = full_argmax(h, w)
+    assert (F.linear(h, w) < 0).all() and (want == torch.arange(300, 306)).all()
+    got, top = GreedyHead(w, screen=True).candidates(h, k=4)
+    assert torch.equal(got, want) and top.shape == (6, 4)
+
+
 def test_non_fp32_weights_use_the_plain_head():
     w = torch.randn(100, 16).to(torch.bfloat16)
     head = GreedyHead(w, screen=True)

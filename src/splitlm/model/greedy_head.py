@@ -7,9 +7,10 @@ read, twice the multiply-adds per instruction; it goes through oneDNN's blocked 
 `linear.frozen_product`: 18 -> 8 ms for one row, 27 -> 15 ms for ten, on the bundled model here).
 Rounding h and W to bf16 (unit roundoff u = 2⁻⁸) moves logit j by at most
 (2u + u²)·Σ|h_i||w_ji| ≤ (2u + u²)·‖h‖·‖w_j‖; accumulating in fp32 adds at most D·2⁻²⁴ of the
-same; rounding the product to bf16 adds u·|logit|. A column whose upper bound lies below some column's lower bound cannot be the argmax. The columns whose bf16
-logit clears the best column's lower bound less the largest slack any column has (a superset of
-those that could win, one to ~100 of 49k per row on the bundled model) are recomputed in fp32, so
+same; rounding the product to bf16 adds u·|logit|. A column whose upper bound lies below some column's lower bound cannot be the argmax. The columns
+whose bf16 logit, with its own rounding slack and the largest norm term any column has, still
+reaches the best column's lower bound (a superset of those that could win, one to ~100 of 49k per
+row on the bundled model; one comparison per column, no pass for bounds) are recomputed in fp32, so
 the choice is the fp32 LM head's: the same token, ties to the lowest id, up to the last-bit
 differences any change of matrix shape already makes.
 """
@@ -80,17 +81,18 @@ class GreedyHead:
             return logits.argmax(-1), (logits.topk(k, -1).indices if k else None)
         y = self.screen_product(h).float()  # [N, V]
         hn = h.norm(dim=1, keepdim=True)  # [N, 1]
-        lo, hi = torch.aminmax(y, dim=1, keepdim=True)
-        spread = 1.01 * U * torch.maximum(hi, -lo)  # [N, 1]: bounds |y_j| for every j
         if allowed is not None:
             y = y.masked_fill(~allowed, -torch.inf)
         top = y.topk(k, -1).indices if k else None  # [N, k], the largest first
         best = top[:, :1] if k else y.argmax(dim=1, keepdim=True)  # [N, 1]: any column with the largest y
         y_best = y.gather(1, best)
-        # no column's upper bound beats the best column's lower bound unless y_j clears `floor`:
-        # per-column slack, rel·‖h‖·‖w_j‖ + 1.01·u·|y_j|, is at most rel·‖h‖·max‖w‖ + spread
-        best_low = y_best - (self.rel * hn * self.col_norm[best] + 1.01 * U * y_best.abs())
-        floor = best_low - (self.rel * hn * self.col_max + spread)  # [N, 1]
+        # column j's upper bound is y_j + c·|y_j| + rel·‖h‖·‖w_j‖ (c = 1.01·u), at most
+        # g(y_j) + rel·‖h‖·max‖w‖ with g(y) = y + c·|y| increasing: it reaches the best column's lower
+        # bound only if g(y_j) >= b, that is y_j >= g⁻¹(b), the `floor`
+        c = 1.01 * U
+        best_low = y_best - (self.rel * hn * self.col_norm[best] + c * y_best.abs())
+        b = best_low - self.rel * hn * self.col_max  # [N, 1]
+        floor = torch.where(b >= 0, b / (1 + c), b / (1 - c))
         rows, cols = (y >= floor).nonzero(as_tuple=True)  # [P] each, ascending ids within a row
         n = h.shape[0]
         exact = softcap((h[rows] * self.weight[cols]).sum(-1), self.cap)  # [P]: fp32 logits of the few left
