@@ -51,8 +51,8 @@ def test_near_ties_bf16_cannot_separate_are_decided_in_fp32():
 
 
 def test_near_ties_among_negative_logits_are_decided_in_fp32():
-    # every logit negative (the screen's floor then lies below the best column's lower bound by
-    # b / (1 - c), not b / (1 + c)): near ties and the winner still come out as the fp32 head's
+    # every logit negative, so the screen's floor is b / (1 - c), the other branch of g⁻¹: near ties
+    # and the winner still come out as the fp32 head's
     g = torch.Generator().manual_seed(3)
     h = torch.rand(6, 32, generator=g) + 0.5
     w = -(torch.rand(800, 32, generator=g) + 0.1)

@@ -118,6 +118,11 @@ class BudgetChoice:
     predicted_step_s: float
     reach: list[float]  # per node of the proposed tree: estimated chance it is accepted
 
+    @property
+    def rate(self) -> float:
+        """Predicted tokens per second."""
+        return self.expected_tokens / self.predicted_step_s
+
 
 COST_MODELS = ("measured", "zero")
 
@@ -174,8 +179,8 @@ class StepBudget:
         if self.fixed_nodes is not None:
             best = sizes[-1]
         else:
-            floor = (1.0 - self.lean) * max(c.expected_tokens / c.predicted_step_s for c in sizes)
-            best = next(c for c in reversed(sizes) if c.expected_tokens / c.predicted_step_s >= floor)
+            floor = (1.0 - self.lean) * max(c.rate for c in sizes)
+            best = next(c for c in reversed(sizes) if c.rate >= floor)
         self.steps += 1
         if self.fixed_nodes is None and self.cost == "measured" and self.steps % self.explore_every == 0:
             # measure the next size bucket up once in a while: the curve is only known where it was tried

@@ -371,10 +371,11 @@ class Edge:
             if key not in self._memories:
                 # the head reads the final hidden state: split-head and ONNX edges have none
                 head = None if self.split_head or self.onnx else load_head(self.edge_dir, self.model.manifest.model_hash)
+                runner = None
                 if head is not None:
                     scale = self.cfg.hidden_size ** 0.5 if self.cfg.gemma else 1.0
-                    head = HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, scale)
-                self._memories[key] = DraftMemory.seeded(self._suffix_index, head)
+                    runner = HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, scale)
+                self._memories[key] = DraftMemory.seeded(self._suffix_index, runner)
             return self._memories[key]
 
     def draft_lm(self, draft: str):
