@@ -33,16 +33,19 @@ def test_generate_with_sampling_and_a_stop_string(bundled_split, bundled_server,
                      "Once upon a time", "--max-new-tokens", "10", "--json", "--ignore-eos", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
-    a = generate("--temperature", "1.2", "--seed", "3")
-    assert a["stats"]["spec_mode"] == "auto (sampling)" and len(a["token_ids"]) == 10
+    plain = generate("--temperature", "1.2", "--seed", "3")
+    assert plain["stats"]["spec_mode"] == "auto (sampling)" and len(plain["token_ids"]) == 10
     # with an fp32 wire the tree passes and the sequential passes see the same logits (up to rounding):
-    # the same seed gives the same tokens with or without speculation
-    exact = generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32")
+    # the same seed gives the same tokens with or without speculation, whatever trees the budget sent.
+    # (Over the default fp16 wire, passes of other shapes round a few activations differently, which
+    # can move a sampled token across a boundary of the inverse CDF: docs/speculative.md.)
+    a = generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32")
+    assert a["stats"]["spec_mode"] == "auto (sampling)" and len(a["token_ids"]) == 10
     assert generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32", "--spec", "none")["token_ids"] \
-        == exact["token_ids"]
-    assert generate("--temperature", "1.2", "--seed", "3")["token_ids"] == a["token_ids"]
+        == a["token_ids"]
+    assert generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32")["token_ids"] == a["token_ids"]
     stop = a["text"][len(a["text"]) // 2:][:2]
-    cut = generate("--temperature", "1.2", "--seed", "3", "--stop", stop)
+    cut = generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32", "--stop", stop)
     assert cut["text"] == a["text"][: a["text"].index(stop)] and cut["finish_reason"] == "stop"
 
 
