@@ -26,6 +26,7 @@ from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.runtime import encode_prompt
@@ -44,10 +45,10 @@ def compute_s(tokens: int) -> float:
 class FixedCostSession(LocalSession):
     rtt_s = 0.09
 
-    def forward(self, ids, *args, **kwargs):
-        out = super().forward(ids, *args, **kwargs)
-        self.last_step.update(network_s=self.rtt_s, compute_s=compute_s(len(ids)))
-        return out
+    def forward(self, ids, *args, **kwargs) -> StepResult:
+        step = super().forward(ids, *args, **kwargs)
+        step.network_s, step.compute_s = self.rtt_s, compute_s(len(ids))
+        return step
 
 
 class TimedDrafter:

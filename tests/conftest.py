@@ -214,3 +214,13 @@ def scrape_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def cloud_forward(client, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
+                  control=None, **fields):
+    """One FORWARD of `hidden` [C + T, D] through `client` and its `Result` (a pipelined pair, sent
+    and taken at once; the reply's tensors may be as large as `hidden`). `fields`: Forward's others."""
+    from splitlm.transport.messages import Control, Forward
+
+    request = Forward(hidden, torch.as_tensor(positions, dtype=torch.long), control=control or Control(), **fields)
+    return client.receive_forward(client.send_forward(session, request, wire_dtype, hidden.numel()))

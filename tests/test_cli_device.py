@@ -31,14 +31,14 @@ def test_a_dtype_outside_the_choices_is_refused(command, capsys):
 
 
 def test_bench_and_demo_take_both_sides(monkeypatch):
-    from splitlm.bench.suite import config_from_args
+    from splitlm.cli.bench import config_from_args
 
     args = build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "fp32", "--cloud-device", "cpu",
                                       "--cloud-dtype", "bf16"])
     config = config_from_args(args)
     assert (config.device, config.dtype, config.cloud_device, config.cloud_dtype) == ("cpu", "fp32", "cpu", "bf16")
     seen = {}
-    monkeypatch.setattr("splitlm.demo.run_demo", lambda *a, **kw: seen.update(kw) or 0)
+    monkeypatch.setattr("splitlm.cli.demo.run_demo", lambda *a, **kw: seen.update(kw) or 0)
     assert main(["demo", "--device", "cpu", "--dtype", "fp16"]) == 0
     assert seen == {"device": "cpu", "dtype": "fp16", "cloud_device": "cpu", "cloud_dtype": "fp16"}
     assert main(["demo", "--cloud-dtype", "bf16"]) == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from conftest import scrape_metrics
-from splitlm.cloud.server import CloudMetrics
+from splitlm.cloud.metrics import CloudMetrics
 from splitlm.edge.api import EdgeMetrics
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()

@@ -12,8 +12,8 @@ from splitlm import SplitLMError
 from splitlm.bench.metrics import aggregate, fit_sweep, prompt_row
 from splitlm.bench.modes import ModeRun, parse_modes
 from splitlm.bench.prompts import CATEGORIES, Prompt, load_prompts
-from splitlm.bench.suite import parse_rtt_list
 from splitlm.cli import main
+from splitlm.cli.bench import parse_rtt_list
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "benchmarks" / "prompts.json"
@@ -174,7 +174,7 @@ def test_local_hf_mode_is_transformers_greedy(bundled_dir, bundled_hf):
 
 def test_codec_list_parsing():
     from splitlm import SplitLMError
-    from splitlm.bench.suite import parse_codecs
+    from splitlm.cli.bench import parse_codecs
 
     assert parse_codecs("all") == ["fp32", "fp16", "bf16", "int8", "fp8"]
     assert parse_codecs("int8, fp16") == ["int8", "fp16"]

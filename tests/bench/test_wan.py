@@ -21,10 +21,10 @@ import pytest
 from splitlm.bench.wan import (
     WanConfig,
     WanEmulator,
-    add_wan_arguments,
     parse_address,
     run_wan,
 )
+from splitlm.cli.wan import add_wan_arguments
 
 
 @pytest.fixture(autouse=True)
@@ -293,7 +293,7 @@ def test_cli_runs_until_ctrl_c(echo_server: _Server) -> None:
     host, up_port = echo_server.server_address
     code = (
         "import argparse, sys\n"
-        "from splitlm.bench.wan import add_wan_arguments, wan_main\n"
+        "from splitlm.cli.wan import add_wan_arguments, wan_main\n"
         "parser = argparse.ArgumentParser()\n"
         "add_wan_arguments(parser)\n"
         "sys.exit(wan_main(parser.parse_args(sys.argv[1:])))\n"

@@ -7,10 +7,18 @@ import torch
 
 from splitlm.cloud.scheduler import BatchConfig, Job, Scheduler
 from splitlm.cloud.server import BackgroundServer
-from splitlm.cloud.sessions import ServerLimits, SessionTable, compute, compute_batch
+from splitlm.cloud.sessions import (
+    ServerLimits,
+    Session,
+    SessionTable,
+    Step,
+    begin_step,
+    finish_step,
+    run_pass,
+)
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
-from splitlm.model.shards import load_cloud
+from splitlm.model.shards import CloudModel, load_cloud
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Control, Forward
 from splitlm.transport.policy import CachePolicy
@@ -61,6 +69,35 @@ def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split):
         assert (registry.get_sample_value("splitlm_cloud_batch_size_sum")
                 > registry.get_sample_value("splitlm_cloud_batch_size_count")), "no pass held more than one session"
         assert server.server.sessions.sessions == {}
+
+
+@torch.inference_mode()
+def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
+    """Several sessions' requests (at most one per session), whole, in one pass of the layers.
+    Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
+    answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
+    steps: list[tuple[int, Step]] = []
+    for i, (session, req) in enumerate(jobs):
+        try:
+            steps.append((i, begin_step(model, session, req)))
+        except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
+            answers[i] = e
+    if steps:
+        run_pass(model, [(step, step.rows) for _, step in steps])
+        for i, step in steps:
+            try:
+                answers[i] = finish_step(model, step)
+            except Exception as e:  # noqa: BLE001
+                answers[i] = e
+    return answers
+
+
+def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
+    """One request alone on the model's device; the reply's tensors in host memory."""
+    (answer,) = compute_batch(model, [(session, req)])
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from conftest import cloud_forward
 from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
@@ -12,6 +13,7 @@ from splitlm.edge.api_requests import cloud_failure
 from splitlm.model.shards import Manifest, load_cloud
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
+from splitlm.transport.messages import Control, Open
 
 
 def test_bytes_per_entry_and_whole_blocks(tiny_split):
@@ -31,28 +33,29 @@ def test_capacity_refuses_new_sessions_and_growth_and_frees_on_close(tiny_split)
     with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
         client = CloudClient(server.url, fp)
         try:
-            sessions = [client.open_session("fp32") for _ in range(3)]
+            sessions = [client.open(Open("fp32")).session for _ in range(3)]
             with pytest.raises(CloudError) as e:
-                client.open_session("fp32")
+                client.open(Open("fp32"))
             assert e.value.code == ErrorCode.CAPACITY
             h = torch.randn(300, 64)  # two blocks
             with pytest.raises(CloudError) as e:
-                client.forward(sessions[0], h, list(range(300)), "fp32")
+                cloud_forward(client, sessions[0], h, list(range(300)), "fp32")
             assert e.value.code == ErrorCode.CAPACITY
             assert server.server.sessions.sessions[sessions[0]].cache.length == 0  # unchanged
-            out, meta = client.forward(sessions[1], h[:10], list(range(10)), "fp32")  # within its block
-            assert meta["cache_len"] == 10
+            result = cloud_forward(client, sessions[1], h[:10], list(range(10)), "fp32")  # within its block
+            assert result.cache_len == 10
+            assert result.round_trip_s >= result.wait_s >= 0.0 and result.round_trip_s > 0.0  # the client's clock
             client.close_session(sessions[2])
-            out, meta = client.forward(sessions[0], h, list(range(300)), "fp32")
-            assert out.shape == (300, 64) and meta["cache_len"] == 300
+            result = cloud_forward(client, sessions[0], h, list(range(300)), "fp32")
+            assert result.tensors["hidden"].shape == (300, 64) and result.cache_len == 300
             assert server.server.sessions.kv_reserved == 3 * BLOCK_BYTES
             with pytest.raises(CloudError) as e:  # full again
-                client.open_session("fp32")
+                client.open(Open("fp32"))
             assert e.value.code == ErrorCode.CAPACITY
             none = sessions[1]
             client.close_session(none)
-            none = client.open_session("fp32", "none")  # keeps nothing between requests: one block reserved
-            client.forward(none, h[:5], list(range(5)), "fp32", control={"cache": False})
+            none = client.open(Open("fp32", "none")).session  # keeps nothing between requests: one block reserved
+            cloud_forward(client, none, h[:5], list(range(5)), "fp32", control=Control(cache=False))
             assert server.server.sessions.sessions[none].kv_reserved == BLOCK_BYTES
             text = server.server.metrics.render().decode()
             assert "splitlm_cloud_kv_budget_bytes" in text and "splitlm_cloud_kv_reserved_bytes" in text

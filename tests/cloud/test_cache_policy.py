@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from conftest import cloud_forward
 from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
+from splitlm.transport.messages import Control, Forward, PolicyChange, Result
 from splitlm.transport.policy import CachePolicy
 
 PROMPT = [5, 6, 7, 9, 11, 5, 6]
@@ -84,9 +86,9 @@ def test_sealed_cache_is_never_plaintext_between_requests(tiny_split, tiny_serve
         # a turn without the key, or with another key, fails cleanly and changes nothing
         h = torch.zeros(1, edge.cfg.hidden_size)
         blob = state.sealed
-        for control in ({"cache": True}, {"cache": True, "key": bytes(32)}):
+        for control in (Control(cache=True), Control(cache=True, key=bytes(32))):
             with pytest.raises(CloudError) as e:
-                edge.client.forward(session.id, h, [len(PROMPT) + 8], "fp32", control=control)
+                cloud_forward(edge.client, session.id, h, [len(PROMPT) + 8], "fp32", control=control)
             assert e.value.code == ErrorCode.SEALED_KEY
         assert state.sealed == blob
         more = run(edge, session, PROMPT + first + [3], cached=len(PROMPT + first) - 1, n=8, spec="none")
@@ -106,15 +108,15 @@ def test_window_is_enforced_and_cannot_be_loosened(tiny_split, tiny_server):
         assert str(state.policy) == "window:8" and state.cache.length <= 8
         h = torch.zeros(1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:  # a loosening control tuple
-            edge.client.forward(session.id, h, [200], "fp32", control={"cache": True, "window": 32})
+            cloud_forward(edge.client, session.id, h, [200], "fp32", control=Control(cache=True, window=32))
         assert e.value.code == ErrorCode.POLICY
         for looser in ("window:9", "session", "sealed"):  # a loosening POLICY message
             with pytest.raises(CloudError) as e:
-                edge.client.policy(session.id, cache_policy=looser)
+                edge.client.policy(session.id, PolicyChange(looser))
             assert e.value.code == ErrorCode.POLICY
         with pytest.raises(CloudError) as e:  # more new tokens than the window
-            edge.client.forward(session.id, torch.zeros(9, edge.cfg.hidden_size), list(range(200, 209)), "fp32",
-                                control={"cache": True})
+            cloud_forward(edge.client, session.id, torch.zeros(9, edge.cfg.hidden_size), list(range(200, 209)), "fp32",
+                          control=Control(cache=True))
         assert e.value.code == ErrorCode.POLICY
         assert str(state.policy) == "window:8" and state.cache.length <= 8
         session.tighten("none")
@@ -162,18 +164,25 @@ def test_control_tuple_is_validated(tiny_split, tiny_server):
     with edge_for(tiny_split, tiny_server, "none") as edge:
         session = edge.open_session()
         h = torch.zeros(1, edge.cfg.hidden_size)
+        def forward_frame(control):  # the control map as given: a malformed one goes up as it is
+            frame = Forward(h, torch.tensor([0])).to_frame(session.id, "fp32")
+            frame.meta["control"] = control
+            return frame
+
         cases = [({"cache": True}, ErrorCode.POLICY),  # policy none: no cached history
                  ({"cache": False, "split": 3}, ErrorCode.BAD_REQUEST),  # the shard starts at layer 2
                  ({"cache": False, "dtype": "fp64"}, ErrorCode.BAD_REQUEST),
                  ({"cache": "yes"}, ErrorCode.BAD_REQUEST), ("x", ErrorCode.BAD_REQUEST)]
         for control, code in cases:
             with pytest.raises(CloudError) as e:
-                edge.client.forward(session.id, h, [0], "fp32", control=control)
+                edge.client.request(forward_frame(control))
             assert e.value.code == code, control
-        out, meta = edge.client.forward(session.id, h, [0], "fp32", control={"cache": False, "split": 2, "dtype": "int8"})
-        assert meta["tensors"][0]["dtype"] == "int8" and out.shape == (1, edge.cfg.hidden_size)
+        reply = edge.client.request(Forward(h, torch.tensor([0]), control=Control(cache=False, split=2, dtype="int8"))
+                                    .to_frame(session.id, "fp32"))
+        out = Result.from_frame(reply, h.numel()).tensors["hidden"]
+        assert reply.meta["tensors"][0]["dtype"] == "int8" and out.shape == (1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:
-            edge.client.policy(session.id, cache_policy="window:3:4")
+            edge.client.policy(session.id, PolicyChange("window:3:4"))
         assert e.value.code == ErrorCode.BAD_REQUEST
         session.close()
 
@@ -188,8 +197,8 @@ def test_a_window_shorter_than_the_context_forgets_its_start(tiny_split, tiny_se
             session = edge.open_session()
             state = cloud_session(tiny_server, session)
             for lo, hi in ((0, 8), (8, 16), (16, 17)):
-                out, _ = session.client.forward(session.id, rows[lo:hi], list(range(lo, hi)), "fp32",
-                                                control={"cache": True})
+                out = cloud_forward(session.client, session.id, rows[lo:hi], list(range(lo, hi)), "fp32",
+                                    control=Control(cache=True)).tensors["hidden"]
                 assert state.cache.length == (min(hi, 8) if policy == "window:8" else hi)
             outputs[policy] = out[-1]
             session.close()

@@ -7,11 +7,14 @@ import urllib.request
 
 import torch
 
-from splitlm.cloud import server as server_module
-from splitlm.cloud.server import OFFLOAD_BYTES, BackgroundServer
+from conftest import cloud_forward
+from splitlm.cloud import handlers as handlers_module
+from splitlm.cloud.server import BackgroundServer
+from splitlm.cloud.servicer import OFFLOAD_BYTES
 from splitlm.model.shards import Manifest
 from splitlm.transport.client import CloudClient
 from splitlm.transport.crypto import Channel
+from splitlm.transport.messages import Forward, Open
 
 
 def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
@@ -25,7 +28,7 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
 
     monkeypatch.setattr(Channel, "open", spy("open", Channel.open))
     monkeypatch.setattr(Channel, "seal", spy("seal", Channel.seal))
-    monkeypatch.setattr(server_module, "validate", spy("validate", server_module.validate))
+    monkeypatch.setattr(handlers_module, "validate", spy("validate", handlers_module.validate))
     import splitlm.cloud.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "run_pass", spy("compute", scheduler_module.run_pass))
@@ -33,11 +36,11 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)
         try:
-            sid = client.open_session("fp32")
+            sid = client.open(Open("fp32")).session
             rows = OFFLOAD_BYTES // (64 * 4) + 8  # a frame over the offload size, both ways
             for names in seen.values():  # only the large FORWARD and its RESULT
                 names.clear()
-            out, _ = client.forward(sid, torch.randn(rows, 64), list(range(rows)), "fp32")
+            out = cloud_forward(client, sid, torch.randn(rows, 64), list(range(rows)), "fp32").tensors["hidden"]
             assert out.shape == (rows, 64)
         finally:
             client.close()
@@ -64,8 +67,8 @@ def test_the_loop_answers_health_checks_while_a_long_pass_runs(tiny_split, monke
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)
         try:
-            sid = client.open_session("fp32")
-            pending = client.send_forward(sid, torch.randn(4, 64), [0, 1, 2, 3], "fp32", max_reply_elements=256)
+            sid = client.open(Open("fp32")).session
+            pending = client.send_forward(sid, Forward(torch.randn(4, 64), torch.arange(4)), "fp32", 256)
             assert running.wait(10)
             start = time.perf_counter()
             with urllib.request.urlopen(f"http://127.0.0.1:{server.server.port}/healthz", timeout=5) as r:

@@ -138,8 +138,8 @@ def test_caches_after_a_run_equal_a_recomputation(edge):
         assert out == reference and stats.discarded > 0
         context = prompt + out
         # one more step: the caches hold the context except its last token, as a fresh prefill's do
-        logits = session.forward([context[-1]])[-1]
-        expected = fresh.forward(context)[-1]
+        logits = session.forward([context[-1]]).out[-1]
+        expected = fresh.forward(context).out[-1]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         for name in ("head_cache", "tail_cache"):
             a, b = getattr(session, name), getattr(fresh, name)
@@ -168,10 +168,10 @@ def test_two_forwards_in_flight_on_one_connection(edge):
         assert len(session.client.in_flight) == 2
         with pytest.raises(Exception, match="order"):
             session.receive(second)
-        a, b = session.receive(first), session.receive(second)
+        a, b = session.receive(first).out, session.receive(second).out
         assert not session.client.in_flight
-        torch.testing.assert_close(a, sequential_session.forward([12]))
-        torch.testing.assert_close(b, sequential_session.forward([13, 14]))
+        torch.testing.assert_close(a, sequential_session.forward([12]).out)
+        torch.testing.assert_close(b, sequential_session.forward([13, 14]).out)
     finally:
         session.close()
         sequential_session.close()

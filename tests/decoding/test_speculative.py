@@ -125,7 +125,7 @@ def test_keep_after_partial_acceptance_equals_recompute(model):
     mask = tree.mask()
     positions = [len(prompt) + d for d in tree.depths()]
     sess.forward(tree.tokens, positions, mask)
-    logits = sess.forward([20], [len(prompt) + 3], keep=[0, 1, 3])[-1]
+    logits = sess.forward([20], [len(prompt) + 3], keep=[0, 1, 3]).out[-1]
     with torch.no_grad():
         ref = model(torch.tensor([prompt + [9, 10, 12, 20]]), torch.arange(8))[0, -1]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)

@@ -25,7 +25,7 @@ def prefill_logits(edge: Edge, ids: list[int], policy: str | None = None):
     """All rows' logits of one causal run of `ids`, and how it went up (None: in one forward)."""
     session = edge.open_session(policy)
     try:
-        logits = session.forward(ids)
+        logits = session.forward(ids).out
         return logits, session.last_prefill, session.stats.round_trips
     finally:
         session.close()
@@ -86,7 +86,7 @@ def test_a_later_turn_streams_after_the_cached_history(tiny_split, tiny_server, 
         session = edge.open_session()
         try:
             session.forward(PROMPT[:30])
-            logits = session.forward(PROMPT[30:])
+            logits = session.forward(PROMPT[30:]).out
             assert len(session.last_prefill.chunks) == 3
         finally:
             session.close()

@@ -39,7 +39,7 @@ def teacher_forced_agreement(edge, hf, ids, n):
     continuation = hf_greedy(hf, ids, n)
     session = edge.open_session()
     try:
-        logits = session.forward(ids + continuation)  # one round trip
+        logits = session.forward(ids + continuation).out  # one round trip
     finally:
         session.close()
     predicted = logits[len(ids) - 1: len(ids) - 1 + len(continuation)].argmax(-1).tolist()

@@ -97,7 +97,7 @@ def test_reduced_wire_codecs_decode(tiny_split_head, split_head_server, tiny_hf,
         session = edge.open_session()
         try:
             ids = PROMPTS[1]
-            logits = session.forward(ids)
+            logits = session.forward(ids).out
         finally:
             session.close()
     with torch.no_grad():
@@ -148,7 +148,7 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
         assert edge.max_logit_rows == 10
         session = edge.open_session()
         try:
-            logits = session.forward(ids)
+            logits = session.forward(ids).out
             assert session.stats.round_trips == 2
         finally:
             session.close()

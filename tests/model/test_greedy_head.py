@@ -73,6 +73,12 @@ def test_non_fp32_weights_use_the_plain_head():
     assert torch.equal(head.argmax(h), full_argmax(h, w))
 
 
+def tail_and_argmax(edge, h, positions, new_mask=None, cache=None, rows=None, allowed=None) -> torch.Tensor:
+    """The greedy token of each row, [T or len(rows)] (batch of one): `tail_and_logits(...)[0].argmax(-1)`
+    over the `allowed` ids, through the edge's screened LM head."""
+    return edge.greedy_head().argmax(edge.tail_normed(h, positions, new_mask, cache, rows)[0], allowed)
+
+
 def test_edge_tail_and_argmax_matches_its_logits(tiny_split):
     from splitlm.model.shards import load_edge
 
@@ -81,11 +87,11 @@ def test_edge_tail_and_argmax_matches_its_logits(tiny_split):
     h = torch.randn(1, 6, edge.cfg.hidden_size)
     pos = torch.arange(6)
     want = edge.tail_and_logits(h, pos, None, edge.tail.new_cache(), [1, 3, 5])[0].argmax(-1)
-    got = edge.tail_and_argmax(h, pos, None, edge.tail.new_cache(), [1, 3, 5])
+    got = tail_and_argmax(edge, h, pos, None, edge.tail.new_cache(), [1, 3, 5])
     assert torch.equal(got, want)
     allowed = torch.zeros(edge.cfg.vocab_size, dtype=torch.bool)
     allowed[::7] = True
-    only = edge.tail_and_argmax(h, pos, None, edge.tail.new_cache(), None, allowed)
+    only = tail_and_argmax(edge, h, pos, None, edge.tail.new_cache(), None, allowed)
     assert only.shape == (6,) and allowed[only].all()
 
 

@@ -230,7 +230,8 @@ MODELS = {
     "llama": {},
     "sliding": dict(model_type="mistral", sliding_window=5,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
-    "gemma3": dict(model_type="gemma3_text", gemma=True, hidden_act="gelu_pytorch_tanh", rope_theta=1e6,
+    "gemma3": dict(model_type="gemma3_text", embed_scale=64**0.5, norm_offset=True, qk_norm=True, sandwich_norms=True,
+                   wire_dtype="bf16", hidden_act="gelu_pytorch_tanh", rope_theta=1e6,
                    rope_local_theta=1e4, query_pre_attn_scalar=16, sliding_window=4,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
 }

@@ -28,7 +28,7 @@ def test_packed_product_matches_the_plain_one(rows, bias):
         got = lin(x)
     assert got.shape == (1, rows, 160)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert (lin._packed is not None) == (linear.MIN_ROWS <= rows <= linear.MAX_ROWS)
+    assert (lin.packed is not None) == (linear.MIN_ROWS <= rows <= linear.MAX_ROWS)
 
 
 @needs_onednn
@@ -51,19 +51,19 @@ def test_a_small_weight_keeps_the_plain_product(monkeypatch):
     x = torch.randn(12, 96)
     with torch.inference_mode():
         got = lin(x)
-    assert lin._packed is None
+    assert lin.packed is None
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
     monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 96 * 160)
     with torch.inference_mode():
         lin(x)
-    assert lin._packed is not None
+    assert lin.packed is not None
 
 
 def test_autograd_goes_through_the_plain_product():
     lin = layer()
     x = torch.randn(12, 96, requires_grad=True)
     lin(x).sum().backward()
-    assert lin._packed is None
+    assert lin.packed is None
     torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(12, 96))
 
 
@@ -74,10 +74,10 @@ def test_bf16_goes_blocked_at_every_row_count_where_the_layer_allows_it(rows):
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.inference_mode():
         plain = lin(x)
-        assert lin._packed is None  # a model's bf16 layers: no second copy
+        assert lin.packed is None  # a model's bf16 layers: no second copy
         lin.bf16_blocked = True
         got = lin(x)
-    assert lin._packed is not None and got.dtype == torch.bfloat16
+    assert lin.packed is not None and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)
 
 
@@ -86,7 +86,7 @@ def test_other_dtypes_use_the_plain_product():
     x = torch.randn(12, 96, dtype=torch.float16)
     with torch.inference_mode():
         got = lin(x)
-    assert lin._packed is None and got.dtype == torch.float16
+    assert lin.packed is None and got.dtype == torch.float16
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
 
 
@@ -100,8 +100,8 @@ def test_project_multiplies_several_layers_as_one(rows):
         outs = linear.project(x, *layers)
     for out, m in zip(outs, layers, strict=True):
         torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
-    assert (layers[0]._packed is not None) == (rows >= linear.MIN_ROWS)
-    assert layers[1]._packed is None and layers[2]._packed is None  # one blocked copy, on the first
+    assert (layers[0].packed is not None) == (rows >= linear.MIN_ROWS)
+    assert layers[1].packed is None and layers[2].packed is None  # one blocked copy, on the first
 
 
 def test_project_calls_a_wrapped_layer_itself():
@@ -138,9 +138,9 @@ def test_a_layer_with_a_blocked_copy_can_be_deep_copied_and_pickled():
     x = torch.randn(12, 96)
     with torch.inference_mode():
         want = lin(x)
-    assert lin._packed is not None
+    assert lin.packed is not None
     for twin in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
-        assert twin._packed is None
+        assert twin.packed is None
         with torch.inference_mode():
             torch.testing.assert_close(twin(x), want, rtol=1e-5, atol=1e-5)
 

@@ -140,9 +140,11 @@ def test_split_of_1b_checkpoint_keeps_a_small_peak(split_1b, synthetic_llama_1b)
 
 @pytest.mark.slow
 def test_serve_cloud_of_1b_shard_holds_about_the_shard(split_1b):
+    from conftest import cloud_forward
     from splitlm.cloud.local import free_port, wait_healthy
     from splitlm.model.shards import Manifest
     from splitlm.transport.client import CloudClient
+    from splitlm.transport.messages import Open
 
     shard = split_1b["out"] / "cloud"
     port = free_port()
@@ -155,7 +157,8 @@ def test_serve_cloud_of_1b_shard_holds_about_the_shard(split_1b):
         ready = time.perf_counter() - t0
         client = CloudClient(f"ws://127.0.0.1:{port}", Manifest.read(shard, "cloud").fingerprint)
         try:  # one forward touches every weight of the shard
-            out, _ = client.forward(client.open_session("fp16"), torch.randn(4, 2048), [0, 1, 2, 3], "fp16")
+            sid = client.open(Open("fp16")).session
+            out = cloud_forward(client, sid, torch.randn(4, 2048), [0, 1, 2, 3], "fp16").tensors["hidden"]
         finally:
             client.close()
         assert out.shape == (4, 2048) and torch.isfinite(out).all()

@@ -40,6 +40,7 @@ from splitlm.transport.frames import (
 )
 from splitlm.transport.handshake import ClientHandshake, server_handshake
 from splitlm.transport.keys import Identity
+from splitlm.transport.messages import Hello, Limits, ServerInfo
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 KEYS = DirectionKeys(bytes(range(32)), bytes(range(100, 112)))
@@ -222,7 +223,9 @@ def test_documented_test_vector(monkeypatch):
     monkeypatch.setattr(X25519PrivateKey, "generate", staticmethod(lambda: priv["e_s"]))
     info = {"server": "splitlm/0.1.0", "fingerprint": "0ea3882e8a74dced859753008aee3085",
             "limits": {"max_tokens_per_session": 8192, "max_tokens_per_forward": 2048, "max_frame_bytes": 67108864}}
-    ok_bytes, server_channel, client_key = server_handshake(server, decode_frame(hello), hello, info, 1)
+    assert ServerInfo.from_meta(info) == ServerInfo("splitlm/0.1.0", info["fingerprint"], Limits(8192, 2048, 67108864))
+    ok_bytes, server_channel, client_key = server_handshake(server, Hello.from_frame(decode_frame(hello)), hello,
+                                                            ServerInfo.from_meta(info), 1)
     assert ok_bytes == ok and client_key == client.public_bytes
     th = transcript_hash(hello, ok[:HEADER_SIZE + decode_header(ok).meta_len])
     assert th.hex() == values["th"]

@@ -15,17 +15,19 @@ from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import Frame, MsgType, decode_frame, encode_frame
-from splitlm.transport.handshake import ClientHandshake, hello_keys, server_handshake
+from splitlm.transport.handshake import ClientHandshake, server_handshake
 from splitlm.transport.keys import KnownHosts, generate_identity, write_identity
+from splitlm.transport.messages import Hello, ServerInfo
 
 SHARD_FP = "0ea3882e8a74dced859753008aee3085"
-INFO = {"server": "test", "limits": {}}
+INFO = {"server": "test", "fingerprint": SHARD_FP, "limits": {}}
 
 
 def handshake(client=None, server=None):
     client, server = client or generate_identity(), server or generate_identity()
     hs = ClientHandshake(client, SHARD_FP)
-    ok, server_channel, client_key = server_handshake(server, decode_frame(hs.hello_bytes), hs.hello_bytes, INFO, 1)
+    hello = Hello.from_frame(decode_frame(hs.hello_bytes), SHARD_FP)
+    ok, server_channel, client_key = server_handshake(server, hello, hs.hello_bytes, ServerInfo.from_meta(INFO), 1)
     return hs, ok, server_channel, client_key
 
 
@@ -62,7 +64,8 @@ def test_a_tampered_handshake_fails_confirmation(where):
     elif where == "hello-fingerprint":
         i = bytes(hello).index(SHARD_FP.encode())
         hello[i:i + 1] = b"f"
-    ok, _, _ = server_handshake(server, decode_frame(bytes(hello)), bytes(hello), INFO, 1)
+    ok, _, _ = server_handshake(server, Hello.from_frame(decode_frame(bytes(hello))), bytes(hello),
+                               ServerInfo.from_meta(INFO), 1)
     ok = bytearray(ok)
     if where == "ok-e":
         ok[bytes(ok).index(b"\xa1e\xc4\x20") + 10] ^= 0x40
@@ -81,13 +84,33 @@ def test_missing_malformed_and_degenerate_client_keys():
     for meta, code in [({**base, "s": None}, ErrorCode.AUTH_FAILED), ({**base, "s": b"short"}, ErrorCode.AUTH_FAILED),
                        ({**base, "e": "text"}, ErrorCode.BAD_REQUEST)]:
         with pytest.raises(ProtocolError) as e:
-            hello_keys(Frame(MsgType.HELLO, meta={k: v for k, v in meta.items() if v is not None}))
+            Hello.from_frame(Frame(MsgType.HELLO, meta={k: v for k, v in meta.items() if v is not None}), SHARD_FP)
         assert e.value.code == code
     low_order = bytes(32)  # the all-zero point: X25519 gives an all-zero secret
     hello = encode_frame(Frame(MsgType.HELLO, seq=1, meta={**base, "e": low_order}))
     with pytest.raises(ProtocolError) as e:
-        server_handshake(generate_identity(), decode_frame(hello), hello, INFO, 1)
+        server_handshake(generate_identity(), Hello.from_frame(decode_frame(hello)), hello, ServerInfo(), 1)
     assert e.value.code == ErrorCode.AUTH_FAILED and "low-order" in e.value.message
+
+
+def test_hello_is_checked_in_the_documented_order():
+    """§5 step 2: version, then the shard fingerprint, then s, then e (each check before the next)."""
+    ident = generate_identity()
+    hello = Hello(SHARD_FP, generate_identity().public_bytes, ident.public_bytes, seq=3)
+    frame = hello.to_frame()
+    assert list(frame.meta) == ["version", "fingerprint", "e", "s"] and frame.seq == 3
+    assert Hello.from_frame(decode_frame(encode_frame(frame)), SHARD_FP) == hello
+    cases = [({"version": 1, "fingerprint": "x", "s": None}, ErrorCode.VERSION_MISMATCH),
+             ({"fingerprint": "x", "s": None}, ErrorCode.FINGERPRINT_MISMATCH),
+             ({"s": None, "e": "text"}, ErrorCode.AUTH_FAILED)]
+    for change, code in cases:
+        meta = {k: v for k, v in {**frame.meta, **change}.items() if v is not None}
+        with pytest.raises(ProtocolError) as e:
+            Hello.from_frame(Frame(MsgType.HELLO, meta=meta), SHARD_FP)
+        assert e.value.code == code, change
+    assert "different splits" in str(pytest.raises(ProtocolError, Hello.from_frame,
+                                                   Frame(MsgType.HELLO, meta={**frame.meta, "fingerprint": "x"}),
+                                                   SHARD_FP).value)
 
 
 # -- against a live cloud ------------------------------------------------------------------------------------
@@ -127,7 +150,7 @@ def test_pinned_cloud_key(tiny_split, locked_server, keys, tmp_path):
     fp = shard_fp(tiny_split)
     client = CloudClient(locked_server.url, fp, identity=tmp_path / "alice.key", cloud_key=tmp_path / "cloud.pub")
     assert client.cloud_fingerprint == keys["cloud"].fingerprint == locked_server.fingerprint
-    assert client.server_info["fingerprint"] == fp
+    assert client.info.fingerprint == fp
     client.close()
     msg = expect(ErrorCode.SERVER_KEY_MISMATCH, CloudClient, locked_server.url, fp, identity=tmp_path / "alice.key",
                  cloud_key=keys["mallory"].fingerprint)

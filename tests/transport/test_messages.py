@@ -9,6 +9,7 @@ import torch
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import Frame, MsgType, decode_frame, encode_frame
 from splitlm.transport.messages import (
+    REPLY_TYPE,
     Close,
     Closed,
     Control,
@@ -101,6 +102,26 @@ def test_result_policy_and_close_round_trip():
     assert wire(Close().to_frame(9)).type == MsgType.CLOSE and wire(Closed(9).to_frame()).session == 9
     with pytest.raises(ProtocolError):
         PolicyChange.from_frame(Frame(MsgType.POLICY, 3, meta={"revoke": 1}))
+
+
+def test_one_table_names_each_requests_reply():
+    assert REPLY_TYPE == {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED,
+                          MsgType.FORWARD: MsgType.RESULT, MsgType.POLICY: MsgType.POLICY_OK,
+                          MsgType.CLOSE: MsgType.CLOSED}
+    assert Closed.from_frame(wire(Closed(9).to_frame())) == Closed(9)
+    with pytest.raises(ProtocolError):
+        Closed.from_frame(Frame(MsgType.OPENED, 9))
+
+
+def test_the_control_tuple_always_travels_through_to_meta():
+    """Defaults stay off the wire; the receiving client's timings never go on it."""
+    frame = Forward(torch.randn(1, 8), torch.tensor([0]), control=Control(cache=True, dtype="fp16")).to_frame(1, "fp32")
+    assert frame.meta["control"] == {"dtype": "fp16"}
+    assert "control" not in Forward(torch.randn(1, 8), torch.tensor([0])).to_frame(1, "fp32").meta
+    res = Result(5, {"hidden": torch.randn(1, 8)}, cache_len=1, round_trip_s=0.5, wait_s=0.25)
+    assert set(res.to_frame("fp32").meta) == {"tensors", "compute_s", "queue_s", "cache_len"}
+    got = Result.from_frame(wire(res.to_frame("fp32")), 100)
+    assert (got.round_trip_s, got.wait_s) == (0.0, 0.0)
 
 
 def test_a_message_refuses_another_type():

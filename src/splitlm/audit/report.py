@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from splitlm.result_files import suffixed, write_result
+
 UP_ORDER = ["freq", "nn", "lens", "probe-linear", "probe-mlp", "whitebox"]
 DOWN_ORDER = ["down-nn", "down-lens", "down-lens-next", "down-whitebox"]
 
@@ -282,18 +284,14 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def write_audit(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "audit.json"]
-    written[0].write_text(json.dumps(doc, indent=1))
-    plot_name = None
-    if plots:
-        plot(doc, out / "audit.png")
-        plot_name = "audit.png"
-        written.append(out / plot_name)
-    (out / "report.md").write_text(render_markdown(doc, plot_name))
-    written.append(out / "report.md")
-    return written
+    """Write DIR/audit.json, DIR/audit.png (with `plots`) and DIR/report.md; returns their paths."""
+    def draw(base: Path) -> list[Path]:
+        plot(doc, suffixed(base, ".png"))
+        return [suffixed(base, ".png")]
+
+    written = write_result(out, "audit", doc, markdown_name="report.md", plots=draw if plots else None,
+                           markdown=lambda pngs: render_markdown(doc, pngs[0].name if pngs else None))
+    return written.paths
 
 
 if __name__ == "__main__":  # re-render a report from its audit.json: python -m splitlm.audit.report DIR

@@ -37,7 +37,7 @@ from splitlm.audit.views import SplitView, batched, quality
 from splitlm.model.llama import Transformer
 from splitlm.progress import bar
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 __all__ = ["ATTACKS", "AuditConfig", "load_for_audit", "run_audit"]
 
@@ -81,11 +81,6 @@ class AuditConfig:
                                f"choose from {', '.join(ATTACKS)}")
         if self.candidates < 5:
             raise SplitLMError("--candidates must be at least 5")
-
-
-def log(msg: str) -> None:
-    """A status line (logging: shown unless --quiet)."""
-    logger.info("[audit] %s", msg)
 
 
 def shift_next(ranked: torch.Tensor, frequent: torch.Tensor) -> torch.Tensor:
@@ -160,122 +155,184 @@ def attack_uplink(config: AuditConfig, view: SplitView, attacker: Attacker, prob
     return ranks
 
 
+@dataclass
+class Defended:
+    """One defence at one head depth K: what the cloud receives and returns, and what it costs."""
+
+    view: SplitView  # the edge's view (a private head and tail under harden)
+    up: torch.Tensor  # [Ne, S, D] the uplink, defence applied
+    down: torch.Tensor  # [Ne, S, D] the downlink
+    quality: dict  # agreement, perplexity, uplink distance, bytes (+ the harden run's figures)
+    harden: HardenConfig  # what an adaptive attacker reruns to copy the defence
+
+    @property
+    def row_quality(self) -> dict:
+        return {"agreement": self.quality["agreement"], "ppl": self.quality["ppl"]}
+
+
+class AuditRun:
+    """One audit's shared state (the corpus, the held-out ids under attack, the rows so far) and its
+    steps: per head depth K the public attacker and its probes, then per defence the defended split,
+    the attacks on its uplink and downlink (fixed and adaptive attackers), and the report's rows."""
+
+    def __init__(self, model: Transformer, encode: Callable[[str], list[int]], docs: list[str],
+                 config: AuditConfig):
+        cfg = model.cfg
+        self.model, self.config = model, config
+        self.corpus = build_corpus(docs, encode, cfg.vocab_size, config.seq_len, config.max_train_tokens,
+                                   config.max_eval_tokens, seed=config.seed)
+        self.ids = self.corpus.held_out  # [Ne, S]
+        log.info(f"[audit] corpus: {self.corpus.train.numel()} training tokens ({self.corpus.train_docs} documents), "
+                 f"{self.ids.numel()} held-out tokens ({self.corpus.held_out_docs} documents)")
+        self.frequent = self.corpus.frequent(max(config.candidates, 5))
+        self.edge_text, self.attacker_text = self.corpus.train[0::2], self.corpus.train[1::2]  # who hardens on what
+        self.rows: list[dict] = []
+        freq_ranked = self.frequent[:5].expand(*self.ids.shape, 5)
+        for k in config.heads:
+            self.rows.append({"head": k, "link": "up", "attack": "freq", "defence": "none", "attacker": "fixed",
+                              **recovery(freq_ranked, self.ids), "tokens": self.ids.numel()})
+        full = SplitView(model, config.heads[0], config.tail)
+        self.ref_argmax = batched(lambda x: full.logits(full.down(full.up(x))).argmax(-1), self.ids)  # [Ne, S]
+        self.quality_rows: list[dict] = []
+        self.depth_rows: list[dict] = []
+        self.linear_probes: dict[int, LinearProbe] = {}
+        self.n_wb = max(1, min(self.ids.shape[0], config.whitebox_tokens // config.seq_len))
+        self.n_dwb = max(1, min(self.ids.shape[0], config.down_whitebox_tokens // config.seq_len))
+        self.undefended_down = None  # the downlink white-box result without a defence (the same for every K)
+
+    def add(self, k: int, defence: Defence, d: Defended, link: str, attack: str, ranked: torch.Tensor,
+            truth: torch.Tensor, who: str) -> None:
+        self.rows.append({"head": k, "link": link, "attack": attack, "defence": defence.name, "attacker": who,
+                          **recovery(ranked, truth), "tokens": truth.numel(), **d.row_quality})
+
+    def probes(self, attacker: Attacker, view: SplitView, mlp: bool = True) -> dict:
+        """The probes `attacker` trains on its own view of the public text (none without the probe attack)."""
+        if "probe" not in self.config.attacks:
+            return {}
+        train = self.corpus.train
+        return train_probes(attacker.uplink(view, train).flatten(0, 1), train.flatten(), self.model.embed_tokens.weight,
+                            self.config, mlp=mlp)
+
+    def audit_depth(self, k: int, stages) -> None:
+        """Every defence at head depth K, against the public attacker (and the adaptive ones)."""
+        view = SplitView(self.model, k, self.config.tail)
+        self.depth_rows.append(depth_cost(self.model, view, self.ids, self.config.tail))
+        fixed = public_attacker(view)
+        t0 = time.perf_counter()
+        fixed_probes = self.probes(fixed, view)
+        if fixed_probes:
+            self.linear_probes[k] = fixed_probes["probe-linear"]
+            log.info(f"[audit] K={k}: probes trained in {time.perf_counter() - t0:.0f} s")
+        stages.update()
+        for defence in self.config.defences:
+            t0 = time.perf_counter()
+            stages.set_postfix_str(f"K={k} {defence.name}")
+            d = self.defend(view, k, defence)
+            attackers = [("fixed", fixed, fixed_probes), *self.adaptive(view, k, defence, d, t0)]
+            self.quality_rows.append({"head": k, "defence": defence.name, **d.quality})
+            self.attack_links(view, k, defence, d, attackers)
+            self.attack_downlink(view, k, defence, d)
+            self.log_defence(k, defence, d, t0)
+            stages.update()
+
+    def defend(self, view: SplitView, k: int, defence: Defence) -> Defended:
+        """The split under `defence` at depth K (harden trains the private head and tail first)."""
+        config, ids = self.config, self.ids
+        dview, extra, hc = view, {}, config.harden
+        if defence.kind == "harden":
+            hc = replace(config.harden, steps=int(defence.value) or config.harden.steps, seed=config.seed)
+            result = harden_head(view, self.edge_text, hc)
+            dview = SplitView(self.model, k, config.tail, private_head=result.head, private_tail=result.tail)
+            extra = {"harden_steps": result.steps, "harden_s": round(result.seconds, 1),
+                     "private_tail": result.tail is not None}
+        up = defence.apply(batched(dview.up, ids), seed=config.seed + k)  # [Ne, S, D]
+        down = batched(dview.down, up)  # [Ne, S, D]
+        qual = {**quality(dview, down, ids, self.ref_argmax),
+                "uplink_distance": float(relative_distance(up, batched(view.up, ids)).mean()),
+                "wire_bytes_per_token": defence.wire_bytes_per_token(self.model.cfg.hidden_size), **extra}
+        return Defended(dview, up, down, qual, hc)
+
+    def adaptive(self, view: SplitView, k: int, defence: Defence, d: Defended,
+                 t0: float) -> list[tuple[str, Attacker, dict]]:
+        """The adaptive attacker of a defence (none without one, or with --no-adaptive)."""
+        config = self.config
+        if not config.adaptive or defence.kind == "none":
+            return []
+        adv = adaptive_attacker(view, defence, self.attacker_text, d.harden, seed=config.seed + 1000 + k)
+        adv_probes = self.probes(adv, view, mlp=config.adaptive_mlp)
+        d.quality["adaptive_setup_s"] = round(time.perf_counter() - t0, 1)
+        return [("adaptive", adv, adv_probes)]
+
+    def attack_links(self, view: SplitView, k: int, defence: Defence, d: Defended,
+                     attackers: list[tuple[str, Attacker, dict]]) -> None:
+        """Each attacker on the uplink (every attack) and on the tail's output (what the cloud reads)."""
+        fixed_ranks = None
+        for who, attacker, probes in attackers:
+            ranks = attack_uplink(self.config, view, attacker, probes, d.up, self.ids, self.frequent, self.n_wb,
+                                  fixed_ranks)
+            fixed_ranks = fixed_ranks or ranks
+            for name, ranked in ranks.items():
+                self.add(k, defence, d, "up", name, ranked, self.ids[:ranked.shape[0]], who)
+            edge_argmax, cloud = tail_ranks(d.view, d.down, attacker.tail)
+            self.add(k, defence, d, "down", "tail-output", cloud, edge_argmax, who)
+
+    def attack_downlink(self, view: SplitView, k: int, defence: Defence, d: Defended) -> None:
+        """The public attacker on the downlink: nearest embedding, logit lens, and (undefended) white-box."""
+        config, ids = self.config, self.ids
+        flat_down, shape = d.down.flatten(0, 1), (*ids.shape, -1)
+        down_ranks = {}
+        if "nn" in config.attacks:
+            down_ranks["down-nn"] = rank_nn(flat_down, self.model.embed_tokens.weight, config.candidates).view(shape)
+        if "lens" in config.attacks:
+            lens_down = rank_lens(flat_down, self.model, config.candidates).view(shape)
+            down_ranks["down-lens"] = lens_down
+            down_ranks["down-lens-next"] = shift_next(lens_down, self.frequent)
+        for name, ranked in down_ranks.items():
+            self.add(k, defence, d, "down", name, ranked, ids, "fixed")
+        if "whitebox" in config.attacks and defence.kind == "none":
+            if self.undefended_down is None:  # layers [0, L-M) whatever K is: searched once
+                n = self.n_dwb
+                cands = merge_candidates([r[:n].flatten(0, 1) for r in down_ranks.values()], self.frequent,
+                                         config.candidates, n * config.seq_len)
+                self.undefended_down = whitebox(view.down_prefix, view.embed, d.down[:n],
+                                                cands.view(n, config.seq_len, -1))
+            self.add(k, defence, d, "down", "down-whitebox", self.undefended_down, ids[:self.n_dwb], "fixed")
+
+    def log_defence(self, k: int, defence: Defence, d: Defended, t0: float) -> None:
+        summary = ", ".join(f"{r['attack']}{'*' if r['attacker'] == 'adaptive' else ''} {r['top1']:.2f}"
+                            for r in self.rows if r["head"] == k and r["defence"] == defence.name
+                            and r["attack"] in ("probe-linear", "whitebox", "tail-output"))
+        log.info(f"[audit] K={k} {defence.name}: agreement {d.quality['agreement']:.3f}, ppl {d.quality['ppl']:.2f}; "
+                 f"top-1 {summary} (* adaptive; {time.perf_counter() - t0:.0f} s)")
+
+    def document(self, load_start: list[float]) -> dict:
+        cfg, config = self.model.cfg, self.config
+        return {
+            "config": {**asdict(config), "defences": [d.name for d in config.defences]},
+            "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
+            "corpus": corpus_summary(self.corpus),
+            "rows": self.rows,
+            "quality": self.quality_rows,
+            "depth": self.depth_rows,
+            "load_average_start": load_start,
+        }
+
+
 def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list[str], config: AuditConfig) -> dict:
+    """The audit of `model` on `docs` (a JSON-ready document; `report.py` writes it out)."""
     t_start = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
-    cfg = model.cfg
-    config.check(cfg.num_layers)
+    config.check(model.cfg.num_layers)
     model.eval()
-    corpus = build_corpus(docs, encode, cfg.vocab_size, config.seq_len, config.max_train_tokens,
-                          config.max_eval_tokens, seed=config.seed)
-    ids = corpus.held_out  # [Ne, S]
-    log(f"corpus: {corpus.train.numel()} training tokens ({corpus.train_docs} documents), "
-        f"{ids.numel()} held-out tokens ({corpus.held_out_docs} documents)")
-    frequent = corpus.frequent(max(config.candidates, 5))
-    edge_text, attacker_text = corpus.train[0::2], corpus.train[1::2]  # who hardens on what (harden)
-    rows: list[dict] = []
-    freq_ranked = frequent[:5].expand(*ids.shape, 5)
-    for k in config.heads:
-        rows.append({"head": k, "link": "up", "attack": "freq", "defence": "none", "attacker": "fixed",
-                     **recovery(freq_ranked, ids), "tokens": ids.numel()})
-    full = SplitView(model, config.heads[0], config.tail)
-    ref_argmax = batched(lambda x: full.logits(full.down(full.up(x))).argmax(-1), ids)  # [Ne, S]
-    quality_rows, depth_rows, linear_probes = [], [], {}
-    n_wb = max(1, min(ids.shape[0], config.whitebox_tokens // config.seq_len))
-    n_dwb = max(1, min(ids.shape[0], config.down_whitebox_tokens // config.seq_len))
-    undefended_down = None  # the downlink white-box result without a defence (the same for every K)
-    use_probes = "probe" in config.attacks
-    emb = model.embed_tokens.weight
+    run = AuditRun(model, encode, docs, config)
     tracing = config.output_prompts > 0
     stages = bar(len(config.heads) * (1 + len(config.defences)) + (2 if tracing else 0), "audit",
                  unit="stage")  # probes + each defence (+ tracing, its attacks)
     for k in config.heads:
-        view = SplitView(model, k, config.tail)
-        depth_rows.append(depth_cost(model, view, ids, config.tail))
-        fixed = public_attacker(view)
-        fixed_probes = {}
-        if use_probes:
-            t0 = time.perf_counter()
-            fixed_probes = train_probes(fixed.uplink(view, corpus.train).flatten(0, 1), corpus.train.flatten(), emb,
-                                        config)
-            linear_probes[k] = fixed_probes["probe-linear"]
-            log(f"K={k}: probes trained in {time.perf_counter() - t0:.0f} s")
-        stages.update()
-        for defence in config.defences:
-            t0 = time.perf_counter()
-            stages.set_postfix_str(f"K={k} {defence.name}")
-            dview, extra = view, {}
-            if defence.kind == "harden":
-                hc = replace(config.harden, steps=int(defence.value) or config.harden.steps, seed=config.seed)
-                result = harden_head(view, edge_text, hc)
-                dview = SplitView(model, k, config.tail, private_head=result.head, private_tail=result.tail)
-                extra = {"harden_steps": result.steps, "harden_s": round(result.seconds, 1),
-                         "private_tail": result.tail is not None}
-            up = defence.apply(batched(dview.up, ids), seed=config.seed + k)  # [Ne, S, D]
-            down = batched(dview.down, up)  # [Ne, S, D]
-            qual = {**quality(dview, down, ids, ref_argmax),
-                    "uplink_distance": float(relative_distance(up, batched(view.up, ids)).mean()),
-                    "wire_bytes_per_token": defence.wire_bytes_per_token(cfg.hidden_size), **extra}
-            row_q = {"agreement": qual["agreement"], "ppl": qual["ppl"]}
-
-            def add(link: str, attack: str, ranked: torch.Tensor, truth: torch.Tensor, who: str,
-                    k=k, defence=defence, row_q=row_q) -> None:
-                rows.append({"head": k, "link": link, "attack": attack, "defence": defence.name, "attacker": who,
-                             **recovery(ranked, truth), "tokens": truth.numel(), **row_q})
-
-            attackers = [("fixed", fixed, fixed_probes)]
-            if config.adaptive and defence.kind != "none":
-                adv = adaptive_attacker(view, defence, attacker_text, config.harden if defence.kind != "harden" else hc,
-                                        seed=config.seed + 1000 + k)
-                adv_probes = {}
-                if use_probes:
-                    adv_probes = train_probes(adv.uplink(view, corpus.train).flatten(0, 1), corpus.train.flatten(),
-                                              emb, config, mlp=config.adaptive_mlp)
-                attackers.append(("adaptive", adv, adv_probes))
-                qual["adaptive_setup_s"] = round(time.perf_counter() - t0, 1)
-            quality_rows.append({"head": k, "defence": defence.name, **qual})
-            fixed_ranks = None
-            for who, attacker, probes in attackers:
-                ranks = attack_uplink(config, view, attacker, probes, up, ids, frequent, n_wb, fixed_ranks)
-                fixed_ranks = fixed_ranks or ranks
-                for name, ranked in ranks.items():
-                    add("up", name, ranked, ids[:ranked.shape[0]], who)
-                edge_argmax, cloud = tail_ranks(dview, down, attacker.tail)
-                add("down", "tail-output", cloud, edge_argmax, who)
-            flat_down, shape = down.flatten(0, 1), (*ids.shape, -1)
-            down_ranks = {}
-            if "nn" in config.attacks:
-                down_ranks["down-nn"] = rank_nn(flat_down, emb, config.candidates).view(shape)
-            if "lens" in config.attacks:
-                lens_down = rank_lens(flat_down, model, config.candidates).view(shape)
-                down_ranks["down-lens"] = lens_down
-                down_ranks["down-lens-next"] = shift_next(lens_down, frequent)
-            for name, ranked in down_ranks.items():
-                add("down", name, ranked, ids, "fixed")
-            if "whitebox" in config.attacks and defence.kind == "none":
-                if undefended_down is None:  # layers [0, L-M) whatever K is: searched once
-                    cands = merge_candidates([r[:n_dwb].flatten(0, 1) for r in down_ranks.values()], frequent,
-                                             config.candidates, n_dwb * config.seq_len)
-                    undefended_down = whitebox(view.down_prefix, view.embed, down[:n_dwb],
-                                               cands.view(n_dwb, config.seq_len, -1))
-                add("down", "down-whitebox", undefended_down, ids[:n_dwb], "fixed")
-            summary = ", ".join(f"{r['attack']}{'*' if r['attacker'] == 'adaptive' else ''} {r['top1']:.2f}"
-                                for r in rows if r["head"] == k and r["defence"] == defence.name
-                                and r["attack"] in ("probe-linear", "whitebox", "tail-output"))
-            log(f"K={k} {defence.name}: agreement {qual['agreement']:.3f}, ppl {qual['ppl']:.2f}; top-1 {summary} "
-                f"(* adaptive; {time.perf_counter() - t0:.0f} s)")
-            stages.update()
-    doc = {
-        "config": {**asdict(config), "defences": [d.name for d in config.defences]},
-        "model": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
-        "corpus": corpus_summary(corpus),
-        "rows": rows,
-        "quality": quality_rows,
-        "depth": depth_rows,
-        "load_average_start": load_start,
-    }
+        run.audit_depth(k, stages)
+    doc = run.document(load_start)
     if tracing:
-        doc.update(trace_audit(model, encode, config, linear_probes, stages))
+        doc.update(trace_audit(model, encode, config, run.linear_probes, stages))
     stages.close()
     doc["wall_s"] = round(time.perf_counter() - t_start, 1)
     doc["threads"] = torch.get_num_threads()
@@ -294,7 +351,7 @@ def trace_audit(model: Transformer, encode: Callable[[str], list[int]], config: 
     stages.set_postfix_str("tracing decoding")
     traces = [trace_generation(model, encode(p), label, layers, config.output_tokens, config.spec)
               for label, p in prompts]
-    log(f"traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
+    log.info(f"[audit] traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
         f"{sum(len(t.steps) - 1 for t in traces)} steps) in {time.perf_counter() - t0:.0f} s")
     stages.update()
     stages.set_postfix_str("output leakage")
@@ -308,7 +365,7 @@ def trace_audit(model: Transformer, encode: Callable[[str], list[int]], config: 
             estimated.append(len(reconstruct(t, outs, checked_guesses(model, t, last, k, outs[last]) if last else [])))
     meta = metadata_audit(traces, estimated, config.output_tokens)
     stages.update()
-    log(f"output leakage and metadata in {time.perf_counter() - t0:.0f} s")
+    log.info(f"[audit] output leakage and metadata in {time.perf_counter() - t0:.0f} s")
     return {"output": output_rows, "metadata": meta, "trace_s": round(time.perf_counter() - t0, 1)}
 
 

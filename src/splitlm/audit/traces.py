@@ -15,6 +15,7 @@ import torch
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.step import StepResult
 from splitlm.model.llama import Transformer
 
 
@@ -68,17 +69,16 @@ class TracingSession(LocalSession):
         self.trace.steps[-1].keep = None if keep is None else list(keep)
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> torch.Tensor:
+                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> StepResult:
         super().settle(keep)  # before the positions: they follow the kept entries
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
-        logits = super().forward(ids, positions, mask)  # [T, V], every row: the trace keeps each one's argmax
+        logits = super().forward(ids, positions, mask).out  # [T, V], every row: the trace keeps each one's argmax
         out = logits.argmax(-1)
         self.trace.steps.append(Step(list(ids), list(positions), None if mask is None else mask.clone(), out.tolist(),
                                      dict(self._hidden), prefill=not self.trace.steps))
-        self.last_step = {"tokens": len(ids), "network_s": self.rtt_s, "compute_s": self.c0_s + self.c1_s * len(ids)}
         logits = logits if rows is None else logits[rows]
-        return logits.argmax(-1) if argmax else logits
+        return StepResult(logits.argmax(-1) if argmax else logits, len(ids), self.rtt_s, self.c0_s + self.c1_s * len(ids))
 
 
 def trace_generation(model: Transformer, prompt: list[int], label: str, layers: set[int], max_new_tokens: int = 32,

@@ -8,14 +8,17 @@ the first difference, the usual way split systems drift), and decoding bytes per
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from splitlm.bench.modes import BenchContext, run_edge, teacher_forced_agreement
 from splitlm.decoding.speculative import SpecConfig
 
+log = logging.getLogger(__name__)
+
 
 def codec_rows(make_context: Callable[[str], BenchContext], prompts: list, reference: dict[str, list[int]],
-               codecs: list[str], max_new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
+               codecs: list[str], max_new_tokens: int) -> list[dict]:
     """`make_context(codec)`: a bench context whose edge reaches the cloud with that wire codec."""
     rows = []
     for codec in codecs:
@@ -42,7 +45,7 @@ def codec_rows(make_context: Callable[[str], BenchContext], prompts: list, refer
                "exact_match": round(exact / len(prompts), 4) if prompts else None,
                "bytes_up_per_token": round(up / decode_tokens, 1) if decode_tokens else None,
                "bytes_down_per_token": round(down / decode_tokens, 1) if decode_tokens else None}
-        progress(f"codec {codec:<5} agreement {row['teacher_forced_agreement']}  greedy prefix "
+        log.info(f"[bench] codec {codec:<5} agreement {row['teacher_forced_agreement']}  greedy prefix "
                  f"{row['greedy_prefix_agreement']}  B/tok up {row['bytes_up_per_token']} down {row['bytes_down_per_token']}")
         rows.append(row)
     return rows

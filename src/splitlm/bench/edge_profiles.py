@@ -21,8 +21,8 @@ The ONNX graphs are exported into a private copy of the edge shard first (the ex
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -32,6 +32,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 PROFILES = {"torch-fp32": ("cpu", "fp32"), "torch-bf16": ("cpu", "bf16"), "onnx-fp32": ("onnx", "auto"),
             "onnx-int8": ("onnx:int8", "auto")}
@@ -92,7 +94,7 @@ def _child() -> None:
         for ids, cont in zip(prompts, reference, strict=True):
             session = edge.open_session()
             try:
-                logits = session.forward(ids + cont[:-1])  # [T, V], one round trip
+                logits = session.forward(ids + cont[:-1]).out  # [T, V], one round trip
             finally:
                 session.close()
             predicted = logits[len(ids) - 1:].argmax(-1).tolist()
@@ -106,7 +108,7 @@ def _child() -> None:
     peak = peak_rss_bytes()
     out.update(peak_rss_mb=round(peak / MiB, 1), baseline_rss_mb=round(baseline / MiB, 1),
                loaded_rss_mb=round(loaded / MiB, 1), added_peak_mb=round((peak - baseline) / MiB, 1))
-    print(json.dumps(out))
+    sys.stdout.write(json.dumps(out) + "\n")  # the child's result: one JSON line that run_profile reads
 
 
 def run_profile(name: str, edge_dir: Path, url: str, prompts: list[dict], max_new_tokens: int, threads: int,
@@ -132,7 +134,7 @@ def private_edge(edge_dir: Path, root: Path) -> Path:
     return copy
 
 
-def edge_profiles_doc(split_dir: Path, prompts: list[dict], max_new_tokens: int, threads: int, progress) -> dict:
+def edge_profiles_doc(split_dir: Path, prompts: list[dict], max_new_tokens: int, threads: int) -> dict:
     from splitlm.cloud.server import BackgroundServer
     from splitlm.model.onnx_export import export_edge_onnx, graph_file
     from splitlm.model.shards import load_edge
@@ -144,11 +146,11 @@ def edge_profiles_doc(split_dir: Path, prompts: list[dict], max_new_tokens: int,
         export_edge_onnx(load_edge(edge_dir), edge_dir, int8=True)
         export_s = time.perf_counter() - start
         sizes = {p: sum(graph_file(edge_dir, s, p).stat().st_size for s in ("head", "tail")) for p in ("fp32", "int8")}
-        progress(f"exported the ONNX graphs in {export_s:.1f} s")
+        log.info(f"[bench] exported the ONNX graphs in {export_s:.1f} s")
         with BackgroundServer(split_dir / "cloud") as server:
             reference = None
             for name in PROFILES:
-                progress(f"profile {name} ...")
+                log.info(f"[bench] profile {name} ...")
                 row = run_profile(name, edge_dir, server.url, prompts, max_new_tokens, threads, reference)
                 if reference is None and "error" not in row:
                     reference = row["tokens_none"]
@@ -184,18 +186,19 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def edge_profiles_main(args: argparse.Namespace, config, progress, split_dir: Path) -> int:
-    """`splitlm bench --edge-profiles` on the split in `split_dir` (tail-local; the bench resolves it)."""
+def heldout_prompts(prompts_file: str = "", limit: int | None = None) -> list[dict]:
+    """The first `limit` (default 8) prompts of `prompts_file`, else of benchmarks/prompts-heldout.json."""
     from splitlm.bench.prompts import load_prompts
-    from splitlm.bench.report import stamped_base, suffixed, write_json
 
-    path = Path(config.prompts) if config.prompts else Path(__file__).parents[3] / "benchmarks" / "prompts-heldout.json"
-    prompts = [{"prompt": p.prompt, "chat": p.chat} for p in load_prompts(path)][: config.limit or 8]
-    doc = edge_profiles_doc(split_dir, prompts, config.max_new_tokens, args.threads or 2, progress)
-    target = write_json(suffixed(stamped_base(config.out, "edge-profiles", doc["created"]), ".json"), doc)
-    print(markdown(doc))
-    progress(f"wrote {target}")
-    return 0
+    path = Path(prompts_file) if prompts_file else Path(__file__).parents[3] / "benchmarks" / "prompts-heldout.json"
+    return [{"prompt": p.prompt, "chat": p.chat} for p in load_prompts(path)][: limit or 8]
+
+
+def write_results(doc: dict, out: str | Path) -> list[Path]:
+    """Write `edge-profiles-<stamp>.json`; returns its path in a list."""
+    from splitlm.result_files import time_stamp, write_result
+
+    return write_result(out, "edge-profiles", doc, stamp=time_stamp(doc["created"])).paths
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 from splitlm.bench.wan import WanConfig, WanEmulator
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecConfig
+from splitlm.result_files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="undisturbed runs per case")
     p.add_argument("--prompt", default="List the planets of the solar system, one per line.")
     p.add_argument("--ping-interval", type=float, default=20.0)
-    p.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
+    p.add_argument("--out", type=Path, default=None, help="write the report (JSON) here; the summary goes to stderr")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     split = cached_split(args.model)
@@ -133,11 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         report = cut_runs(edge, wan, args.prompt, args.runs, args.max_new_tokens, repeats=args.repeats, chat=True)
     report.update(model=args.model, rtt_ms=args.rtt_ms, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    text = json.dumps(report, indent=1)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+        write_json(args.out, report)
+    log.info("%s", json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     return 0 if report["identical"] == report["total"] else 1
 
 

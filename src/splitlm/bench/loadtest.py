@@ -31,9 +31,7 @@ with `speedup` (batched / max-batch 1 aggregate tok/s) or, with `--ray-replicas`
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -42,8 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.bench.prompts import Prompt
 from splitlm.bench.suite import DEFAULT_OUT
 from splitlm.progress import track
+from splitlm.result_files import write_result
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,6 @@ class SessionRun:
     @property
     def latencies(self) -> list[float]:
         return [b - a for a, b in self.steps]
-
-
-def progress(msg: str) -> None:
-    """A status line (logging: shown unless --quiet)."""
-    log.info("[loadtest] %s", msg)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -242,7 +237,7 @@ def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompt
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.edge import Edge
 
-    progress(f"{name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
+    log.info(f"[loadtest] {name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
     with contextlib.ExitStack() as stack:
         url = cloud
         if config.rtt_ms > 0:
@@ -258,7 +253,7 @@ def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompt
             result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
                                                           config.max_new_tokens, spec, config.prefill_chunk)
     lat = result["step_latency_ms"]
-    progress(f"{name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+    log.info(f"[loadtest] {name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
              f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}")
     return result
 
@@ -278,15 +273,11 @@ def run_loadtest(config: LoadConfig) -> dict:
         torch.set_num_threads(threads)  # a caller in this process (tests) keeps its own setting
 
 
-def _run(config: LoadConfig) -> dict:
-    from splitlm.bench.prompts import default_prompts_path, load_prompts, tokenize
+def shard_dirs(config: LoadConfig) -> tuple[Path, Path]:
+    """(edge shard, cloud shard): `--edge`'s and its sibling `cloud/`, or a split of `--model` made here."""
     from splitlm.bench.suite import BenchConfig, resolve_split
-    from splitlm.edge import Edge
-    from splitlm.edge.runtime import as_spec
     from splitlm.model.loading import resolve_model
 
-    spec = as_spec(config.spec)
-    prompt_set = load_prompts(config.prompts or default_prompts_path())
     if config.edge:  # no reference model needed: outputs are compared with the single-session run
         edge_dir, cloud_dir = Path(config.edge), Path(config.edge).parent / "cloud"
         if not (edge_dir / "manifest.json").is_file():
@@ -297,6 +288,12 @@ def _run(config: LoadConfig) -> dict:
         edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
     if not config.cloud and not (cloud_dir / "manifest.json").is_file():
         raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
+    return edge_dir, cloud_dir
+
+
+def cloud_configs(config: LoadConfig) -> tuple[list[str], list[tuple[str, list[str] | None]]]:
+    """(the baseline's serve-cloud arguments, the configurations measured: (name, their arguments;
+    None = the running `--cloud`))."""
     # one client key for all sessions (they share an Edge): lift the per-client session limit
     n = config.sessions + 2
     chunk = ["--prefill-chunk", str(config.prefill_chunk), "--max-sessions-per-client", str(n),
@@ -304,34 +301,41 @@ def _run(config: LoadConfig) -> dict:
     baseline = ["--max-batch", "1", *chunk]
     batched = ["--max-batch", str(config.max_batch), *chunk]
     if config.cloud:
-        configs = [("cloud", None)]
-    elif config.ray_replicas:  # the single-process cloud next to the Ray cloud, same scheduler settings
+        return baseline, [("cloud", None)]
+    if config.ray_replicas:  # the single-process cloud next to the Ray cloud, same scheduler settings
         ray = ["--ray", "--replicas", str(config.ray_replicas), "--stages", str(config.ray_stages), *batched]
-        configs = [("batched", batched), (f"ray-{config.ray_replicas}x{config.ray_stages}", ray)]
-    else:
-        configs = [("batched", batched), ("max-batch-1", baseline)]
-    with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
-            Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
-        if edge.tokenizer is not None:
-            tokenize(prompt_set, edge.tokenizer)
-            ids = [p.ids for p in prompt_set]
-        else:  # a test model without a tokenizer: prompts of token ids
-            ids = [[(7 * i + 3 * j) % (edge.cfg.vocab_size - 3) + 3 for j in range(3 + i % 5)] for i in range(8)]
-        prompts = [ids[i % len(ids)] for i in range(config.sessions)]
-        progress(f"reference: each of {config.sessions} prompts alone")
-        reference = []
-        for p in track(prompts, "loadtest: references", unit="session"):
-            run = SessionRun()
-            decode(edge, p, config.max_new_tokens, spec, run)
-            if run.error:
-                raise SplitLMError(f"the single-session reference failed: {run.error}")
-            reference.append(run.tokens)
-    started = time.time()
-    results = []
-    for name, extra in track(configs, "loadtest", unit="cloud"):
-        with cloud_url(cloud_dir, extra, config.cloud) as url:
-            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
-                            "cloud_args": extra})
+        return baseline, [("batched", batched), (f"ray-{config.ray_replicas}x{config.ray_stages}", ray)]
+    return baseline, [("batched", batched), ("max-batch-1", baseline)]
+
+
+def session_prompts(edge, prompt_set: list[Prompt], sessions: int) -> list[list[int]]:
+    """The sessions' prompts: the prompt set's in turn (token ids for a test model without a tokenizer)."""
+    from splitlm.bench.prompts import tokenize
+
+    if edge.tokenizer is not None:
+        tokenize(prompt_set, edge.tokenizer)
+        ids = [p.ids for p in prompt_set]
+    else:  # a test model without a tokenizer: prompts of token ids
+        ids = [[(7 * i + 3 * j) % (edge.cfg.vocab_size - 3) + 3 for j in range(3 + i % 5)] for i in range(8)]
+    return [ids[i % len(ids)] for i in range(sessions)]
+
+
+def references(edge, prompts: list[list[int]], config: LoadConfig, spec) -> list[list[int]]:
+    """Each session's tokens when it runs alone (what the concurrent runs must reproduce)."""
+    log.info(f"[loadtest] reference: each of {config.sessions} prompts alone")
+    reference = []
+    for p in track(prompts, "loadtest: references", unit="session"):
+        run = SessionRun()
+        decode(edge, p, config.max_new_tokens, spec, run)
+        if run.error:
+            raise SplitLMError(f"the single-session reference failed: {run.error}")
+        reference.append(run.tokens)
+    return reference
+
+
+def loadtest_doc(config: LoadConfig, started: float, results: list[dict]) -> dict:
+    """The result document: the first configuration's figures at the top, every configuration's in
+    `configurations`, and their ratio."""
     doc = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
            "config": asdict(config), "cpu_count": os.cpu_count(),
            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -345,6 +349,33 @@ def _run(config: LoadConfig) -> dict:
         else:
             doc["speedup"] = round(first / second, 2)
     return doc
+
+
+def _run(config: LoadConfig) -> dict:
+    from splitlm.bench.prompts import default_prompts_path, load_prompts
+    from splitlm.edge import Edge
+    from splitlm.edge.runtime import as_spec
+
+    spec = as_spec(config.spec)
+    prompt_set = load_prompts(config.prompts or default_prompts_path())
+    edge_dir, cloud_dir = shard_dirs(config)
+    baseline, configs = cloud_configs(config)
+    with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
+            Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
+        prompts = session_prompts(edge, prompt_set, config.sessions)
+        reference = references(edge, prompts, config, spec)
+    started = time.time()
+    results = []
+    for name, extra in track(configs, "loadtest", unit="cloud"):
+        with cloud_url(cloud_dir, extra, config.cloud) as url:
+            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
+                            "cloud_args": extra})
+    return loadtest_doc(config, started, results)
+
+
+def write_results(doc: dict, out: str | Path) -> list[Path]:
+    """Write `loadtest-<started>.json`; returns its path in a list."""
+    return write_result(out, "loadtest", doc, stamp=doc["started"].replace(":", "")).paths
 
 
 def markdown(doc: dict) -> str:
@@ -369,49 +400,3 @@ def markdown(doc: dict) -> str:
     if "ray_vs_single_process" in doc:
         lines += ["", f"aggregate tok/s Ray cloud / single-process cloud: {doc['ray_vs_single_process']}x"]
     return "\n".join(lines)
-
-
-def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
-    d = LoadConfig()
-    p.add_argument("--sessions", type=int, default=d.sessions, help=f"concurrent edge sessions (default {d.sessions})")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per session")
-    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch,
-                   help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
-    p.add_argument("--spec", default=d.spec, help="decoding mode of the sessions (default none: one token per step)")
-    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
-                   help=f"length of the interfering prompt of phase 2 (default {d.prefill_tokens}; 0 = skip it)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help=f"the started clouds' --prefill-chunk (default {d.prefill_chunk})")
-    p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
-    p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
-    p.add_argument("--head", type=int, default=d.head, help="layers [0, K) on the edge of the split made here")
-    p.add_argument("--tail", type=int, default=None, help="layers [L-M, L) on the edge (default 2)")
-    p.add_argument("--edge", default="", metavar="DIR",
-                   help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
-    p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")
-    p.add_argument("--ray-replicas", type=int, default=0, metavar="R",
-                   help="compare the single-process cloud with `serve-cloud --ray --replicas R` (a local Ray "
-                        "instance; needs the ray extra) instead of --max-batch 1")
-    p.add_argument("--ray-stages", type=int, default=1, metavar="S", help="the Ray cloud's --stages (default 1)")
-    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
-    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
-
-
-def loadtest_main(args) -> int:
-    config = LoadConfig(args.sessions, args.max_new_tokens, args.rtt_ms, args.max_batch, args.spec,
-                        args.prefill_tokens, args.prefill_chunk, args.wire_dtype, args.model, args.head, args.tail, args.edge,
-                        args.cloud, args.ray_replicas, args.ray_stages, args.prompts, args.out, args.json)
-    doc = run_loadtest(config)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"loadtest-{doc['started'].replace(':', '')}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
-    if config.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(markdown(doc))
-        print(f"\nwrote {path}")
-    ok = all(r["identical_outputs"] == r["sessions"] and not r["errors"] for r in doc["configurations"])
-    return 0 if ok else 1

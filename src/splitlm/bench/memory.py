@@ -80,14 +80,14 @@ def _child() -> None:
     finally:
         ctx.close()
     peak = peak_rss_bytes()
-    print(json.dumps({
+    sys.stdout.write(json.dumps({  # the child's result: one JSON line that probe_memory reads
         "peak_rss_mb": round(peak / MiB, 1),
         "baseline_rss_mb": None if baseline is None else round(baseline / MiB, 1),
         "added_mb": None if baseline is None else round((peak - baseline) / MiB, 1),
         "weights_mb": round(sum(weights.values()) / MiB, 1),
         "prompt_tokens": len(spec["prompt_ids"]),
         "new_tokens": len(run.token_ids),
-    }))
+    }) + "\n")
 
 
 if __name__ == "__main__":

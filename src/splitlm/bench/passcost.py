@@ -11,9 +11,11 @@ the WAN's round trip.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,9 @@ from splitlm.model.device import dtype_name
 from splitlm.model.llama import LayerStack
 from splitlm.model.materialise import real_buffers
 from splitlm.model.synthetic import SHAPES, SyntheticSpec, make_tensor, tensor_specs
+from splitlm.result_files import time_stamp, write_result
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,7 +68,7 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, tokens: list[int], context: int = 512,
-            reps: int = 10, progress=None) -> list[PassCost]:
+            reps: int = 10) -> list[PassCost]:
     stack = middle_layers(spec, device, dtype)
     cfg = stack.cfg
     gen = torch.Generator(device).manual_seed(0)
@@ -87,16 +92,15 @@ def measure(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, token
         ms = statistics.median(times) * 1000
         rows.append(PassCost(spec.name, str(device), dtype_name(dtype), len(stack.layers), context, t, round(ms, 3),
                              round(ms / t, 4)))
-        if progress is not None:
-            progress(f"pass cost {spec.name} {device} {dtype_name(dtype)}: T={t:<4} {ms:8.2f} ms")
+        log.info(f"[bench] pass cost {spec.name} {device} {dtype_name(dtype)}: T={t:<4} {ms:8.2f} ms")
     return rows
 
 
 def pass_cost_doc(shape: str, device: torch.device, dtypes: list[torch.dtype], tokens: list[int], context: int,
-                  reps: int, progress=None) -> dict:
+                  reps: int) -> dict:
     if shape not in SHAPES:
         raise SplitLMError(f"unknown shape {shape!r} for --pass-cost (choose from {', '.join(SHAPES)})")
-    rows = [r for dtype in dtypes for r in measure(SHAPES[shape], device, dtype, tokens, context, reps, progress)]
+    rows = [r for dtype in dtypes for r in measure(SHAPES[shape], device, dtype, tokens, context, reps)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"schema": "splitlm.pass-cost/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "shape": shape, "config": SHAPES[shape].config, "device": str(device), "device_name": name,
@@ -110,3 +114,9 @@ def markdown(doc: dict) -> str:
     lines += [f"| {r['dtype']} | {r['layers']} | {r['context']} | {r['tokens']} | {r['ms']:.2f} | {r['ms_per_token']:.3f} |"
               for r in doc["rows"]]
     return "\n".join(lines) + "\n"
+
+
+def write_results(doc: dict, out: str | Path) -> list[Path]:
+    """Write `pass-cost-<shape>-<device type>-<stamp>.json`; returns its path in a list."""
+    kind = f"pass-cost-{doc['shape']}-{torch.device(doc['device']).type}"
+    return write_result(out, kind, doc, stamp=time_stamp(doc["created"])).paths

@@ -20,16 +20,17 @@ unchunked run the same sum with one chunk is the stages one after another.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import logging
 import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError, __version__
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "splitlm.bench.prefill/1"
 DEFAULT_OUT = Path("benchmarks") / "prefill"
@@ -52,10 +53,6 @@ class PrefillBenchConfig:
     cloud_device: str | None = None
     cloud_dtype: str | None = None
     out: str = str(DEFAULT_OUT)
-
-
-def progress(msg: str) -> None:
-    print(f"[bench prefill] {msg}", file=sys.stderr, flush=True)
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -86,7 +83,7 @@ def run_once(edge, ids: list[int], streamed: bool, mbps: float, rtt_s: float) ->
     session = edge.open_session()
     try:
         start = time.perf_counter()
-        first = int(session.forward(ids, rows=[len(ids) - 1], argmax=True)[-1])
+        first = int(session.forward(ids, rows=[len(ids) - 1], argmax=True).out[-1])
         ttft = time.perf_counter() - start
         s = session.stats
         row = {"mode": "streamed" if streamed else "unchunked", "ttft_s": ttft, "rtt_s": rtt_s, "round_trips": s.round_trips,
@@ -108,7 +105,7 @@ def run_once(edge, ids: list[int], streamed: bool, mbps: float, rtt_s: float) ->
         row.update(stages_s=stages, bound_s=bound, slowest=slowest)
         tokens = [first]
         for _ in range(DECODE_TOKENS):
-            tokens.append(int(session.forward([tokens[-1]], argmax=True)[-1]))
+            tokens.append(int(session.forward([tokens[-1]], argmax=True).out[-1]))
         row["tokens"] = tokens
         if run is not None:
             row["chunk_log"] = [asdict(c) for c in run.chunks]
@@ -150,7 +147,7 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
                                                   config=WanConfig(rtt_ms=config.rtt_ms, mbps=mbps, seed=0)))
             edges[mbps] = stack.enter_context(Edge(split_dir / "edge", wan.url_for("ws"), config.wire_dtype,
                                                    device=config.device, dtype=config.dtype))
-            progress(f"warm-up at {config.rtt_ms:g} ms, {mbps:g} Mbit/s")
+            log.info(f"[bench prefill] warm-up at {config.rtt_ms:g} ms, {mbps:g} Mbit/s")
             warm_up(edges[mbps], ids, mbps, rtt_s)
         first_edge = next(iter(edges.values()))
         for n in config.lengths:
@@ -161,9 +158,9 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
                         row = {"tokens_in": n, "mbps": mbps, "repeat": r,
                                **run_once(edge, ids[:n], streamed, mbps, rtt_s)}
                         rows.append(row)
-                        progress(f"{n:>5} tokens {mbps:>5g} Mbit/s {row['mode']:<9} TTFT {row['ttft_s'] * 1000:7.0f} ms"
-                                 f"  bound {row['bound_s'] * 1000:7.0f} ms ({row['slowest']})  {row['chunks']} x "
-                                 f"{row['chunk']}")
+                        log.info(f"[bench prefill] {n:>5} tokens {mbps:>5g} Mbit/s {row['mode']:<9} TTFT "
+                                 f"{row['ttft_s'] * 1000:7.0f} ms  bound {row['bound_s'] * 1000:7.0f} ms "
+                                 f"({row['slowest']})  {row['chunks']} x {row['chunk']}")
         devices = {"edge": f"{first_edge.device} {first_edge.dtype}".replace("torch.", "")}
     return {
         "schema": SCHEMA,
@@ -232,12 +229,10 @@ def fmt_ms(seconds: float | None) -> str:
 
 
 def write_results(doc: dict, out: str | Path) -> list[Path]:
-    from splitlm.bench.report import stamped_base, suffixed, write_json
+    """Write `prefill-<stamp>.json` and `.md`; returns their paths."""
+    from splitlm.result_files import time_stamp, write_result
 
-    base = stamped_base(out, "prefill", doc["created"])
-    paths = [write_json(suffixed(base, ".json"), doc), suffixed(base, ".md")]
-    paths[1].write_text(markdown(doc))
-    return paths
+    return write_result(out, "prefill", doc, stamp=time_stamp(doc["created"]), markdown=markdown(doc)).paths
 
 
 def parse_list(text: str, what: str, cast) -> list:
@@ -248,32 +243,3 @@ def parse_list(text: str, what: str, cast) -> list:
     if not values or any(v <= 0 for v in values):
         raise SplitLMError(f"bad {what} {text!r}: expected numbers > 0 separated by commas")
     return values
-
-
-def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="store_true",
-                   help="instead: time to first token of streamed vs unchunked prefill per prompt length and "
-                        f"bandwidth, next to the pipeline's bound (results in {DEFAULT_OUT}/)")
-    p.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_LENGTHS)), metavar="N1,N2,...",
-                   help="--prefill: prompt lengths in tokens (default 64,...,4096)")
-    p.add_argument("--prefill-mbps", default="100,10", metavar="B1,B2,...",
-                   help="--prefill: bandwidths per direction in Mbit/s (default 100,10)")
-    p.add_argument("--repeats", type=int, default=1, help="--prefill: runs per mode and cell (default 1)")
-
-
-def prefill_main(args: argparse.Namespace, default_out: str) -> int:
-    if args.repeats < 1 or args.rtt_ms < 0:
-        raise SplitLMError("--repeats must be at least 1 and --rtt-ms >= 0")
-    if args.edge or args.topology != "tail-local":
-        raise SplitLMError("--prefill benchmarks a tail-local split of --model (drop --edge and --topology)")
-    config = PrefillBenchConfig(
-        lengths=parse_list(args.prefill_lengths, "--prefill-lengths", int),
-        mbps=parse_list(args.prefill_mbps, "--prefill-mbps", float), rtt_ms=args.rtt_ms, repeats=args.repeats,
-        model=args.model, head=args.head, tail=2 if args.tail is None else args.tail, wire_dtype=args.wire_dtype,
-        device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype,
-        out=str(DEFAULT_OUT) if args.out == default_out else args.out)
-    doc = run_prefill_bench(config)
-    paths = write_results(doc, config.out)
-    print(markdown(doc))
-    progress("wrote " + ", ".join(str(p) for p in paths))
-    return 0

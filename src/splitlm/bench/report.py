@@ -1,38 +1,13 @@
-"""Output of a benchmark run: the stamped result files, Markdown tables and PNG plots (matplotlib)."""
+"""What a benchmark run reports: its Markdown tables and PNG plots (matplotlib); `results.py` writes them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 PARTS = (("network_s_per_step", "network"), ("cloud_s_per_step", "cloud compute"),
          ("edge_s_per_step", "edge compute"), ("serialize_s_per_step", "serialisation"),
          ("other_s_per_step", "other"))
 COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac", "#76b7b2", "#edc948", "#b07aa1")
-
-
-def stamped_base(out: str | Path, prefix: str, created: str) -> Path:
-    """`out/<prefix>-<YYYYMMDD-HHMMSS>` (no suffix) from the ISO time `created`; makes `out`.
-
-    When a run already wrote `<base>.json` (two runs started in the same second) it picks
-    `<base>-2`, `<base>-3`, ... so neither overwrites the other."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = created[:19].replace("-", "").replace(":", "").replace("T", "-")
-    base, n = out / f"{prefix}-{stamp}", 2
-    while suffixed(base, ".json").exists():
-        base, n = out / f"{prefix}-{stamp}-{n}", n + 1
-    return base
-
-
-def suffixed(base: Path, suffix: str) -> Path:
-    """`base` with `suffix` appended (not `with_suffix`: a prefix may hold a dot, e.g. a model name)."""
-    return base.with_name(base.name + suffix)
-
-
-def write_json(path: Path, doc: dict) -> Path:
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    return path
 
 
 def _tau(row: dict) -> str:

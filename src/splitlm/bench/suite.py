@@ -16,21 +16,22 @@ of the latest run's JSON).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import platform
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError, __version__
+from splitlm.bench.modes import MODES, BenchContext, Mode
+from splitlm.bench.prompts import Prompt
 from splitlm.cloud.local import cloud_process, health
 from splitlm.progress import bar, track
+from splitlm.result_files import time_stamp, write_result
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +86,6 @@ class BenchConfig:
         return len(self.rtts_ms) > 1
 
 
-def progress(msg: str) -> None:
-    """A status line (logging: shown unless --quiet; bars carry the per-run progress)."""
-    log.info("[bench] %s", msg)
-
-
-def parse_rtt_list(text: str) -> list[float]:
-    """'20,40,80' -> [20.0, 40.0, 80.0]; raise SplitLMError on anything else."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SplitLMError(f"bad --sweep {text!r}: expected RTTs in ms separated by commas, e.g. 20,40,80") from None
-    if len(set(values)) < 2 or any(not v >= 0 for v in values):
-        raise SplitLMError(f"bad --sweep {text!r}: need at least two different RTTs >= 0 ms")
-    return sorted(set(values))
-
-
 @contextlib.contextmanager
 def link(port: int, rtt_ms: float, config: BenchConfig) -> Iterator[str]:
     """The URL of the cloud behind an emulated WAN (or the cloud itself at RTT 0 with no jitter/cap)."""
@@ -150,17 +135,17 @@ def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, 
     if not config.train_head:
         if "head" in modes:
             raise SplitLMError("mode head needs a trained draft head: run `splitlm train-head` or drop --no-train-head")
-        progress("no draft head for this model (--no-train-head): auto drafts without it")
+        log.info("[bench] no draft head for this model (--no-train-head): auto drafts without it")
         return
-    progress("no draft head for this model yet: training it once (`splitlm train-head`; 15-40 minutes on "
+    log.info("[bench] no draft head for this model yet: training it once (`splitlm train-head`; 15-40 minutes on "
              "2 cores, kept for every later split of this model; --no-train-head skips this)")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        report = train_head(str(model_dir), edge_dir, log=progress)
+        report = train_head(str(model_dir), edge_dir, log=lambda msg: log.info("[bench] %s", msg))
     finally:
         torch.set_num_threads(threads)
-    progress(f"draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
+    log.info(f"[bench] draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
              + " · ".join(f"{c:.2f}" for c in report["heldout"]["conditional"]))
 
 
@@ -199,22 +184,73 @@ def environment(model_dir: Path, config: BenchConfig) -> dict:
     }
 
 
-def run_bench(config: BenchConfig) -> dict:
-    """Run the benchmark; returns the results document (see docs/benchmarks.md for its fields)."""
-    from splitlm.bench.metrics import aggregate, fit_sweep, prompt_row
-    from splitlm.bench.modes import MODES, BenchContext, teacher_forced_agreement
+
+
+@dataclass
+class BenchSetup:
+    """What the steps of one run share: its prompts and modes, the model, and the split of the network modes."""
+
+    config: BenchConfig
+    prompts_path: Path
+    prompts: list[Prompt]  # tokenized
+    modes: list[Mode]
+    network: bool  # a mode (or the codec study) runs through the cloud
+    model_dir: Path
+    split_dir: Path | None
+    manifest: object | None  # the edge shard's Manifest (None without network modes)
+    tokenizer: object
+
+    @property
+    def rtts(self) -> list[float]:
+        return self.config.rtts_ms if self.network else self.config.rtts_ms[:1]
+
+    @property
+    def edge_dir(self) -> Path:
+        return self.split_dir / "edge" if self.split_dir else Path()
+
+    def context(self, url: str | None, wire_dtype: str | None = None) -> BenchContext:
+        """A bench context of the run's edge reaching `url` (with `wire_dtype`, else the configured codec)."""
+        c = self.config
+        return BenchContext(self.model_dir, self.edge_dir, url, wire_dtype or c.wire_dtype, c.vocab,
+                            device=c.device, dtype=c.dtype)
+
+
+@dataclass
+class Reference:
+    """The full transformers model's greedy continuation of each prompt (local-hf's own code path), and
+    each prompt's (hits, positions) of teacher-forced agreement with it: local modes and the split model."""
+
+    token_ids: dict[str, list[int]]
+    local: dict[str, tuple[int, int]]
+    split: dict[str, tuple[int, int]]
+
+    def agreement(self, mode: Mode, prompt_id: str) -> tuple[int, int]:
+        return self.split[prompt_id] if mode.network else self.local[prompt_id]
+
+
+@dataclass
+class Measured:
+    """What a run measured, before aggregation."""
+
+    rows: list[dict] = field(default_factory=list)  # one per prompt, RTT and mode
+    memory: dict[str, dict] = field(default_factory=dict)  # per mode
+    codecs: list[dict] = field(default_factory=list)
+    split: dict = field(default_factory=dict)  # split_fields (network runs)
+    devices: dict = field(default_factory=dict)  # where each side ran and in which precision
+
+
+def prepare(config: BenchConfig) -> BenchSetup:
+    """Load and tokenize the prompts, resolve the model and (for network modes) the split; train the
+    draft head first if a mode needs one (`ensure_head`). The split decides K, M and the topology."""
+    import torch
+
     from splitlm.bench.prompts import default_prompts_path, load_prompts, load_tokenizer, tokenize
-    from splitlm.model.device import dtype_name
+    from splitlm.model.loading import resolve_model
 
     prompts_path = Path(config.prompts) if config.prompts else default_prompts_path()
     prompts = load_prompts(prompts_path)[: config.limit]
     modes = [MODES[m] for m in config.modes]
     network = any(m.network for m in modes) or bool(config.codecs)
-
-    import torch
-
-    from splitlm.model.loading import resolve_model
-
     torch.set_num_threads(1)
     model_dir = resolve_model(config.model)
     split_dir, manifest = resolve_split(config, model_dir) if network else (None, None)
@@ -223,270 +259,180 @@ def run_bench(config: BenchConfig) -> dict:
         config.d_end = manifest.d_end or None
     if network and config.topology == "tail-local":
         ensure_head(config, model_dir, split_dir / "edge", manifest, [m.name for m in modes])
-    tok = load_tokenizer(model_dir)
-    tokenize(prompts, tok)
-    started = time.time()
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
-    rtts = config.rtts_ms if network else config.rtts_ms[:1]
-    progress(f"{len(prompts)} prompts x {len(modes)} modes x {len(rtts)} RTT(s), up to {config.max_new_tokens} tokens;"
-             f" model {re.sub(r'-[0-9a-f]{16}$', '', model_dir.name)}, {config.topology} split k={config.head}"
-             f" m={config.tail or 0}{f' d={config.d_end}' if config.d_end else ''}, vocab {config.vocab},"
-             f" wire {config.wire_dtype}, edge {config.device}/{config.dtype},"
-             f" cloud {config.cloud_device or config.device}/{config.cloud_dtype or config.dtype};"
-             " edge and cloud pinned to 1 torch thread each")
+    tokenizer = load_tokenizer(model_dir)
+    tokenize(prompts, tokenizer)
+    return BenchSetup(config, prompts_path, prompts, modes, network, model_dir, split_dir, manifest, tokenizer)
 
-    edge_dir = split_dir / "edge" if split_dir else Path()
-    rows: list[dict] = []
-    memory: dict[str, dict] = {}
-    with contextlib.ExitStack() as stack:
+
+def describe(setup: BenchSetup) -> str:
+    """The run's plan, one status line."""
+    c = setup.config
+    return (f"{len(setup.prompts)} prompts x {len(setup.modes)} modes x {len(setup.rtts)} RTT(s), up to "
+            f"{c.max_new_tokens} tokens; model {re.sub(r'-[0-9a-f]{16}$', '', setup.model_dir.name)}, {c.topology} "
+            f"split k={c.head} m={c.tail or 0}{f' d={c.d_end}' if c.d_end else ''}, vocab {c.vocab},"
+            f" wire {c.wire_dtype}, edge {c.device}/{c.dtype},"
+            f" cloud {c.cloud_device or c.device}/{c.cloud_dtype or c.dtype};"
+            " edge and cloud pinned to 1 torch thread each")
+
+
+def open_contexts(stack: contextlib.ExitStack, setup: BenchSetup) -> tuple[int | None, dict[float, BenchContext]]:
+    """(the cloud's port, one edge per RTT, each behind its own emulator), all closed with `stack`."""
+    config = setup.config
+    port = None
+    if setup.network:
         cloud = (config.cloud_device or config.device, config.cloud_dtype or config.dtype)
-        port = stack.enter_context(cloud_process(split_dir / "cloud", *cloud)) if network else None
-        contexts: dict[float, BenchContext] = {}  # one edge per RTT, each behind its own emulator
-        for rtt in rtts:
-            url = stack.enter_context(link(port, rtt, config)) if network else None
-            contexts[rtt] = BenchContext(model_dir, edge_dir, url, config.wire_dtype, config.vocab,  # HF model shared
-                                         device=config.device, dtype=config.dtype)
-            contexts[rtt].draft = config.draft
-            stack.callback(contexts[rtt].close)
-        first = contexts[rtts[0]]
-        # The reference: the full transformers model's greedy continuation (local-hf's own code path).
-        progress("reference: greedy continuations of the full transformers model")
-        reference = {p.id: MODES["local-hf"].run(first, p.ids, config.max_new_tokens).token_ids for p in prompts}
-        agreement = {p.id: (len(reference[p.id]),) * 2 for p in prompts}  # local modes are the reference
-        split_agreement: dict[str, tuple[int, int]] = {}
-        if network:
-            progress("agreement: teacher-forced reference continuations through the split model")
-            split_agreement = {p.id: teacher_forced_agreement(first, p.ids, reference[p.id]) for p in prompts}
-        codec_results = []
-        if config.codecs:
-            from splitlm.bench.codecs import codec_rows
+        port = stack.enter_context(cloud_process(setup.split_dir / "cloud", *cloud))
+    contexts: dict[float, BenchContext] = {}
+    for rtt in setup.rtts:
+        url = stack.enter_context(link(port, rtt, config)) if setup.network else None
+        contexts[rtt] = setup.context(url)  # the transformers model is shared
+        contexts[rtt].draft = config.draft
+        stack.callback(contexts[rtt].close)
+    return port, contexts
 
-            def make_context(codec: str) -> BenchContext:
-                return BenchContext(model_dir, edge_dir, f"ws://127.0.0.1:{port}", codec, config.vocab,
-                                    device=config.device, dtype=config.dtype)
 
-            progress(f"codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
-            codec_results = codec_rows(make_context, prompts, reference, config.codecs, config.max_new_tokens,
-                                       progress)
-        for ctx in contexts.values():
-            for m in modes:  # warm-up (connects, first calls), not counted
-                m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
-        # Interleaved: prompt 1 in every RTT and mode, then prompt 2, ...: machine noise hits all alike.
-        shown = bar(len(prompts) * len(contexts) * len(modes), "bench", unit="run")
-        for i, p in enumerate(prompts, 1):
-            for rtt, ctx in contexts.items():
-                for m in modes:
-                    run = m.run(ctx, p.ids, config.max_new_tokens)
-                    row = prompt_row(m.name, rtt, p, run, reference[p.id],
-                                     split_agreement[p.id] if m.network else agreement[p.id],
-                                     tok.decode(run.token_ids, skip_special_tokens=True))
-                    rows.append(row)
-                    shown.update()
-                    log.debug(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
-                             f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
-                             f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}")
-        shown.close()
-        if config.memory:
-            from splitlm.bench.memory import probe_memory
+def reference_runs(setup: BenchSetup, ctx: BenchContext) -> Reference:
+    """The reference continuations, and (network runs) their teacher-forced agreement through the split."""
+    from splitlm.bench.modes import teacher_forced_agreement
 
-            longest = max(prompts, key=lambda p: len(p.ids))
-            for m in track(modes, "memory probe", unit="mode"):
-                progress(f"memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
-                memory[m.name] = probe_memory(m.name, model_dir, edge_dir, f"ws://127.0.0.1:{port}" if port else None,
-                                              config.wire_dtype, longest.ids, config.max_new_tokens,
-                                              vocab=config.vocab, device=config.device, dtype=config.dtype)
-        split = split_fields(manifest, config, first.edge) if network else {}
-        devices = {"edge": {"device": str(first.edge.device), "dtype": dtype_name(first.edge.dtype)}} if network else {}
-        if port is not None:
-            cloud_health = health(port)
-            devices["cloud"] = {"device": cloud_health.get("device"), "dtype": cloud_health.get("dtype")}
+    prompts, max_new = setup.prompts, setup.config.max_new_tokens
+    log.info("[bench] reference: greedy continuations of the full transformers model")
+    token_ids = {p.id: MODES["local-hf"].run(ctx, p.ids, max_new).token_ids for p in prompts}
+    local = {p.id: (len(token_ids[p.id]),) * 2 for p in prompts}  # local modes are the reference
+    split: dict[str, tuple[int, int]] = {}
+    if setup.network:
+        log.info("[bench] agreement: teacher-forced reference continuations through the split model")
+        split = {p.id: teacher_forced_agreement(ctx, p.ids, token_ids[p.id]) for p in prompts}
+    return Reference(token_ids, local, split)
 
-    results = aggregate(rows, memory)
-    for r in [*results, *rows]:  # local modes run the full model: no topology, no downlink
-        r.update(split if MODES[r["mode"]].network else {"topology": None, "vocab": None})
-    env = environment(model_dir, config)
+
+def codec_study(setup: BenchSetup, port: int | None, reference: Reference) -> list[dict]:
+    """`--codecs`: bytes per token and agreement per wire codec, straight to the cloud (no emulated delay)."""
+    config = setup.config
+    if not config.codecs:
+        return []
+    from splitlm.bench.codecs import codec_rows
+
+    log.info(f"[bench] codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
+    return codec_rows(lambda codec: setup.context(f"ws://127.0.0.1:{port}", codec), setup.prompts,
+                      reference.token_ids, config.codecs, config.max_new_tokens)
+
+
+def measure_runs(setup: BenchSetup, contexts: dict[float, BenchContext], reference: Reference) -> list[dict]:
+    """Warm up every mode at every RTT (not counted), then run the prompts interleaved: prompt 1 in every
+    RTT and mode, then prompt 2, ...: machine noise hits all alike. One row per run."""
+    from splitlm.bench.metrics import prompt_row
+
+    prompts, max_new = setup.prompts, setup.config.max_new_tokens
+    for ctx in contexts.values():
+        for m in setup.modes:  # warm-up (connects, first calls), not counted
+            m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
+    rows: list[dict] = []
+    shown = bar(len(prompts) * len(contexts) * len(setup.modes), "bench", unit="run")
+    for i, p in enumerate(prompts, 1):
+        for rtt, ctx in contexts.items():
+            for m in setup.modes:
+                run = m.run(ctx, p.ids, max_new)
+                row = prompt_row(m.name, rtt, p, run, reference.token_ids[p.id], reference.agreement(m, p.id),
+                                 setup.tokenizer.decode(run.token_ids, skip_special_tokens=True))
+                rows.append(row)
+                shown.update()
+                log.debug(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
+                          f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
+                          f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}")
+    shown.close()
+    return rows
+
+
+def memory_probes(setup: BenchSetup, port: int | None) -> dict[str, dict]:
+    """Each mode alone in a fresh process decoding the longest prompt: its peak memory (unless --no-memory)."""
+    config = setup.config
+    if not config.memory:
+        return {}
+    from splitlm.bench.memory import probe_memory
+
+    longest = max(setup.prompts, key=lambda p: len(p.ids))
+    memory = {}
+    for m in track(setup.modes, "memory probe", unit="mode"):
+        log.info(f"[bench] memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
+        memory[m.name] = probe_memory(m.name, setup.model_dir, setup.edge_dir,
+                                      f"ws://127.0.0.1:{port}" if port else None, config.wire_dtype, longest.ids,
+                                      config.max_new_tokens, vocab=config.vocab, device=config.device,
+                                      dtype=config.dtype)
+    return memory
+
+
+def where_run(setup: BenchSetup, ctx: BenchContext, port: int | None) -> dict:
+    """The edge's and the cloud's device and compute dtype (network runs; the reference: CPU, fp32)."""
+    from splitlm.model.device import dtype_name
+
+    if not setup.network:
+        return {}
+    devices = {"edge": {"device": str(ctx.edge.device), "dtype": dtype_name(ctx.edge.dtype)}}
+    if port is not None:
+        cloud_health = health(port)
+        devices["cloud"] = {"device": cloud_health.get("device"), "dtype": cloud_health.get("dtype")}
+    return devices
+
+
+def results_doc(setup: BenchSetup, measured: Measured, started: float, load_at_start: list[float]) -> dict:
+    """The results document (see docs/benchmarks.md for its fields)."""
+    from splitlm.bench.metrics import aggregate, fit_sweep
+
+    config = setup.config
+    results = aggregate(measured.rows, measured.memory)
+    for r in [*results, *measured.rows]:  # local modes run the full model: no topology, no downlink
+        r.update(measured.split if MODES[r["mode"]].network else {"topology": None, "vocab": None})
+    env = environment(setup.model_dir, config)
     env["split"].update({"topology": config.topology, "d_end": config.d_end, "vocab": config.vocab})
-    env["compute"] = devices  # where each side ran and in which precision (the reference: CPU, fp32)
-    if manifest is not None:
-        env["model"]["weights_dtype"] = manifest.dtype  # as stored in the shards
+    env["compute"] = measured.devices
+    if setup.manifest is not None:
+        env["model"]["weights_dtype"] = setup.manifest.dtype  # as stored in the shards
     env["load_avg_at_start"] = load_at_start  # other work on the machine skews absolute figures; ratios hold better
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
-        "config": {**asdict(config), "prompts": str(prompts_path), "sweep": config.sweep},
+        "config": {**asdict(config), "prompts": str(setup.prompts_path), "sweep": config.sweep},
         "environment": env,
-        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids)} for p in prompts],
-        "memory": memory,
+        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids)}
+                    for p in setup.prompts],
+        "memory": measured.memory,
         "results": results,
         "step_model": fit_sweep(results) if config.sweep else {},
-        "codecs": codec_results,
-        "runs": rows,
+        "codecs": measured.codecs,
+        "runs": measured.rows,
     }
 
 
+def run_bench(config: BenchConfig) -> dict:
+    """Run the benchmark; returns the results document (see docs/benchmarks.md for its fields)."""
+    setup = prepare(config)
+    started = time.time()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    log.info("[bench] %s", describe(setup))
+    measured = Measured()
+    with contextlib.ExitStack() as stack:
+        port, contexts = open_contexts(stack, setup)
+        first = contexts[setup.rtts[0]]
+        reference = reference_runs(setup, first)
+        measured.codecs = codec_study(setup, port, reference)
+        measured.rows = measure_runs(setup, contexts, reference)
+        measured.memory = memory_probes(setup, port)
+        measured.split = split_fields(setup.manifest, config, first.edge) if setup.network else {}
+        measured.devices = where_run(setup, first, port)
+    return results_doc(setup, measured, started, load_at_start)
+
+
 def write_results(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
-    """Write `bench-<stamp>.json`, `.md`, the plots, and `results.json`; returns the paths written."""
-    from splitlm.bench.report import markdown_report, stamped_base, suffixed, write_json, write_plots
+    """Write `bench-<stamp>.json`, `.md`, the plots, and `results.json`; returns the run's paths."""
+    from splitlm.bench.report import markdown_report, write_plots
 
-    base = stamped_base(out, "bench", doc["created"])
-    paths = [write_json(suffixed(base, ".json"), doc), suffixed(base, ".md")]
-    report = markdown_report(doc)
-    if plots:
-        pngs = write_plots(doc, base)
-        paths += pngs
-        report += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
-    paths[1].write_text(report)
-    shutil.copyfile(paths[0], base.parent / "results.json")
-    return paths
+    def report(pngs: list[Path]) -> str:
+        text = markdown_report(doc)
+        if plots:
+            text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+        return text
 
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time (default 80; 0 = no emulator)")
-    p.add_argument("--sweep", default=None, metavar="R1,R2,...",
-                   help="run at each of these RTTs (ms) instead and fit t_step = α·RTT + β per mode")
-    from splitlm.bench.modes import ALIASES, MODES
-
-    known = "; ".join(f"{m.name}: {m.help}" for m in MODES.values())
-    aliases = ", ".join(f"{a}={n}" for a, n in ALIASES.items())
-    p.add_argument("--modes", default=DEFAULT_MODES,
-                   help=f"comma-separated modes (default {DEFAULT_MODES}). {known}. Aliases: {aliases}")
-    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
-    p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
-    p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
-    p.add_argument("--tail", type=int, default=None, help="edge tail layers M (default 2; split-head: 0)")
-    p.add_argument("--edge", default="", metavar="DIR",
-                   help="benchmark this pre-split edge shard (its cloud shard is DIR/../cloud) instead of splitting "
-                        "--model here; its topology, K, M and D come from its manifest")
-    p.add_argument("--topology", default="tail-local", choices=["tail-local", "split-head"],
-                   help="when splitting here: the topology (default tail-local)")
-    p.add_argument("--d-end", type=int, default=None, metavar="D",
-                   help="split-head: LM-head columns kept on the edge (default half the hidden size)")
-    p.add_argument("--vocab", default="all", metavar="{all,en,zh,FILE}",
-                   help="the edge's vocabulary subset (default all); split-head clouds compute logits for it only")
-    from splitlm.transport.codecs import WIRE_DTYPES
-
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
-                   help="activation codec of the modes (default auto: fp16, bf16 for Gemma)")
-    p.add_argument("--draft", default=None, metavar="self|self-raw|PATH",
-                   help="the draft model of mode `draft` (default self: the edge's layers with the trained adapter); "
-                        "given, mode `pipelined` drafts with it too (else with auto's drafters)")
-    p.add_argument("--codecs", default="", metavar="C1,C2,...",
-                   help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
-                        "token and agreement with the full model's greedy tokens")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
-    p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
-    from splitlm.model.device import add_device_arguments
-
-    add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
-    add_device_arguments(p, "cloud", what="the cloud's layers")
-    p.add_argument("--pass-cost", default=None, metavar="SHAPE",
-                   help="instead of the WAN bench: time the cloud's middle layers of a model shape (random weights "
-                        "made on --cloud-device) per pass of T new tokens; shapes: smollm2-135m, tinyllama-1.1b, "
-                        "llama3-8b, qwen2-small")
-    p.add_argument("--pass-tokens", default="1,8,32,64,128", metavar="T1,T2,...",
-                   help="--pass-cost: new tokens per pass (default 1,8,32,64,128)")
-    p.add_argument("--pass-context", type=int, default=512, help="--pass-cost: cached entries before each pass (512)")
-    p.add_argument("--pass-dtypes", default="", metavar="D1,D2",
-                   help="--pass-cost: compute dtypes to time (default: --cloud-dtype, else --dtype)")
-    from splitlm.bench.prefill import add_prefill_arguments
-
-    add_prefill_arguments(p)
-    p.add_argument("--edge-profiles", action="store_true",
-                   help="instead of the WAN bench: the edge's peak memory, compute per step and agreement in each "
-                        "profile (torch fp32, torch bf16, onnx fp32, onnx int8) on the held-out prompts "
-                        "(--limit, default 8; --max-new-tokens; --threads)")
-    p.add_argument("--threads", type=int, default=None, help="--edge-profiles: threads per profile (default 2)")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--no-train-head", action="store_true",
-                   help="run auto without the draft head when none is trained for the model (else it is trained "
-                        "once, about 10 minutes, before the modes that use it)")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from splitlm.bench.modes import parse_modes
-
-    if args.rtt_ms < 0 or args.jitter_ms < 0 or (args.mbps is not None and args.mbps <= 0):
-        raise SplitLMError("--rtt-ms and --jitter-ms must be >= 0 and --mbps > 0")
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        raise SplitLMError("--max-new-tokens and --limit must be at least 1")
-    if args.head < 1 or (args.tail is not None and args.tail < 0):
-        raise SplitLMError("--head must be >= 1 and --tail >= 0")
-    if args.edge and (args.topology != "tail-local" or args.d_end is not None or args.tail is not None):
-        raise SplitLMError("--edge benchmarks an existing split: its topology, --tail and --d-end come from it")
-    if args.topology == "split-head" and args.tail:
-        raise SplitLMError("the split-head topology keeps no tail layers on the edge: drop --tail")
-    if args.d_end is not None and args.topology != "split-head":
-        raise SplitLMError("--d-end only applies to --topology split-head")
-    return BenchConfig(
-        rtts_ms=parse_rtt_list(args.sweep) if args.sweep else [args.rtt_ms], modes=parse_modes(args.modes),
-        prompts=args.prompts, max_new_tokens=args.max_new_tokens, out=args.out, model=args.model,
-        head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
-        d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
-        limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, train_head=not args.no_train_head,
-        codecs=parse_codecs(args.codecs), draft=args.draft,
-        device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype)
-
-
-def parse_codecs(text: str) -> list[str]:
-    from splitlm.transport.codecs import WIRE_DTYPES
-
-    codecs = list(WIRE_DTYPES) if text.strip() == "all" else [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in codecs if c not in WIRE_DTYPES]
-    if bad:
-        raise SplitLMError(f"unknown codec(s) {', '.join(bad)} in --codecs (choose from {', '.join(WIRE_DTYPES)}, all)")
-    return codecs
-
-
-def pass_cost_main(args: argparse.Namespace) -> int:
-    from splitlm.bench.passcost import markdown, pass_cost_doc
-    from splitlm.bench.report import stamped_base, suffixed, write_json
-    from splitlm.model.device import resolve_device, resolve_dtype
-
-    try:
-        tokens = [int(t) for t in args.pass_tokens.split(",") if t.strip()]
-    except ValueError:
-        raise SplitLMError(f"--pass-tokens {args.pass_tokens!r}: expected integers such as 1,8,32") from None
-    if not tokens or min(tokens) < 1 or args.pass_context < 0:
-        raise SplitLMError("--pass-tokens must be integers >= 1 and --pass-context >= 0")
-    device = resolve_device(args.cloud_device or args.device)
-    names = [d.strip() for d in args.pass_dtypes.split(",") if d.strip()] or [args.cloud_dtype or args.dtype]
-    dtypes = [resolve_dtype(d, device) for d in names]
-    doc = pass_cost_doc(args.pass_cost, device, dtypes, tokens, args.pass_context, reps=10, progress=progress)
-    path = write_json(suffixed(stamped_base(args.out, f"pass-cost-{args.pass_cost}-{device.type}", doc["created"]),
-                               ".json"), doc)
-    print(markdown(doc))
-    progress(f"wrote {path}")
-    return 0
-
-
-def bench_main(args: argparse.Namespace) -> int:
-    from splitlm.bench.prompts import default_prompts_path, load_prompts
-    from splitlm.bench.report import markdown_report
-
-    if args.pass_cost:
-        return pass_cost_main(args)
-    if args.prefill:
-        from splitlm.bench.prefill import prefill_main
-
-        return prefill_main(args, str(DEFAULT_OUT))
-    config = config_from_args(args)
-    if args.edge_profiles:
-        from splitlm.bench.edge_profiles import edge_profiles_main
-        from splitlm.model.loading import resolve_model
-
-        if config.topology != "tail-local":
-            raise SplitLMError("--edge-profiles needs the tail-local topology (the ONNX edge has a tail)")
-        return edge_profiles_main(args, config, progress, resolve_split(config, resolve_model(config.model))[0])
-    load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
-    if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():
-        raise SplitLMError(f"--vocab {config.vocab!r}: not all, en, zh or an allow-list file")
-    doc = run_bench(config)
-    paths = write_results(doc, config.out, plots=config.plots)
-    print(markdown_report(doc))
-    progress("wrote " + ", ".join(str(p) for p in paths))
-    return 0
+    return write_result(out, "bench", doc, stamp=time_stamp(doc["created"]), markdown=report,
+                        plots=(lambda base: write_plots(doc, base)) if plots else None, latest="results.json").paths

@@ -49,16 +49,15 @@ def cmd_audit(args) -> int:
 
 
 def cmd_harden(args) -> int:
-    from pathlib import Path
-
     from splitlm.audit.harden import HardenConfig, harden_split
+    from splitlm.result_files import write_result
 
     set_threads(args.threads)
     config = HardenConfig(steps=args.steps, margin=args.margin, weight=args.weight, lr=args.lr, seed=args.seed,
                           tail=args.private_tail)
     result = harden_split(args.model, args.head, args.tail, args.out, audit_documents(args), config,
                           max_train_tokens=args.max_train_tokens)
-    (Path(args.out) / "harden.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out, "harden", result)  # DIR/harden.json
     print(json.dumps(result))
     return 0
 

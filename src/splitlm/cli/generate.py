@@ -25,7 +25,7 @@ from splitlm.model.device import dtype_name
 
 
 def cmd_generate(args) -> int:
-    from splitlm.edge.results import print_stats
+    from splitlm.edge.results import format_stats
 
     set_threads(args.threads)
     sampling = sampling_config(args)
@@ -45,7 +45,7 @@ def cmd_generate(args) -> int:
         for piece in stream:
             print(piece, end="", flush=True)
         print()
-        print_stats(stream.result.stats)
+        print(format_stats(stream.result.stats), file=sys.stderr)
     return 0
 
 
@@ -67,7 +67,7 @@ def read_prompt(args) -> str:
 
 
 def cmd_chat(args) -> int:
-    from splitlm.edge.chat import run_chat
+    from splitlm.cli.chat import run_chat
 
     set_threads(args.threads)
     sampling = sampling_config(args)

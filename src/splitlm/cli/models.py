@@ -1,11 +1,10 @@
-"""Commands that make and convert shards: `split`, `export-onnx`, and the all-in-one `demo`."""
+"""Commands that make and convert shards: `split` and `export-onnx` (the all-in-one `demo`: `demo.py`)."""
 
 from __future__ import annotations
 
 import json
 
-from splitlm.cli.options import WIRE_CHOICES, need_edge_shard, non_negative_int, positive_int
-from splitlm.model.device import add_device_arguments
+from splitlm.cli.options import need_edge_shard, non_negative_int, positive_int
 
 
 def cmd_split(args) -> int:
@@ -35,13 +34,6 @@ def cmd_export_onnx(args) -> int:
                       "files_mb": {k: round(f.stat().st_size / 2**20, 1) for k, f in files.items()},
                       "seconds": round(time.perf_counter() - start, 1)}))
     return 0
-
-
-def cmd_demo(args) -> int:
-    from splitlm.demo import run_demo
-
-    return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype, device=args.device, dtype=args.dtype,
-                    cloud_device=args.cloud_device or args.device, cloud_dtype=args.cloud_dtype or args.dtype)
 
 
 def add_split(sub) -> None:
@@ -75,15 +67,3 @@ def add_export_onnx(sub) -> None:
                    help="merge this peft LoRA adapter into the exported weights (see --edge-adapter of generate)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_export_onnx)
-
-
-def add_demo(sub) -> None:
-    """The `demo` command's parser."""
-    p = sub.add_parser("demo", help="split the bundled model, start a local cloud, stream an answer")
-    p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
-    p.add_argument("--prompt", default=None, help="question to ask (default: a built-in one)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="tokens of the answer at most")
-    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES, help="activation codec on the wire")
-    add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
-    add_device_arguments(p, "cloud", what="the cloud's layers")
-    p.set_defaults(func=cmd_demo)

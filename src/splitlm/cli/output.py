@@ -93,8 +93,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
+        # -h and --version have the default SUPPRESS: they show no default either
         if ("default" in text or default is None or default is False or default is argparse.SUPPRESS
-                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+                or not action.option_strings):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"  # argparse %-formats help texts

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 
 from splitlm import SplitLMError
 from splitlm.cli.options import (
@@ -20,6 +20,8 @@ from splitlm.cli.options import (
     spec_arg,
 )
 from splitlm.model.device import add_device_arguments
+
+log = logging.getLogger(__name__)
 
 
 def cmd_serve_cloud(args) -> int:
@@ -92,7 +94,7 @@ def cmd_keygen(args) -> int:
 
     identity = generate_identity()
     key_path, pub_path = write_identity(args.out, identity, comment=args.comment, force=args.force)
-    print(f"wrote {key_path} (private, mode 0600) and {pub_path}", file=sys.stderr)
+    log.info(f"wrote {key_path} (private, mode 0600) and {pub_path}")
     print(identity.fingerprint)
     return 0
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 
 from splitlm import SplitLMError
 from splitlm.cli.options import int_at_least, need_edge_shard, positive_int, set_threads
@@ -44,7 +43,7 @@ def cmd_train_head(args) -> int:
 
     need_edge_shard(args)
     report = train_head(args.model, args.edge, warmup=args.warmup, max_tokens=args.max_tokens, minutes=args.minutes,
-                        log=lambda msg: print(f"[train-head] {msg}", file=sys.stderr, flush=True))
+                        log=lambda msg: log.info("[train-head] %s", msg))
     print(json.dumps(report))
     return 0
 

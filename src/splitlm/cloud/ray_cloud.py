@@ -9,14 +9,15 @@ KV caches. Where the cluster has GPUs every actor asks for one (`num_gpus`). Act
 (`splitlm-<fingerprint>-r<R>-s<S>` in namespace `splitlm`), so a second front door started with
 the same shard and `--ray ADDRESS` attaches to the same replicas instead of starting new ones.
 
-The front door (`RayFrontDoor`) is the single-process server's WebSocket side (handshake,
-encryption, limits on frames) with the compute replaced by a route: OPEN goes to the replica with
-the least load (open sessions, then queued token rows; among replicas whose stages all answer),
-every later request of the session to the same replica (sticky). Replies carry the replica's
-incarnation; when a replica loses a stage or its stage 0 dies (a call fails, the monitor's poll
-fails or reports a new incarnation), the front door closes the WebSocket connections of that
-replica's sessions (close code 1011), which the edge's failover (issue 19) answers by reconnecting,
-opening a new session (placed on a live replica) and replaying; Ray restarts the dead actor.
+The front door (`RayFrontDoor`) is the single-process server's WebSocket side (`cloud.servicer`:
+handshake, encryption, limits on frames) with its request table's handlers replaced by a route:
+OPEN goes to the replica with the least load (open sessions, then queued token rows; among replicas
+whose stages all answer), every later request of the session to the same replica (sticky).
+Replies carry the replica's incarnation; when a replica loses a stage or its stage 0 dies (a call
+fails, the monitor's poll fails or reports a new incarnation), the front door closes the WebSocket
+connections of that replica's sessions (close code 1011), which the edge's failover (issue 19)
+answers by reconnecting, opening a new session (placed on a live replica) and replaying; Ray
+restarts the dead actor.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from pathlib import Path
 
 import torch
@@ -36,7 +36,8 @@ from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.ray_replica import Failure, Load, Lost, ReplicaHead, Reply
 from splitlm.cloud.ray_stage import StageSpec, StageWorker, read_cloud_shard, stage_ranges
 from splitlm.cloud.scheduler import BatchConfig
-from splitlm.cloud.server import CloudServer, Connection
+from splitlm.cloud.server import CloudServer
+from splitlm.cloud.servicer import Caller, RequestTable, request_table
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.device import DTYPES, dtype_name
 from splitlm.model.shards import CloudModel
@@ -208,24 +209,22 @@ class RayFrontDoor(CloudServer):
         with torch.device("meta"):
             return CloudModel(cfg, manifest)
 
-    def process_request(self, connection, request):
-        if request.path == "/healthz":  # as the single-process cloud's, with the replicas' device
-            n = len(self.replicas)
-            return connection.respond(HTTPStatus.OK, f"ok {self.manifest.fingerprint} device={self.replica_device} "
-                                                     f"dtype={dtype_name(self.dtype)} replicas={n} "
-                                                     f"stages={self.ray_config.stages}\n")
-        return super().process_request(connection, request)
+    def health(self) -> str:
+        """As the single-process cloud's, with the replicas' device."""
+        return (f"ok {self.manifest.fingerprint} device={self.replica_device} dtype={dtype_name(self.dtype)} "
+                f"replicas={len(self.replicas)} stages={self.ray_config.stages}\n")
 
     @property
     def replicas(self) -> list[Replica]:
         return self.sessions.replicas
 
     # -- routing -----------------------------------------------------------------------------------
-    async def handle(self, conn: Connection, frame: Frame) -> Frame:
-        if frame.type == MsgType.OPEN:
-            return await self.open(conn, frame)
-        if frame.type not in (MsgType.FORWARD, MsgType.POLICY, MsgType.CLOSE):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected message {frame.type.name}")
+    def request_table(self) -> RequestTable:
+        """The single-process cloud's table, each request answered by a replica: OPEN placed, the others routed."""
+        return request_table(self.open, self.route, self.route, self.route)
+
+    async def route(self, conn: Caller, frame: Frame) -> Frame:
+        """A request on an open session, to the replica (and incarnation) it lives on."""
         route = self.sessions.sessions.get(frame.session)
         if route is None or route.owner != conn.client_key or route.conn != conn.id:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {frame.session:#x}")
@@ -234,7 +233,7 @@ class RayFrontDoor(CloudServer):
             self.sessions.sessions.pop(frame.session, None)
         return reply.frame
 
-    async def open(self, conn: Connection, frame: Frame) -> Frame:
+    async def open(self, conn: Caller, frame: Frame) -> Frame:
         tried: set[int] = set()
         while True:
             r = await self.place(tried)
@@ -271,7 +270,7 @@ class RayFrontDoor(CloudServer):
 
         return list(await asyncio.gather(*[one(r) for r in self.replicas]))
 
-    async def call(self, index: int, conn: Connection, frame: Frame, incarnation: str | None) -> Reply:
+    async def call(self, index: int, conn: Caller, frame: Frame, incarnation: str | None) -> Reply:
         """Send a decrypted request to replica `index`; its reply, or the ERROR it asks for. A lost replica
         closes the connections of its sessions (this one's included: `ConnectionClosed` ends its handler)."""
         import ray
@@ -311,7 +310,7 @@ class RayFrontDoor(CloudServer):
         for sid in routes:
             self.sessions.sessions.pop(sid, None)
         for c in conns:
-            conn = self.connections.get(c)  # the server's open connections (`CloudServer.handler`)
+            conn = self.servicer.connections.get(c)  # the server's open connections (`Servicer.serve`)
             if conn is not None:
                 await conn.ws.close(LOST_CLOSE_CODE, "replica lost")
 

@@ -2,8 +2,8 @@
 runs the batching scheduler (`cloud.scheduler`) and the first range of layers; each pass's
 activations go from stage to stage through Ray actor calls (`StageWorker.run`, each stage taking
 the previous one's output straight from the object store) and the last stage's output comes back
-to stage 0, which finishes the steps. The session logic is the single-process cloud's
-(`CloudServer.handle`, reused as `ReplicaCore`), so every answer is the one that cloud gives.
+to stage 0, which finishes the steps. The session logic is the single-process cloud's (its request
+table, `cloud.handlers`, reused by `ReplicaCore`), so every answer is the one that cloud gives.
 
 A replica that loses a stage (a pass fails, a stage's ping fails or reports another incarnation)
 starts afresh: every session it held ends, the surviving stages drop their caches, and the replica
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitlm.cloud.handlers import SessionRequests
 from splitlm.cloud.ray_stage import PassMeta, StageCache, StageSpec, load_stage
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.server import CloudServer
@@ -149,9 +150,9 @@ class StageSessionTable(SessionTable):
         session.cache.lane = per_lane.index(min(per_lane))  # the lane with the fewest sessions
         return session
 
-    def _remove(self, sid: int) -> None:
+    def remove(self, sid: int) -> None:
         session = self.sessions[sid]
-        super()._remove(sid)
+        super().remove(sid)
         self.stack.drop(session.cache.lane, sid)
 
 
@@ -178,13 +179,23 @@ class Lanes:
             lane.close()
 
 
+class ReplicaRequests(SessionRequests):
+    """The single-process cloud's handlers, without sealed caches (each stage holds a part of a cache)."""
+
+    async def policy(self, conn, frame: Frame) -> Frame:
+        req = PolicyChange.from_frame(frame)
+        if req.cache_policy is not None and req.cache_policy.sealed:
+            raise ProtocolError(ErrorCode.POLICY, "the Ray cloud does not keep sealed caches")
+        return await super().policy(conn, frame)
+
+
 class ReplicaCore(CloudServer):
     """The single-process cloud's session logic over a pipeline of stages (no sockets: `ReplicaHead`
     hands it the frames the front doors decrypted)."""
 
     def __init__(self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None,
                  lanes: int = 1):
-        self.spec, self.downstream = spec, downstream
+        self.spec, self.downstream, self.lanes = spec, downstream, lanes
         self.incarnation = secrets.token_hex(8)
         self.stage_incarnations: list[str] = []
         self.ready = not downstream
@@ -192,21 +203,23 @@ class ReplicaCore(CloudServer):
         self.loop: asyncio.AbstractEventLoop | None = None
         super().__init__(spec.shard_dir, limits, device=spec.device, dtype=spec.dtype, identity=generate_identity(),
                          batch=batch)
-        self.sessions = StageSessionTable(self.limits, self.budget, self.model.middle, lanes)
-        if lanes > 1:
-            self.scheduler.close()
-            self.scheduler = Lanes(self.model, batch, self.metrics.on_pass, lanes)
 
     def load_model(self, shard_dir):
         model = load_stage(shard_dir, self.spec.start, self.spec.end, self.device, self.dtype, head_part=True)
         model.middle = PipelineStack(model.middle, self.downstream, self.lose)
         return model
 
-    def policy(self, conn, frame: Frame) -> Frame:
-        req = PolicyChange.from_frame(frame)
-        if req.cache_policy is not None and req.cache_policy.sealed:
-            raise ProtocolError(ErrorCode.POLICY, "the Ray cloud does not keep sealed caches")
-        return super().policy(conn, frame)
+    def make_sessions(self) -> StageSessionTable:
+        return StageSessionTable(self.limits, self.budget, self.model.middle, self.lanes)
+
+    def make_scheduler(self, batch: BatchConfig | None) -> Scheduler | Lanes:
+        if self.lanes > 1:
+            return Lanes(self.model, batch, self.metrics.on_pass, self.lanes)
+        return super().make_scheduler(batch)
+
+    def make_requests(self) -> ReplicaRequests:
+        return ReplicaRequests(self.model, self.device, self.sessions, self.scheduler, self.limits, self.metrics,
+                               self.codec)
 
     def reset_stages(self) -> bool:
         """Make every later stage drop its caches; True when all answered (their incarnations noted)."""
@@ -240,7 +253,7 @@ class ReplicaCore(CloudServer):
     def purge(self, sids: list[int]) -> None:
         for sid in sids:
             if sid in self.sessions.sessions:
-                self.sessions._remove(sid)
+                self.sessions.remove(sid)
 
     def load(self) -> Load:
         return Load(len(self.sessions.sessions), self.scheduler.queued_rows, self.incarnation, self.ready,

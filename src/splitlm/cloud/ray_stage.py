@@ -140,7 +140,7 @@ class StageModel(nn.Module):
         self.split_head = manifest.topology == "split-head"
         self.middle = LayerStack(cfg, start, end)
         if self.split_head and head_part:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
             self.lm_head = nn.Linear(cfg.hidden_size - manifest.d_end, cfg.vocab_size, bias=False)
 
 

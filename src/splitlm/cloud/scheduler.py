@@ -127,10 +127,7 @@ class Scheduler:
         # any wait): a step that arrived during a chunk's pass waits for that pass, not also for the next chunk
         defer_long = self._ran_long and any(not self.long(j) for j in self._queue)
         for job in list(self._queue):
-            if job.future.cancelled() or job.session.closed:
-                self._queue.remove(job)
-                if not job.future.cancelled():
-                    job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
+            if self._drop_if_gone(job):
                 continue
             if len(batch) == cfg.max_batch:
                 break
@@ -140,22 +137,45 @@ class Scheduler:
             sessions.add(sid)
             if defer_long and self.long(job):
                 continue
-            n = min(job.remaining, cfg.prefill_chunk) if job.chunkable else job.remaining
-            room = cfg.max_batch_tokens - rows
-            if n > room:
-                if job.chunkable and room > 0:
-                    n = room
-                elif batch:
-                    continue
-            if not job.running:
-                if not job.future.set_running_or_notify_cancel():
-                    self._queue.remove(job)  # cancelled (the server is shutting down): never computed
-                    continue
-                job.running = True
+            n = self._piece(job, cfg.max_batch_tokens - rows, alone=not batch)
+            if n is None or not self._start(job):
+                continue
             batch.append((job, n))
             rows += n
         self._ran_long = any(self.long(j) for j, _ in batch)
         return batch
+
+    def _drop_if_gone(self, job: Job) -> bool:
+        """A request whose session was closed (or whose waiter went away) leaves the queue, failed."""
+        if not (job.future.cancelled() or job.session.closed):
+            return False
+        self._queue.remove(job)
+        if not job.future.cancelled():
+            job.future.set_exception(ProtocolError(ErrorCode.UNKNOWN_SESSION, "the session was closed"))
+        return True
+
+    def _piece(self, job: Job, room: int, alone: bool) -> int | None:
+        """The rows of `job` this pass runs, with `room` rows left in it (None: it waits for another pass).
+        A causal request runs at most one chunk, cut to the room left; a larger tree runs only `alone`."""
+        cfg = self.config
+        n = min(job.remaining, cfg.prefill_chunk) if job.chunkable else job.remaining
+        if n > room:
+            if job.chunkable and room > 0:
+                n = room
+            elif not alone:
+                return None
+        return n
+
+    def _start(self, job: Job) -> bool:
+        """Mark the job as running (False: it was cancelled, e.g. the server is shutting down, and leaves
+        the queue, never computed)."""
+        if job.running:
+            return True
+        if not job.future.set_running_or_notify_cancel():
+            self._queue.remove(job)
+            return False
+        job.running = True
+        return True
 
     def long(self, job: Job) -> bool:
         """A causal request that runs in chunks (longer than one)."""
@@ -184,6 +204,19 @@ class Scheduler:
     @torch.inference_mode()
     def _pass(self, pieces: list[tuple[Job, int]]) -> None:
         start = time.perf_counter()
+        ready = self._begin(pieces, start)
+        if not ready or not self._run(ready):
+            return
+        self.passes += 1
+        for job, _ in ready:
+            job.passes += 1
+            if not job.remaining:
+                self._finish(job)
+        if self.on_pass is not None:
+            self.on_pass(len(ready), sum(n for _, n in ready), time.perf_counter() - start)
+
+    def _begin(self, pieces: list[tuple[Job, int]], start: float) -> list[tuple[Job, int]]:
+        """The pieces whose steps are ready (a job's first piece begins its step; one that fails alone)."""
         ready = []
         for job, n in pieces:
             if job.step is None:
@@ -194,31 +227,30 @@ class Scheduler:
                     continue
                 job.first_pass = start
             ready.append((job, n))
-        if not ready:
-            return
+        return ready
+
+    def _run(self, ready: list[tuple[Job, int]]) -> bool:
+        """One pass of the layers over the pieces (False: it failed, and so did their requests)."""
         try:
             run_pass(self.model, [(job.step, n) for job, n in ready])
         except Exception as e:  # noqa: BLE001 - a bug in the pass fails its requests, not the server
             log.exception("a pass of %d request(s) failed", len(ready))
             for job, _ in ready:
                 self._fail(job, e)
+            return False
+        return True
+
+    def _finish(self, job: Job) -> None:
+        """The job's last rows ran: its reply tensors, and its `Done`."""
+        try:
+            tensors = finish_step(self.model, job.step)
+        except Exception as e:  # noqa: BLE001
+            self._fail(job, e)
             return
-        self.passes += 1
-        for job, _ in ready:
-            job.passes += 1
-            if job.remaining:
-                continue
-            try:
-                tensors = finish_step(self.model, job.step)
-            except Exception as e:  # noqa: BLE001
-                self._fail(job, e)
-                continue
-            with self._cv:
-                self._queue.remove(job)
-            end = time.perf_counter()
-            job.future.set_result(Done(tensors, job.first_pass - job.submitted, end - job.submitted, job.passes))
-        if self.on_pass is not None:
-            self.on_pass(len(ready), sum(n for _, n in ready), time.perf_counter() - start)
+        with self._cv:
+            self._queue.remove(job)
+        end = time.perf_counter()
+        job.future.set_result(Done(tensors, job.first_pass - job.submitted, end - job.submitted, job.passes))
 
     def close(self) -> None:
         with self._cv:

@@ -135,31 +135,40 @@ class SessionTable:
         session.last_used = time.monotonic()
         return session
 
-    def _remove(self, sid: int) -> None:
+    def remove(self, sid: int) -> None:
+        """End session `sid`, whoever holds it: its queued requests are dropped, never computed."""
         self.sessions.pop(sid).closed = True
 
     def close(self, sid: int, owner: bytes, conn: int | None = None) -> None:
         self.get(sid, owner, conn)
-        self._remove(sid)
+        self.remove(sid)
 
     def drop_connection(self, conn: int) -> None:
         for sid in [s.id for s in self.sessions.values() if s.conn == conn]:
-            self._remove(sid)
+            self.remove(sid)
 
     def expire(self) -> int:
         cutoff = time.monotonic() - self.limits.idle_timeout_s
         stale = [s.id for s in self.sessions.values() if s.last_used < cutoff]
         for sid in stale:
-            self._remove(sid)
+            self.remove(sid)
         return len(stale)
 
 
 def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLimits) -> int:
     """Check a forward request against the model, the session and its policy before touching any state.
     Returns the entries its cache holds during the pass (after crop and keep, with the new rows)."""
-    cfg = model.cfg
-    if req.hidden.dim() != 2 or req.hidden.shape[1] != cfg.hidden_size:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {cfg.hidden_size}], got {list(req.hidden.shape)}")
+    check_rows(req, model, limits)
+    check_values(req, model, limits)
+    check_control(req, session, model)
+    return entries_during_pass(req, session, limits)
+
+
+def check_rows(req: Forward, model: CloudModel, limits: ServerLimits) -> None:
+    """The shapes of hidden [C + T, D], positions [C + T], rows and the mask [T, T]."""
+    d = model.cfg.hidden_size
+    if req.hidden.dim() != 2 or req.hidden.shape[1] != d:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {d}], got {list(req.hidden.shape)}")
     rows = req.hidden.shape[0]
     if rows == 0 or rows > limits.max_tokens_per_forward:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a forward carries 1..{limits.max_tokens_per_forward} tokens, got {rows}")
@@ -169,18 +178,31 @@ def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLi
     if req.positions.shape != (rows,):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{rows} rows need {rows} positions, got {req.positions.numel()}")
     if req.rows is not None:
-        if not model.split_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "rows only apply to a split-head cloud (this one returns hidden "
-                                                       "states for every new token)")
-        if any(not 0 <= r < t for r in req.rows) or len(set(req.rows)) != len(req.rows):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"rows must be distinct and in [0, {t}) (the new tokens)")
+        check_logit_rows(req.rows, t, model)
     if req.mask is not None and req.mask.shape != (t, t):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"the mask covers the {t} new tokens, not {list(req.mask.shape)}")
-    max_pos = min(cfg.max_position_embeddings, limits.max_tokens_per_session)
+
+
+def check_logit_rows(rows: list[int], t: int, model: CloudModel) -> None:
+    """Split-head: the new tokens whose logits the edge asks for."""
+    if not model.split_head:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "rows only apply to a split-head cloud (this one returns hidden "
+                                                   "states for every new token)")
+    if any(not 0 <= r < t for r in rows) or len(set(rows)) != len(rows):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"rows must be distinct and in [0, {t}) (the new tokens)")
+
+
+def check_values(req: Forward, model: CloudModel, limits: ServerLimits) -> None:
+    """Positions within the model's and the session's reach; finite hidden states."""
+    max_pos = min(model.cfg.max_position_embeddings, limits.max_tokens_per_session)
     if int(req.positions.min()) < 0 or int(req.positions.max()) >= max_pos:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"positions must lie in [0, {max_pos})")
     if not bool(torch.isfinite(req.hidden).all()):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "hidden states contain NaN or infinity")
+
+
+def check_control(req: Forward, session: Session, model: CloudModel) -> None:
+    """The control tuple against the shard (the split layer) and the session's cache policy."""
     ctl, policy = req.control, session.policy
     if ctl.split is not None and ctl.split != model.manifest.cloud_layers[0]:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"this cloud runs layers from {model.manifest.cloud_layers[0]}, "
@@ -190,11 +212,15 @@ def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLi
     if ctl.window is not None and not policy.allows(CachePolicy("window", ctl.window)):
         raise ProtocolError(ErrorCode.POLICY, f"control.window {ctl.window} would loosen cache policy {policy}")
     window = min(x for x in (ctl.window, policy.window, math.inf) if x is not None)
-    if t > window:
+    if req.new_tokens > window:
         raise ProtocolError(ErrorCode.POLICY, f"under a window of {window} a request carries at most {window} new tokens")
     if policy.sealed:
         check_key(ctl.key)
-    length, pending_start = session.cache_shape if ctl.cache else (0, 0)
+
+
+def entries_during_pass(req: Forward, session: Session, limits: ServerLimits) -> int:
+    """The cache's length after crop and keep, plus the request's rows (within the session's limit)."""
+    length, pending_start = session.cache_shape if req.control.cache else (0, 0)
     if req.crop is not None:
         if not 0 <= req.crop <= length:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"crop to {req.crop} outside the cache (length {length})")
@@ -204,6 +230,7 @@ def validate(req: Forward, session: Session, model: CloudModel, limits: ServerLi
         if any(not 0 <= i < pending for i in req.keep) or len(set(req.keep)) != len(req.keep):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"keep indices must be distinct and in [0, {pending})")
         length = length - pending + len(req.keep)
+    rows = req.hidden.shape[0]
     if length + rows > limits.max_tokens_per_session:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                             f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}")
@@ -306,32 +333,3 @@ def finish_step(model: CloudModel, step: Step) -> dict[str, torch.Tensor]:
 
     h_end, logits = cloud_head(model, out if req.rows is None else out[req.rows], session.vocab)
     return {"hidden": to_host(h_end), "logits": to_host(logits)}
-
-
-@torch.inference_mode()
-def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
-    """Several sessions' requests (at most one per session), whole, in one pass of the layers.
-    Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
-    answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
-    steps: list[tuple[int, Step]] = []
-    for i, (session, req) in enumerate(jobs):
-        try:
-            steps.append((i, begin_step(model, session, req)))
-        except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
-            answers[i] = e
-    if steps:
-        run_pass(model, [(step, step.rows) for _, step in steps])
-        for i, step in steps:
-            try:
-                answers[i] = finish_step(model, step)
-            except Exception as e:  # noqa: BLE001
-                answers[i] = e
-    return answers
-
-
-def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
-    """One request alone on the model's device; the reply's tensors in host memory."""
-    (answer,) = compute_batch(model, [(session, req)])
-    if isinstance(answer, Exception):
-        raise answer
-    return answer

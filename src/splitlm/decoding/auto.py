@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration, either
 from splitlm.decoding.head import HeadDrafter, HeadRunner
 from splitlm.decoding.recycle import RecycleTable
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import PastOutputs, SuffixIndex
 from splitlm.decoding.tree import TokenTree
 
@@ -59,6 +60,6 @@ class AutoDrafter(DrafterGroup):
         for d in self.drafters:
             d.accepted(drafted)
 
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
         for d in self.drafters:
             d.verified(tree, path, new, step)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 
 
@@ -37,10 +38,10 @@ class Drafter:
     def accepted(self, drafted: list[int]) -> None:
         """The drafted tokens the target accepted in the last step (bonus token excluded)."""
 
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
         """After a verification pass of `tree` (the prefill: a root-only tree of the prompt's last token):
-        the accepted `path`, the `new` tokens (accepted and the bonus), and the session's `last_step`
-        (with `extras`: "topk" [N, k] and "hidden" [N, D] per tree node)."""
+        the accepted `path`, the `new` tokens (accepted and the bonus), and the pass's `step` (with
+        `extras`: `topk` [N, k] and `hidden` [N, D] per tree node)."""
 
 
 def either(p: float, q: float) -> float:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.linear import Linear
 
@@ -176,8 +177,8 @@ class HeadDrafter(Drafter):
             frontier = [x for x in heapq.nlargest(self.width, grown, key=lambda x: x[0]) if x[0] >= self.min_reach]
         return tree
 
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
-        hidden = step.get("hidden")
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
+        hidden = step.hidden
         self.hidden = None if hidden is None else hidden[path[-1]].float()
         if self.last is not None and len(self.last) > 1:
             self.runner.calibration.learn(self.last, new)

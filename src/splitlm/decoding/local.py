@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from splitlm.decoding.step import StepResult
 from splitlm.model.device import to_host
 from splitlm.model.llama import Transformer, embed
 
@@ -14,7 +15,6 @@ class LocalSession:
     def __init__(self, model: Transformer):
         self.model = model
         self.cache = model.stack.new_cache()
-        self.last_step: dict = {}
 
     @property
     def length(self) -> int:
@@ -28,8 +28,8 @@ class LocalSession:
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0) -> torch.Tensor:
-        """Like `EdgeSession.forward`: with `extras` = k, `last_step` holds each row's top-k ids and
+                extras: int = 0) -> StepResult:
+        """Like `EdgeSession.forward`: with `extras` = k, the step holds each row's top-k ids and
         final-normed hidden state."""
         start = time.perf_counter()
         if keep is not None:
@@ -42,7 +42,8 @@ class LocalSession:
                     None if mask is None else mask.to(dev), self.cache)[0]  # [T, D]
         h = h if rows is None else h[rows]
         logits = to_host(m.logits(h))  # [R, V]
-        self.last_step = {"tokens": len(ids), "network_s": 0.0, "compute_s": time.perf_counter() - start}
+        compute_s = time.perf_counter() - start
+        step = StepResult(logits.argmax(-1) if argmax else logits, len(ids), 0.0, compute_s)
         if extras:
-            self.last_step.update(topk=logits.topk(extras, -1).indices, hidden=to_host(m.norm(h)))
-        return logits.argmax(-1) if argmax else logits
+            step.topk, step.hidden = logits.topk(extras, -1).indices, to_host(m.norm(h))
+        return step

@@ -31,6 +31,7 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats, build_step, prefill, stop_at
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 
@@ -39,20 +40,18 @@ class PipeSession(Protocol):
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None,
-                argmax: bool = False) -> torch.Tensor: ...
+                argmax: bool = False) -> StepResult: ...
 
     def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
              rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False) -> object: ...
 
-    def receive(self, flight) -> torch.Tensor: ...
+    def receive(self, flight) -> StepResult: ...
 
     def discard(self, flight) -> None: ...
 
     def rewind(self, flight, keep: list[int]) -> None: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
-
-    last_step: dict
 
 
 @dataclass
@@ -132,7 +131,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
     retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
-    sampler, root = prefill(session, prompt_ids, cached, budget, sampling)
+    sampler, root, _ = prefill(session, prompt_ids, cached, budget, sampling)
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -193,7 +192,8 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
                 session.discard(step.flight)
                 stats.discarded += 1
                 continue
-            logits = session.receive(step.flight)
+            info = session.receive(step.flight)
+            logits = info.out
             if not step.root_sent:
                 logits = torch.cat([step.root_logits[None], logits])
             if sampler:
@@ -201,10 +201,9 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
             else:
                 path, new = accept_greedy(step.tree, logits.tolist())  # greedy steps return tokens
             drafter.accepted(new[:-1])
-            info = session.last_step
-            budget.compute.add(info["tokens"], info["compute_s"])
-            if not info.get("overlapped"):
-                budget.observe_network(info["network_s"])
+            budget.compute.add(info.tokens, info.compute_s)
+            if not info.overlapped:
+                budget.observe_network(info.network_s)
             budget.observe_acceptance(step.tree, path)
             stats.steps += 1
             stats.tree_nodes += len(step.tree)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 
 RANK_PRIOR = (0.45, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)  # acceptance guesses before any step
@@ -98,8 +99,8 @@ class RecycledDrafter(Drafter):
         self.last = tree
         return tree
 
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
-        topk = step.get("topk")
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
+        topk = step.topk
         if topk is not None:  # rows past the tree: a lookahead window's
             # the root is the context's last token, or for the prefill's tree (proposed by no one: the
             # prompt's last token) the one before it, the context already holding the first generated one

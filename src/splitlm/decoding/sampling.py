@@ -122,7 +122,7 @@ def sample_decode(session, prompt_ids: list[int], max_new_tokens: int, eos: set[
     `splitlm.decoding.speculative.StepSession` whose caches already hold the first `cached` prompt
     tokens. Yields [token] per step."""
     sampler = Sampler(cfg)
-    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1])  # [1, V]
+    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1]).out  # [1, V]
     context = list(prompt_ids)
     for produced in range(1, max_new_tokens + 1):
         token = sampler.token(logits[-1], context)
@@ -130,4 +130,4 @@ def sample_decode(session, prompt_ids: list[int], max_new_tokens: int, eos: set[
         yield [token]
         if token in eos or produced == max_new_tokens:
             return
-        logits = session.forward([token])
+        logits = session.forward([token]).out

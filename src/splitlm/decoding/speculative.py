@@ -14,6 +14,7 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import CorpusDrafter, NgramModel
 from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter, Window
 from splitlm.decoding.sampling import Sampler, SamplingConfig
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 SPEC_MODES = ("none", "ngram", "lookahead", "recycle", "suffix", "head", "auto", "auto-window", "draft")
@@ -84,17 +85,15 @@ def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=Non
 
 
 class StepSession(Protocol):
-    """What the loop needs from a session: one forward of new tokens, returning the asked rows' logits
-    (with `argmax`: only each row's greedy token), and `settle` to keep only the accepted entries of the
-    last forward's tokens."""
+    """What the loop needs from a session: one forward of new tokens, returning a `StepResult` whose
+    `out` holds the asked rows' logits (with `argmax`: only each row's greedy token), and `settle` to
+    keep only the accepted entries of the last forward's tokens."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None,
-                argmax: bool = False) -> torch.Tensor: ...
+                argmax: bool = False) -> StepResult: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
-
-    last_step: dict
 
 
 @dataclass
@@ -144,16 +143,18 @@ def extras(drafter: Drafter) -> dict:
 
 
 def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
-            sampling: SamplingConfig | None, drafter: Drafter | None = None) -> tuple[Sampler | None, int]:
-    """Run the uncached prompt tokens; returns the sampler (None for greedy) and the first token."""
+            sampling: SamplingConfig | None,
+            drafter: Drafter | None = None) -> tuple[Sampler | None, int, StepResult]:
+    """Run the uncached prompt tokens; returns the sampler (None for greedy), the first token and the
+    prefill's step."""
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    out = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None,
-                          **({} if drafter is None else extras(drafter)))
+    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None,
+                           **({} if drafter is None else extras(drafter)))
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
-    budget.observe_network(session.last_step["network_s"])
-    root = sampler.token(out[-1], prompt_ids) if sampler else int(out[-1])
-    return sampler, root
+    budget.observe_network(step.network_s)
+    root = sampler.token(step.out[-1], prompt_ids) if sampler else int(step.out[-1])
+    return sampler, root, step
 
 
 def stop_at(tokens: list[int], produced: int, max_new_tokens: int, eos: set[int]) -> int | None:
@@ -176,8 +177,7 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     a conversation). After every step the session is told which of its entries to keep
     (`settle`; the cloud hears it piggy-backed on the next request), so at any point it holds the
     context except its last token."""
-    sampler, root = prefill(session, prompt_ids, cached, budget, sampling, drafter)
-    first_step = session.last_step
+    sampler, root, first_step = prefill(session, prompt_ids, cached, budget, sampling, drafter)
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -204,22 +204,21 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         tree = tree.pruned(choice.nodes, choice.reach)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         sent = time.perf_counter()
-        out = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
+        step = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
         returned = time.perf_counter()
         if sampler:
-            logits = out
+            logits = step.out
             argmax = logits.argmax(-1).tolist()
             path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
         else:
-            argmax = out.tolist()
+            argmax = step.out.tolist()
             path, new = accept_greedy(tree, argmax[: len(tree)])
         drafter.accepted(new[:-1])
-        step = session.last_step
         drafter.verified(tree, path, new, step)
         if window is not None:
             drafter.observe(argmax[len(tree):])
         budget.observe_acceptance(tree, path)
-        budget.observe_step(len(tokens), step["compute_s"], step["network_s"],
+        budget.observe_step(len(tokens), step.compute_s, step.network_s,
                             (sent - started) + (time.perf_counter() - returned))
         stats.steps += 1
         stats.tree_nodes += len(tree)

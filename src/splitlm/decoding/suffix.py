@@ -20,6 +20,7 @@ from collections import Counter, deque
 import numpy as np
 
 from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 
 SEP = -1  # between documents: matches nothing, ends every continuation
@@ -237,7 +238,7 @@ class SuffixDrafter(Drafter):
         self.last = tree
         return tree
 
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: dict) -> None:
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
         if self.last is not None:
             self.calibration.learn(self.last, new)
             self.last = None

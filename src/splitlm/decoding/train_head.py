@@ -160,7 +160,7 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
     sub_of[vocab_ids] = torch.arange(len(vocab_ids))
     d = model.cfg.hidden_size
     head = DraftHead(d, inner, vocab_ids)
-    emb = model.embed_tokens.weight.detach().float() * (d ** 0.5 if model.cfg.gemma else 1.0)
+    emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
     del model
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)

@@ -160,6 +160,6 @@ def apply_edge_adapter(edge_model, path: str | Path) -> AdapterInfo:
     _merge_into_base(view)  # (peft computes B A · scale in the adapter's dtype, added in the weights')
     layers = sorted({i for mod in modules if (i := _layer(mod)) is not None})
     info = AdapterInfo(str(path), modules, layers, int(getattr(config, "r", 0)), _digest(weights))
-    edge_model._greedy = None  # a screened head built before would hold the old LM head
+    edge_model.forget_greedy_head()  # a screened head built before would hold the old LM head
     log.info("edge adapter: %s", info.describe())
     return info

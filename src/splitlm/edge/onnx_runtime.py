@@ -1,7 +1,7 @@
 """The edge's layers in ONNX Runtime (`--device onnx`, `--device onnx:int8`), CPU execution provider.
 
 `OnnxEdge` stands in for `splitlm.model.shards.EdgeModel` where an edge session uses it
-(`embed_and_head`, `tail_and_logits`, `tail_and_argmax`, `head.new_cache()`, `tail.new_cache()`):
+(`embed_and_head`, `tail_and_logits`, `head.new_cache()`, `tail.new_cache()`):
 the graphs of `splitlm.model.onnx_export` compute, the KV caches stay torch `KVCache`s here, so
 speculative trees keep and crop entries exactly as on the torch edge. Each call hands the graph
 the cache's entries so far and appends the new ones it returns.
@@ -111,14 +111,6 @@ class OnnxEdge:
         rows = torch.arange(t) if rows is None else torch.as_tensor(rows, dtype=torch.long)
         feeds = {"hidden": h.float().cpu().contiguous().numpy(), "rows": rows.reshape(-1).numpy()}
         return torch.from_numpy(self.tail.run(feeds, positions, new_mask, cache, t))[None]
-
-    def tail_and_argmax(self, h, positions, new_mask=None, cache=None, rows=None,
-                        allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """The greedy token of each row over the `allowed` ids, [T or len(rows)]."""
-        logits = self.tail_and_logits(h, positions, new_mask, cache, rows)[0]  # [R, V]
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed.cpu(), -torch.inf)
-        return logits.argmax(-1)
 
     def weight_bytes(self) -> int:
         return sum(seg.path.stat().st_size for seg in (self.head, self.tail))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm.model.device import to_host
 from splitlm.transport.client import CloudError
+from splitlm.transport.messages import Forward
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +102,12 @@ def rebuild(session, upto: int, then: int) -> int:
     done = 0
     while per_forward and upto - done + then > per_forward:
         n = min(per_forward, upto - done)
-        h, pos = to_host(session.history[done:done + n]), session.history_pos[done:done + n]
-        session.client.forward_tensors(session.id, h, pos, session.wire_dtype, control=session.control(),
-                                       rows=[n - 1] if edge.split_head else None,
-                                       max_reply_elements=max(h.numel(), edge.vocab.size))
+        h, pos = to_host(session.history[done:done + n]), session.history_pos[done:done + n]  # [n, D]
+        request = Forward(h, torch.as_tensor(pos, dtype=torch.long), control=session.control(),
+                          rows=[n - 1] if edge.split_head else None)
+        client = session.client
+        client.receive_forward(client.send_forward(session.id, request, session.wire_dtype,
+                                                   max(h.numel(), edge.vocab.size)))
         done += n
         session.cloud_committed = done
     return done

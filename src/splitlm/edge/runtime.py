@@ -40,6 +40,7 @@ from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import PING_INTERVAL_S, CloudClient, CloudError
 from splitlm.transport.codecs import check_wire_dtype, wire_nbytes
 from splitlm.transport.errors import ErrorCode
+from splitlm.transport.messages import Open
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class Edge:
             if edge_adapter:
                 apply_edge_adapter(self.model, edge_adapter)
         if wire_dtype == "auto":
-            wire_dtype = "bf16" if self.model.cfg.gemma else "fp16"
+            wire_dtype = self.model.cfg.wire_dtype
         try:
             self.wire_dtype = check_wire_dtype(wire_dtype)
         except ValueError as e:
@@ -256,7 +257,7 @@ class Edge:
             client = None
             try:
                 client = self._connect(after, deadline - time.monotonic())
-                return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
+                return client, client.open(Open(self.wire_dtype, cache_policy, vocab)).session
             except CloudError as e:
                 if client is not None:  # reached but refused: the next round starts after it
                     self._drop_client(client)
@@ -286,7 +287,7 @@ class Edge:
                 raise
         else:
             try:
-                return client, client.open_session(self.wire_dtype, cache_policy, vocab=vocab)
+                return client, client.open(Open(self.wire_dtype, cache_policy, vocab)).session
             except CloudError as e:
                 self._drop_client(client)
                 if not e.retryable:
@@ -373,7 +374,7 @@ class Edge:
                 head = None if self.split_head or self.onnx else load_head(self.edge_dir, self.model.manifest.model_hash)
                 runner = None
                 if head is not None:
-                    scale = self.cfg.hidden_size ** 0.5 if self.cfg.gemma else 1.0
+                    scale = self.cfg.embed_scale
                     runner = HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, scale)
                 self._memories[key] = DraftMemory.seeded(self._suffix_index, runner)
             return self._memories[key]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -17,8 +17,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 import splitlm.edge.replay as replay
 import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
+from splitlm.decoding.step import StepResult
 from splitlm.model.device import to_device, to_host
 from splitlm.transport.client import CloudError, PendingForward, lost
+from splitlm.transport.messages import Control, Forward, PolicyChange, Result
 from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class Flight:
     rows: list[int] | None
     start: int  # committed entries before the block (edge)
     argmax: bool = False  # the reply's result is each row's greedy token, not its logits
-    extras: int = 0  # > 0: also each row's `extras` likeliest ids and final hidden state (`last_step`), for drafters
+    extras: int = 0  # > 0: also each row's `extras` likeliest ids and final hidden state (`StepResult`), for drafters
     sent: PendingForward | None = None
     edge_s: float = 0.0  # head (and later tail) compute
     serialize_s: float = 0.0
@@ -128,7 +130,6 @@ class EdgeSession:
         self.cloud_keep: list[int] | None = None  # to piggy-back on the next FORWARD
         self.cloud_crop: int | None = None
         self.stats = GenerationStats()
-        self.last_step: dict = {}
         self.last_prefill = None  # the last streamed prefill (`splitlm.edge.prefill.PrefillRun`)
 
     @property
@@ -216,7 +217,7 @@ class EdgeSession:
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
         self._idle()
-        self._policy(revoke=True)
+        self._policy(PolicyChange(revoke=True))
         self.cloud_committed, self.cloud_keep, self.cloud_crop = 0, None, None
 
     def tighten(self, cache_policy: str | CachePolicy) -> None:
@@ -235,22 +236,22 @@ class EdgeSession:
             return
         if new.sealed and self.key is None:
             self.key = AESGCM.generate_key(bit_length=256)
-        self._policy(cache_policy=new, key=self.key if new.sealed else None)
+        self._policy(PolicyChange(new, key=self.key if new.sealed else None))
         self.policy = new
         if new.retention == 0:
             self.cloud_committed, self.cloud_pending, self.cloud_keep, self.cloud_crop = 0, 0, None, None
 
-    def _policy(self, **change) -> None:
+    def _policy(self, change: PolicyChange) -> None:
         """A POLICY request (the session is idle), failing over if the cloud is gone."""
         try:
-            self.client.policy(self.id, **change)
+            self.client.policy(self.id, change)
         except CloudError as e:
             if not e.retryable:
                 raise
             self.failover(e)
-            if change.get("key") is not None:
-                change["key"] = self.key  # the new session's
-            self.client.policy(self.id, **change)
+            if change.key is not None:
+                change.key = self.key  # the new session's
+            self.client.policy(self.id, change)
 
     def _context_rows(self) -> int:
         """How many committed rows, counted from the end of the history, the cloud lacks."""
@@ -259,23 +260,20 @@ class EdgeSession:
             return 0 if held else min(self.length, self.policy.window)
         return self.length - held
 
-    def control(self) -> dict:
-        ctl = {"cache": self.policy.retention > 0, "dtype": self.wire_dtype, "split": self.edge.model.manifest.head}
-        if self.policy.window is not None:
-            ctl["window"] = self.policy.window
-        if self.key is not None:
-            ctl["key"] = self.key
-        return ctl
+    def control(self) -> Control:
+        """The control tuple of this session's next request."""
+        return Control(cache=self.policy.retention > 0, window=self.policy.window, dtype=self.wire_dtype,
+                       split=self.edge.model.manifest.head, key=self.key)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0) -> torch.Tensor:
-        """Run T new tokens through edge head -> cloud -> edge tail; returns logits [len(rows) or T, V]
-        (with `argmax`: each row's greedy token, [len(rows) or T], through the screened LM head).
-        With `extras` = k > 0, `last_step` also holds each row's k likeliest ids ("topk", [R, k]) and
-        final-normed hidden state ("hidden", [R, D]; None in the split-head topology): what edge-side
-        drafters learn from. They stay on the edge.
+                extras: int = 0) -> StepResult:
+        """Run T new tokens through edge head -> cloud -> edge tail; the step's `out` holds logits
+        [len(rows) or T, V] (with `argmax`: each row's greedy token, [len(rows) or T], through the
+        screened LM head). With `extras` = k > 0 it also holds each row's k likeliest ids (`topk`,
+        [R, k]) and final-normed hidden state (`hidden`, [R, D]; None in the split-head topology):
+        what edge-side drafters learn from. They stay on the edge.
 
         `keep` first retains only those entries of the previous call's new tokens, in both the
         edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
@@ -298,14 +296,13 @@ class EdgeSession:
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
-            out = []
+            steps = []
             for a in range(0, len(ids), limit):
                 part = [r - a for r in want if a <= r < a + limit]
-                logits = self._finish(self._send(ids[a:a + limit], None, None, part, argmax))
+                steps.append(self._finish(self._send(ids[a:a + limit], None, None, part, argmax)))
                 self.settle()
-                out.append(logits)
             self.stats.prefill_round_trips = -(-len(ids) // limit)
-            return torch.cat(out)
+            return replace(steps[-1], out=torch.cat([step.out for step in steps]))  # the last chunk's costs
         if limit is not None:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({window}) or the rows of logits one reply may hold ({rows_cap})")
@@ -325,9 +322,12 @@ class EdgeSession:
         return self._send(ids, positions, mask, rows, argmax)
 
     @torch.inference_mode()
-    def receive(self, f: Flight) -> torch.Tensor:
-        """The logits (or greedy tokens, if sent with `argmax`) of step `f` (the oldest in flight)."""
-        return self._finish(f)
+    def receive(self, f: Flight) -> StepResult:
+        """Step `f`'s result (the oldest in flight): its logits, or greedy tokens if sent with `argmax`."""
+        step = self._finish(f)
+        if step is None:
+            raise SplitLMError("a rolled-back step's reply is taken with discard")
+        return step
 
     def discard(self, f: Flight) -> None:
         """Take the reply of a rolled-back step `f` (the oldest in flight) and drop it."""
@@ -404,10 +404,10 @@ class EdgeSession:
         n_rows = len(f.ids) if f.rows is None else len(f.rows)
         f.edge_s += time.perf_counter() - start
         f.first_sent = f.first_sent or start
-        f.sent = client.send_forward(
-            self.id, sent, sent_pos, self.wire_dtype, mask=f.mask, keep=self.cloud_keep, crop=self.cloud_crop,
-            context=c, control=self.control(), rows=f.rows if split_head else None,
-            max_reply_elements=n_rows * self.edge.vocab.size if split_head else sent.numel())
+        request = Forward(sent, torch.as_tensor(sent_pos, dtype=torch.long), f.mask, self.cloud_keep, self.cloud_crop,
+                          c, self.control(), f.rows if split_head else None)
+        f.sent = client.send_forward(self.id, request, self.wire_dtype,
+                                     n_rows * self.edge.vocab.size if split_head else sent.numel())
         f.serialize_s += client.serialize_s - ser
         f.bytes_up = client.bytes_up - up
         self.stats.bytes_up += f.bytes_up
@@ -428,80 +428,93 @@ class EdgeSession:
     def _rebuild(self, upto: int, then: int) -> int:
         return replay.rebuild(self, upto, then)
 
-    def _finish(self, f: Flight) -> torch.Tensor | None:
+    def _finish(self, f: Flight) -> StepResult | None:
+        """Take step `f`'s reply (the oldest in flight), run the tail on it and count its costs; None
+        for a rolled-back (void) step, whose reply is dropped."""
         if not self.flights or self.flights[0] is not f:
             raise SplitLMError("replies are taken in the order the steps were sent")
-        model = self.edge.model
-        while True:
-            client = self.client
-            down, ser = client.bytes_down, client.serialize_s
-            if f.sent is None:  # a void block a failover did not re-send
-                out, meta = {}, {"wait_s": 0.0, "compute_s": 0.0}
-                break
-            try:
-                out, meta = client.receive_forward(f.sent)
-                break
-            except CloudError as e:
-                if not e.retryable:
-                    raise
-                self.failover(e)  # re-sends f (and the blocks after it)
+        result, down, ser = self._take_reply(f)
         self.flights.popleft()
         t2 = time.perf_counter()
         if f.replayed:
             f.replayed = False
             self.stats.failover_stall_s += t2 - f.first_sent
-        if f is self.pending and self.policy.retention > 0 and "cache_len" in meta:  # the cloud's count (a window trims it)
-            self.cloud_committed = meta["cache_len"] - self.cloud_pending
-        logits = topk = hidden = None
+        if result is not None and f is self.pending and self.policy.retention > 0:
+            self.cloud_committed = result.cache_len - self.cloud_pending  # the cloud's count (a window trims it)
+        out = topk = hidden = None
         if not f.void:
             if self.tail_block is not None:  # the block before this one, settled since
                 self._settle_tail()
-            n_rows = len(f.ids) if f.rows is None else len(f.rows)
-            if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
-                logits = self.edge.split_head_logits(out, n_rows)
-                self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
-                topk = to_host(logits.topk(f.extras, -1).indices) if f.extras else None
-                logits = to_host(logits.argmax(-1) if f.argmax else logits)
-            else:
-                dev = self.edge.device
-                pos, h = torch.tensor(f.positions, device=dev), to_device(out["hidden"], dev, torch.float32)[None]
-                mask = None if f.mask is None else to_device(f.mask, dev)
-                if self.edge.onnx:  # the tail graph ends in the LM head: logits, no final hidden state
-                    full = self.edge.vocab.mask_logits(model.tail_and_logits(h, pos, mask, self.tail_cache,
-                                                                              f.rows)[0])  # [R, V]
-                    topk = full.topk(f.extras, -1).indices if f.extras else None
-                    logits = full.argmax(-1) if f.argmax else full
-                elif f.argmax:
-                    normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
-                    logits, topk = model.greedy_head().candidates(normed, self.edge.allowed, f.extras)
-                    logits = to_host(logits)
-                else:
-                    normed = model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
-                    logits = self.edge.vocab.mask_logits(to_host(model.lm_logits(normed)))
-                    topk = logits.topk(f.extras, -1).indices if f.extras else None
-                hidden = to_host(normed) if f.extras and not self.edge.onnx else None
-                topk = None if topk is None else to_host(topk)
+            out, topk, hidden = self._tail(f, result.tensors)
             self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
         t3 = time.perf_counter()
-        serialize_s = f.serialize_s + client.serialize_s - ser
-        network_s = max(0.0, meta["wait_s"] - meta["compute_s"] - (client.serialize_s - ser))
+        compute_s = result.compute_s if result is not None else 0.0
+        wait_s = result.wait_s if result is not None else 0.0
+        network_s = max(0.0, wait_s - compute_s - ser)
         edge_s = f.edge_s + (t3 - t2)
         alone = not f.overlapped and not self.flights  # nothing else was on the link: its wait is the network's
-        self.edge.prefill_costs.observe(len(f.ids), f.start, f.edge_s + f.serialize_s,
-                                        t3 - t2 + serialize_s - f.serialize_s, meta["compute_s"],
-                                        f.bytes_up + client.bytes_down - down, network_s if alone else None)
+        self.edge.prefill_costs.observe(len(f.ids), f.start, f.edge_s + f.serialize_s, t3 - t2 + ser, compute_s,
+                                        f.bytes_up + down, network_s if alone else None)
         s = self.stats
         s.round_trips += 1
-        s.bytes_down += client.bytes_down - down
-        s.cloud_compute_s += meta["compute_s"]
-        s.serialize_s += serialize_s
+        s.bytes_down += down
+        s.cloud_compute_s += compute_s
+        s.serialize_s += f.serialize_s + ser
         s.network_s += network_s
         s.edge_compute_s += edge_s
-        self.last_step = {"tokens": len(f.ids), "network_s": network_s, "compute_s": edge_s + meta["compute_s"],
-                          "overlapped": f.overlapped}
-        if f.extras:
-            self.last_step.update(topk=topk, hidden=hidden)
-        return logits
+        if f.void:
+            return None
+        return StepResult(out, len(f.ids), network_s, edge_s + compute_s, f.overlapped, topk, hidden)
+
+    def _take_reply(self, f: Flight) -> tuple[Result | None, int, float]:
+        """Step `f`'s RESULT (None: a void block a failover did not re-send), failing over (and
+        re-sending `f` and the blocks after it) while the cloud is gone; with the bytes down and the
+        seconds of decryption and decoding that taking it cost on the connection it came from."""
+        while True:
+            client = self.client
+            down, ser = client.bytes_down, client.serialize_s
+            if f.sent is None:
+                return None, 0, 0.0
+            try:
+                result = client.receive_forward(f.sent)
+            except CloudError as e:
+                if not e.retryable:
+                    raise
+                self.failover(e)
+                continue
+            return result, client.bytes_down - down, client.serialize_s - ser
+
+    def _tail(self, f: Flight, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
+        """The edge's end of step `f` on the cloud's tensors `out`: the asked rows' logits [R, V] (or with
+        argmax their greedy ids [R]), and with extras their top-k ids [R, k] and final hidden state [R, D]."""
+        if self.edge.split_head:  # no tail layers here: the cloud's h[:d] and partial logits complete the LM head
+            return self._split_head_tail(f, out)
+        dev = self.edge.device
+        pos, h = torch.tensor(f.positions, device=dev), to_device(out["hidden"], dev, torch.float32)[None]
+        mask = None if f.mask is None else to_device(f.mask, dev)
+        if self.edge.onnx:  # the tail graph ends in the LM head: logits, no final hidden state
+            full = self.edge.vocab.mask_logits(self.edge.model.tail_and_logits(h, pos, mask, self.tail_cache,
+                                                                               f.rows)[0])  # [R, V]
+            topk = full.topk(f.extras, -1).indices if f.extras else None
+            return (full.argmax(-1) if f.argmax else full), (None if topk is None else to_host(topk)), None
+        normed = self.edge.model.tail_normed(h, pos, mask, self.tail_cache, f.rows)[0]  # [R, D]
+        if f.argmax:
+            logits, topk = self.edge.model.greedy_head().candidates(normed, self.edge.allowed, f.extras)
+            logits = to_host(logits)
+        else:
+            logits = self.edge.vocab.mask_logits(to_host(self.edge.model.lm_logits(normed)))
+            topk = logits.topk(f.extras, -1).indices if f.extras else None
+        hidden = to_host(normed) if f.extras else None
+        return logits, (None if topk is None else to_host(topk)), hidden
+
+    def _split_head_tail(self, f: Flight, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                 None]:
+        n_rows = len(f.ids) if f.rows is None else len(f.rows)
+        logits = self.edge.split_head_logits(out, n_rows)  # [R, V]
+        self.tail_cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
+        topk = to_host(logits.topk(f.extras, -1).indices) if f.extras else None
+        return to_host(logits.argmax(-1) if f.argmax else logits), topk, None
 
     def close(self) -> None:
         """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""

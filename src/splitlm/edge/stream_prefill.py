@@ -6,10 +6,12 @@ here, since session.py imports this module)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 import splitlm.edge.prefill as prefill
+from splitlm.decoding.step import StepResult
 from splitlm.transport.codecs import wire_nbytes
 
 
@@ -38,18 +40,19 @@ def plan_for(session, total: int, max_chunk: int) -> prefill.Plan | None:
 
 
 @torch.inference_mode()
-def stream(session, ids: list[int], want: list[int], p: prefill.Plan, argmax: bool) -> torch.Tensor:
+def stream(session, ids: list[int], want: list[int], p: prefill.Plan, argmax: bool) -> StepResult:
     """Run `ids` (causal, after the session's committed tokens) as pipelined chunks of `p.chunk`;
-    returns the logits (or greedy tokens, with `argmax`) of the rows `want`, as one forward would."""
+    returns the logits (or greedy tokens, with `argmax`) of the rows `want`, as one forward would
+    (the step's costs are the last chunk's, its network time the link's round trip)."""
     client, s = session.client, session.stats
     run = prefill.PrefillRun(len(ids), p.chunk, p.predicted_s, p.unchunked_s)
     start = time.perf_counter()
-    flights, out = [], []
+    flights, steps = [], []
 
     def take() -> None:
         f, sent_at, up = flights.pop(0)
         edge0, cloud0, down0, ser0 = s.edge_compute_s, s.cloud_compute_s, s.bytes_down, s.serialize_s
-        out.append(session._finish(f))
+        steps.append(session._finish(f))
         cloud_s = s.cloud_compute_s - cloud0
         tail_s = s.edge_compute_s - edge0 - f.edge_s + (s.serialize_s - ser0 - f.serialize_s)
         run.chunks.append(prefill.ChunkRecord(len(f.ids), f.edge_s + f.serialize_s, tail_s, cloud_s, up,
@@ -69,5 +72,5 @@ def stream(session, ids: list[int], want: list[int], p: prefill.Plan, argmax: bo
     s.prefill_round_trips = len(run.chunks)
     session.last_prefill = run
     # a pipelined chunk's wait says nothing about the link: the next step's budget gets the RTT estimate
-    session.last_step["network_s"] = session.edge.prefill_costs.link.rtt_s
-    return torch.cat(out)
+    return replace(steps[-1], out=torch.cat([step.out for step in steps]),
+                   network_s=session.edge.prefill_costs.link.rtt_s)

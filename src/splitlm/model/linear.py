@@ -61,6 +61,24 @@ def _available() -> bool:
 ENABLED = os.environ.get("SPLITLM_PACKED_LINEAR", "1") != "0" and _available()
 
 
+# torch's private names, in one place: torch has no public API for oneDNN's blocked linear weight
+# (what inductor's CPU freezing calls) nor for a tensor's version counter.
+
+def reorder_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight` [out, in], its layout tuned for products of `rows` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # noqa: SLF001  (no public API for oneDNN's blocked weight)
+
+
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias) -> [..., out], W given as its blocked copy (`reorder_weight`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")  # noqa: SLF001  (no public API for oneDNN's blocked linear)
+
+
+def version(w: torch.Tensor) -> int:
+    """`w`'s version counter (bumped by each in-place change); -1 for inference tensors, which keep none."""
+    return -1 if w.is_inference() else w._version  # noqa: SLF001  (torch has no public API for the version counter)
+
+
 def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
     """Whether this product goes through the blocked copy (`bf16`: the layers allow it in bf16)."""
     if not ENABLED or x.shape[-1] == 0:
@@ -79,10 +97,6 @@ def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
 
 
-def _version(w: torch.Tensor) -> int:
-    return -1 if w.is_inference() else w._version  # inference tensors keep no version counter
-
-
 def _same(key: tuple, weights: list[torch.Tensor]) -> bool:
     """Whether the blocked copy made for `key` still holds `weights`. The key keeps each weight and its
     storage alive, so no later tensor can take its address: a weight replaced (`load_state_dict`,
@@ -90,7 +104,7 @@ def _same(key: tuple, weights: list[torch.Tensor]) -> bool:
     made through `.data` in place bumps no version and is not: call `forget_blocked` after one (as
 merging a peft adapter does)."""
     return len(key) == len(weights) and all(
-        k[0] is w and k[2] == w.data_ptr() and k[3] == _version(w) for k, w in zip(key, weights, strict=True))
+        k[0] is w and k[2] == w.data_ptr() and k[3] == version(w) for k, w in zip(key, weights, strict=True))
 
 
 def frozen_product(weight: torch.Tensor, rows: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -100,8 +114,8 @@ def frozen_product(weight: torch.Tensor, rows: int = 16) -> Callable[[torch.Tens
     from memory)."""
     dtype = weight.dtype
     if ENABLED and weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)  # the only copy kept
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), blocked, None, "none", [], "")
+        blocked = reorder_weight(weight.detach(), rows)  # the only copy kept
+        return lambda x: blocked_linear(x.to(dtype), blocked, None)
     return lambda x: F.linear(x.to(dtype), weight)
 
 
@@ -109,17 +123,17 @@ def forget_blocked(module: nn.Module) -> None:
     """Drop the blocked copies in `module` (after its weights changed through `.data`)."""
     for m in module.modules():
         if isinstance(m, Linear):
-            m._packed = None
+            m.packed = None
 
 
 class Linear(nn.Linear):
     bf16_blocked = False  # a model's bf16 layers stay plain: a second copy of a large model costs too much memory
     # (the weights it was made from, `_same`'s key; blocked copy; bias): made by `project`, kept on the first layer
-    _packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+    packed: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())
-        state.pop("_packed", None)  # a copy or a pickle remakes it (oneDNN's blocked tensor cannot be copied)
+        state.pop("packed", None)  # a copy or a pickle remakes it (oneDNN's blocked tensor cannot be copied)
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -134,13 +148,12 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if not _blocked(x, weights, all(m.bf16_blocked for m in linears)):
         return [F.linear(x, m.weight, m.bias) for m in linears]
     first = linears[0]
-    if first._packed is None or not _same(first._packed[0], weights):
+    if first.packed is None or not _same(first.packed[0], weights):
         stacked = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum out, in]
         biases = [m.bias for m in linears]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else stacked.new_zeros(m.out_features) for b, m in zip(biases, linears, strict=True)])
-        key = tuple((w, w.untyped_storage(), w.data_ptr(), _version(w)) for w in weights)
-        first._packed = (key, torch.ops.mkldnn._reorder_linear_weight(stacked.detach(), PACK_FOR_ROWS),
-                         None if bias is None else bias.detach())
-    y = torch.ops.mkldnn._linear_pointwise(x, first._packed[1], first._packed[2], "none", [], "")
+        key = tuple((w, w.untyped_storage(), w.data_ptr(), version(w)) for w in weights)
+        first.packed = (key, reorder_weight(stacked.detach(), PACK_FOR_ROWS), None if bias is None else bias.detach())
+    y = blocked_linear(x, first.packed[1], first.packed[2])  # [..., sum out]
     return list(y.split([m.out_features for m in linears], dim=-1)) if len(linears) > 1 else [y]

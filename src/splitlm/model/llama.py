@@ -1,4 +1,7 @@
-"""Compact Llama-family transformer (Llama, Mistral, SmolLM): RMSNorm, RoPE, GQA, SwiGLU.
+"""Compact Llama-family transformer (Llama, Mistral, SmolLM, Qwen2, Gemma 3): RMSNorm, RoPE, GQA, SwiGLU.
+
+What sets a family apart comes as traits of `ModelConfig` (scaled embedding, norm offset, q/k
+norms, sandwich norms, sliding windows, logit soft-cap), never as a question of which family it is.
 
 Parameter names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`, ...) so that
 weights load without renaming. Every forward takes explicit positions and an explicit
@@ -23,19 +26,19 @@ SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32, output in the weights' dtype (what the next matmul reads); Gemma's variant
-    scales by (1 + weight) in float32."""
+    """RMSNorm in float32, output in the weights' dtype (what the next matmul reads); with `offset`
+    (Gemma's variant) it scales by (1 + weight) in float32."""
 
-    def __init__(self, dim: int, eps: float, gemma: bool = False):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
-        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
+        if self.offset:
             return (y * (1.0 + self.weight.float())).to(dtype)
         return self.weight * y.to(dtype)
 
@@ -97,10 +100,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=bias)
-        if cfg.gemma:
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
-            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, gemma=True)
-        self.qk_norm = cfg.gemma
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
     def forward(self, x: torch.Tensor, parts: list[Part], layer: int, window: int | None = None,
@@ -156,7 +159,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Llama: x + attn(norm(x)), then + mlp(norm(x)) (`post_attention_layernorm` is the MLP's pre-norm).
-    Gemma 3: each of attention and MLP is wrapped in a pre- and a post-norm.
+    With `sandwich_norms` (Gemma 3) each of attention and MLP is wrapped in a pre- and a post-norm.
 
     The residual stream is float32 whatever the weights' dtype: in bf16/fp16 only the matmuls and
     the KV cache are reduced-precision (teacher-forced agreement with the fp32 model rises, e.g.
@@ -164,19 +167,19 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, eps, g = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
-        self.gemma = g
-        self.input_layernorm = RMSNorm(d, eps, g)
+        d, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.sandwich = cfg.sandwich_norms
+        self.input_layernorm = RMSNorm(d, eps, offset)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(d, eps, g)
-        if g:
-            self.pre_feedforward_layernorm = RMSNorm(d, eps, g)
-            self.post_feedforward_layernorm = RMSNorm(d, eps, g)
+        self.post_attention_layernorm = RMSNorm(d, eps, offset)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, offset)
         self.mlp = MLP(cfg)
 
     def forward(self, x, parts: list[Part], layer: int, window: int | None = None, local: bool = False) -> torch.Tensor:
         x = x.float()  # [B, N, D]: every part's rows (norms and MLP are row-wise)
-        if self.gemma:
+        if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), parts, layer, window, local))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), parts, layer, window, local)
@@ -185,9 +188,14 @@ class Block(nn.Module):
 
 def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     x = table(ids)  # [B, T, D]
-    if cfg.gemma:  # Gemma scales embeddings by sqrt(D), rounded to the weights' dtype
-        x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
+    if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the weights' dtype
+        x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype, device=x.device)
     return x
+
+
+def final_norm(cfg: ModelConfig) -> RMSNorm:
+    """The norm before the LM head, [..., D] -> [..., D]."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -280,7 +288,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.stack = LayerStack(cfg, 0, cfg.num_layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.norm = final_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

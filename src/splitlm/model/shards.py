@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -29,12 +30,11 @@ from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.device import DTYPE_NAMES, DTYPES
 from splitlm.model.greedy_head import GreedyHead
-from splitlm.model.llama import LayerStack, RMSNorm, embed, softcap
+from splitlm.model.llama import LayerStack, embed, final_norm, softcap
 from splitlm.model.loading import (
     cache_lock,
     cache_root,
     file_sha256,
-    log,
     read_hf_config,
     resolve_model,
     safetensors_files,
@@ -51,6 +51,8 @@ from splitlm.model.weights import (
     write_weights,
 )
 from splitlm.progress import bar
+
+log = logging.getLogger(__name__)
 
 SHARD_FORMAT = "splitlm-shard/2"  # /1: one weights.safetensors; /2: an index and bounded files
 READABLE_FORMATS = ("splitlm-shard/1", SHARD_FORMAT)
@@ -166,10 +168,10 @@ def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "spl
     stored = weights.dominant_dtype() if dtype == "auto" else DTYPES[dtype]
     if topology == "split-head":
         d_end = check_d_end(cfg, d_end)
-        log(f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
+        log.info(f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
             f" cloud layers [{head},{cfg.num_layers}) + final norm + LM-head columns [{d_end},{cfg.hidden_size})")
     else:
-        log(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
+        log.info(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
             f" cloud layers [{head},{cfg.num_layers - tail})")
     base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail,
                     stored_dtype_name(stored), topology=topology, d_end=d_end or 0)
@@ -225,9 +227,10 @@ class EdgeModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.head = LayerStack(cfg, 0, manifest.head)
         self.tail = LayerStack(cfg, cfg.num_layers - manifest.tail, cfg.num_layers)
-        self.norm = None if self.split_head else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.norm = None if self.split_head else final_norm(cfg)
         head_in = manifest.d_end if self.split_head else cfg.hidden_size
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(head_in, cfg.vocab_size, bias=False)
+        self._greedy: GreedyHead | None = None  # `greedy_head()`, built on first use
 
     @property
     def end_weight(self) -> torch.Tensor:
@@ -247,12 +250,6 @@ class EdgeModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
 
-    def tail_and_argmax(self, h, positions, new_mask=None, cache=None, rows=None,
-                        allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """The greedy token of each row, [T or len(rows)] (batch of one): `tail_and_logits(...)[0].argmax(-1)`
-        over the `allowed` ids, through the screened LM head (`splitlm.model.greedy_head`)."""
-        return self.greedy_head().argmax(self.tail_normed(h, positions, new_mask, cache, rows)[0], allowed)
-
     def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from final-normed hidden states."""
         return softcap(F.linear(normed, self.head_weight), self.cfg.final_logit_softcapping)
@@ -266,13 +263,17 @@ class EdgeModel(nn.Module):
         """The screened LM head, built on first use (after the weights are loaded). Environment
         variable SPLITLM_SCREENED_HEAD: 0 = never screen (saves the bf16 copy of W), 1 = always,
         unset = where a bf16 product is measured to be faster."""
-        if getattr(self, "_greedy", None) is None:
+        if self._greedy is None:
             choice = os.environ.get("SPLITLM_SCREENED_HEAD", "").strip()
             if choice not in ("", "0", "1"):
                 raise SplitLMError(f"SPLITLM_SCREENED_HEAD must be 0 or 1, not {choice!r}")
             screen = None if choice == "" else choice == "1"
             self._greedy = GreedyHead(self.head_weight.detach(), self.cfg.final_logit_softcapping, screen)
         return self._greedy
+
+    def forget_greedy_head(self) -> None:
+        """Drop the screened LM head (after the LM head's weights changed): the next use rebuilds it."""
+        self._greedy = None
 
 
 class CloudModel(nn.Module):
@@ -285,7 +286,7 @@ class CloudModel(nn.Module):
         self.middle = LayerStack(cfg, *manifest.cloud_layers)
         self.split_head = manifest.topology == "split-head"
         if self.split_head:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+            self.norm = final_norm(cfg)
             self.lm_head = nn.Linear(cfg.hidden_size - manifest.d_end, cfg.vocab_size, bias=False)
 
     def forward(self, h, positions, new_mask=None, cache=None) -> torch.Tensor:

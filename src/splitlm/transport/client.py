@@ -9,9 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
@@ -35,8 +33,9 @@ from splitlm.transport.keys import (
     resolve_identity,
 )
 from splitlm.transport.messages import (
+    REPLY_TYPE,
     Close,
-    Control,
+    Closed,
     Forward,
     GoingAway,
     Open,
@@ -46,13 +45,8 @@ from splitlm.transport.messages import (
     Result,
     ServerInfo,
 )
-from splitlm.transport.policy import CachePolicy
 
 log = logging.getLogger(__name__)
-
-REPLY_TYPE = {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED, MsgType.FORWARD: MsgType.RESULT,
-              MsgType.CLOSE: MsgType.CLOSED, MsgType.POLICY: MsgType.POLICY_OK}
-
 
 @dataclass
 class PendingForward:
@@ -181,7 +175,7 @@ class CloudClient:
             reply = decode_frame(reply_data)
             if reply.type == MsgType.ERROR:
                 raise error_from_frame(reply)
-            if reply.type != MsgType.HELLO_OK:
+            if reply.type != REPLY_TYPE[MsgType.HELLO]:
                 raise CloudError(f"the cloud answered HELLO with {reply.type.name}")
             cloud_fp = fingerprint(ClientHandshake.server_key(reply))
             host = host_id(self.url)
@@ -209,7 +203,6 @@ class CloudClient:
             (log.debug if seen else log.warning)("trusting the cloud key %s of %s on first use (recorded in %s)",
                                                  cloud_fp, host, record.path)
         self.cloud_fingerprint = cloud_fp
-        self.server_info: dict[str, Any] = info
         self.info = ServerInfo.from_meta(info)
         return channel
 
@@ -221,6 +214,8 @@ class CloudClient:
         return self.channel.open(data)
 
     def request(self, frame: Frame) -> Frame:
+        """Send a request frame and wait for its reply frame, checked against `REPLY_TYPE` (the typed
+        methods below build and read the messages; tests send malformed frames through this)."""
         return self._reply(self._submit(frame))
 
     def _submit(self, frame: Frame) -> Frame:
@@ -257,52 +252,19 @@ class CloudClient:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")
         return reply
 
-    def open_session(self, wire_dtype: str, cache_policy: str | CachePolicy = "session",
-                     vocab: bytes | None = None) -> int:
-        """A new session; `vocab`: the authorised token ids as packed bits (split-head clouds only)."""
-        return self.open(Open(wire_dtype, cache_policy, vocab)).session
-
     def open(self, request: Open) -> Opened:
+        """A new session (OPEN -> OPENED)."""
         return Opened.from_frame(self.request(request.to_frame()))
 
-    def policy(self, session: int, cache_policy: str | CachePolicy | None = None, revoke: bool = False,
-               key: bytes | None = None) -> PolicyOk:
-        """Tighten the session's cache policy and/or wipe its cache now; returns the cloud's answer."""
-        return PolicyOk.from_frame(self.request(PolicyChange(cache_policy, revoke, key).to_frame(session)))
+    def policy(self, session: int, change: PolicyChange) -> PolicyOk:
+        """Tighten the session's cache policy and/or wipe its cache now (POLICY -> POLICY_OK)."""
+        return PolicyOk.from_frame(self.request(change.to_frame(session)))
 
-    def forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
-                mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                crop: int | None = None, context: int = 0,
-                control: Control | dict | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Send hidden [C + T, D] (C re-sent context rows, then T new tokens) through the cloud's layers;
-        returns hidden [T, D] of the new tokens and the reply metadata."""
-        out, meta = self.forward_tensors(session, hidden, positions, wire_dtype, mask, keep, crop, context, control,
-                                         max_reply_elements=hidden.numel())
-        return out["hidden"], meta
-
-    def forward_tensors(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
-                        mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                        crop: int | None = None, context: int = 0, control: Control | dict | None = None,
-                        rows: list[int] | None = None,
-                        max_reply_elements: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """`forward`, returning every tensor of the RESULT (a split-head cloud's `hidden` and `logits`
-        for the new tokens `rows`), each of at most `max_reply_elements` elements."""
-        return self.receive_forward(self.send_forward(session, hidden, positions, wire_dtype, mask, keep, crop,
-                                                      context, control, rows, max_reply_elements))
-
-    def send_forward(self, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
-                     mask: torch.Tensor | None = None, keep: list[int] | None = None,
-                     crop: int | None = None, context: int = 0, control: Control | dict | None = None,
-                     rows: list[int] | None = None, max_reply_elements: int = 0) -> PendingForward:
-        """Send a FORWARD (arguments as `forward_tensors`) and return at once; `receive_forward` gets
-        its reply. Several may be in flight on one connection: the cloud answers them in order."""
-        request = Forward(hidden, torch.as_tensor(positions, dtype=torch.long), mask, keep, crop, context,
-                          Control() if control is None else control, rows)
-        return self.submit_forward(session, request, wire_dtype, max_reply_elements)
-
-    def submit_forward(self, session: int, request: Forward, wire_dtype: str,
-                       max_reply_elements: int = 0) -> PendingForward:
-        """Send a typed FORWARD (its `hidden` in `wire_dtype`) without waiting for the RESULT."""
+    def send_forward(self, session: int, request: Forward, wire_dtype: str,
+                     max_reply_elements: int) -> PendingForward:
+        """Send a FORWARD (its `hidden` in `wire_dtype`) and return at once; `receive_forward` gets its
+        RESULT, whose tensors may hold at most `max_reply_elements` elements each. Several may be in
+        flight on one connection: the cloud answers them in order."""
         t0 = time.perf_counter()
         try:
             frame = request.to_frame(session, wire_dtype)
@@ -313,24 +275,24 @@ class CloudClient:
         frame = self._submit(frame)
         return PendingForward(frame, start, max_reply_elements)
 
-    def receive_forward(self, pending: PendingForward) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The RESULT of a `send_forward` (the oldest one unanswered). Its meta adds `round_trip_s`
-        (send to reply) and `wait_s` (how long this call waited for it)."""
+    def receive_forward(self, pending: PendingForward) -> Result:
+        """The RESULT of a `send_forward` (the oldest one unanswered), with the client's own timing:
+        `round_trip_s` (send to reply) and `wait_s` (how long this call waited for it)."""
         waited = time.perf_counter()
         reply = self._reply(pending.frame)
         now = time.perf_counter()
-        reply.meta["round_trip_s"] = now - pending.sent_at
-        reply.meta["wait_s"] = now - waited
         t0 = time.perf_counter()
         try:
             result = Result.from_frame(reply, pending.max_reply_elements)
         except ProtocolError as e:
             raise CloudError(f"bad RESULT from the cloud: {e}", e.code) from None
         self.serialize_s += time.perf_counter() - t0
-        return result.tensors, reply.meta
+        result.round_trip_s, result.wait_s = now - pending.sent_at, now - waited
+        return result
 
-    def close_session(self, session: int) -> None:
-        self.request(Close().to_frame(session))
+    def close_session(self, session: int) -> Closed:
+        """End a session (CLOSE -> CLOSED)."""
+        return Closed.from_frame(self.request(Close().to_frame(session)))
 
     def close(self) -> None:
         self.ws.close()

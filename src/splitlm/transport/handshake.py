@@ -44,20 +44,12 @@ from splitlm.transport.frames import (
     decode_header,
     encode_frame,
 )
-from splitlm.transport.keys import PUBLIC_KEY_SIZE, Identity, fingerprint
+from splitlm.transport.keys import Identity, fingerprint
+from splitlm.transport.messages import Hello, ServerInfo, public_key
 
 
 def _raw(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def _public_key(meta: dict, name: str, what: str, code: ErrorCode) -> bytes:
-    value = meta.get(name)
-    if value is None:
-        raise ProtocolError(code, f"{what} carries no {name!r} key")
-    if not isinstance(value, bytes) or len(value) != PUBLIC_KEY_SIZE:
-        raise ProtocolError(code, f"{what} {name!r} must be {PUBLIC_KEY_SIZE} bytes (msgpack bin)")
-    return value
 
 
 def _exchange(private: X25519PrivateKey, public: bytes) -> bytes:
@@ -67,24 +59,18 @@ def _exchange(private: X25519PrivateKey, public: bytes) -> bytes:
         raise ProtocolError(ErrorCode.AUTH_FAILED, "degenerate (low-order) public key") from None
 
 
-def hello_keys(hello: Frame) -> tuple[bytes, bytes]:
-    """(ephemeral, static) public keys of a client's HELLO."""
-    static = _public_key(hello.meta, "s", "HELLO", ErrorCode.AUTH_FAILED)  # missing credential
-    ephemeral = _public_key(hello.meta, "e", "HELLO", ErrorCode.BAD_REQUEST)
-    return ephemeral, static
-
-
-def server_handshake(identity: Identity, hello: Frame, hello_bytes: bytes, info: dict[str, Any], seq: int,
+def server_handshake(identity: Identity, hello: Hello, hello_bytes: bytes, info: ServerInfo, seq: int,
                      policy: RekeyPolicy | None = None,
                      window: ReplayWindow | None = None) -> tuple[bytes, Channel, bytes]:
     """The cloud's side: (HELLO_OK bytes to send, channel, client static public key).
 
-    The caller has already checked the version, the shard fingerprint and the allow-list."""
-    e_c, s_c = hello_keys(hello)
+    `hello` is `hello_bytes` read (`Hello.from_frame`: version, shard fingerprint and keys checked); the
+    caller has also checked the allow-list. `info` goes encrypted in HELLO_OK's payload."""
+    e_c, s_c = hello.ephemeral, hello.static
     e_s = X25519PrivateKey.generate()
     dh_ee, dh_es, dh_se = _exchange(e_s, e_c), _exchange(identity.private_key, e_c), _exchange(e_s, s_c)
     meta = msgpack.packb({"e": _raw(e_s), "s": identity.public_bytes, "ref": hello.seq}, use_bin_type=True)
-    info_bytes = msgpack.packb(info, use_bin_type=True)
+    info_bytes = msgpack.packb(info.to_meta(), use_bin_type=True)
     header = HEADER.pack(MAGIC, VERSION, MsgType.HELLO_OK, 0, 0, seq, len(meta), len(info_bytes) + TAG_SIZE)
     c2s, s2c = derive_keys(dh_ee, dh_es, dh_se, transcript_hash(hello_bytes, header + meta))
     send = SendCipher(s2c, policy)
@@ -99,14 +85,13 @@ class ClientHandshake:
         self.identity = identity
         self.ephemeral = X25519PrivateKey.generate()
         self.seq = seq
-        self.hello_bytes = encode_frame(Frame(MsgType.HELLO, seq=seq, meta={
-            "version": VERSION, "fingerprint": shard_fingerprint, "e": _raw(self.ephemeral),
-            "s": identity.public_bytes}))
+        self.hello_bytes = encode_frame(Hello(shard_fingerprint, _raw(self.ephemeral), identity.public_bytes,
+                                              seq).to_frame())
 
     @staticmethod
     def server_key(ok: Frame) -> bytes:
         """The cloud's static public key announced in HELLO_OK (not yet proven)."""
-        return _public_key(ok.meta, "s", "HELLO_OK", ErrorCode.AUTH_FAILED)
+        return public_key(ok.meta, "s", "HELLO_OK", ErrorCode.AUTH_FAILED)
 
     def finish(self, ok_data: bytes, policy: RekeyPolicy | None = None,
                window: ReplayWindow | None = None) -> tuple[Channel, dict[str, Any]]:
@@ -116,7 +101,7 @@ class ClientHandshake:
             raise ProtocolError(ErrorCode.AUTH_FAILED, "HELLO_OK carries no key confirmation")
         head_len = HEADER_SIZE + header.meta_len
         ok = decode_body(header, memoryview(ok_data)[HEADER_SIZE:])
-        e_s = _public_key(ok.meta, "e", "HELLO_OK", ErrorCode.AUTH_FAILED)
+        e_s = public_key(ok.meta, "e", "HELLO_OK", ErrorCode.AUTH_FAILED)
         s_s = self.server_key(ok)
         if ok.meta.get("ref") != self.seq:
             raise ProtocolError(ErrorCode.AUTH_FAILED, "HELLO_OK answers another HELLO")

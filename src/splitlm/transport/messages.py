@@ -8,7 +8,7 @@ with the code of §7 (`BAD_FRAME` for tensor descriptions, `BAD_REQUEST` for con
 need the model or the session (shapes, positions, budgets) stay with the cloud.
 
     request           reply
-    (HELLO)      ->   ServerInfo (HELLO_OK's encrypted payload; the handshake itself is `handshake.py`)
+    Hello        ->   ServerInfo (HELLO_OK's encrypted payload; the handshake itself is `handshake.py`)
     Open         ->   Opened
     Forward      ->   Result
     PolicyChange ->   PolicyOk
@@ -26,8 +26,27 @@ import torch
 
 from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.errors import ErrorCode, ProtocolError
-from splitlm.transport.frames import Frame, MsgType, pack_mask, pack_tensors, unpack_mask, unpack_tensors
+from splitlm.transport.frames import (
+    VERSION,
+    Frame,
+    MsgType,
+    pack_mask,
+    pack_tensors,
+    unpack_mask,
+    unpack_tensors,
+)
+from splitlm.transport.keys import PUBLIC_KEY_SIZE
 from splitlm.transport.policy import CachePolicy
+
+# The one table of which reply answers which request (the table above); `CloudClient` checks every
+# reply against it. Any request may also be answered with ERROR, or GOING_AWAY in its place.
+REPLY_TYPE: dict[MsgType, MsgType] = {
+    MsgType.HELLO: MsgType.HELLO_OK,
+    MsgType.OPEN: MsgType.OPENED,
+    MsgType.FORWARD: MsgType.RESULT,
+    MsgType.POLICY: MsgType.POLICY_OK,
+    MsgType.CLOSE: MsgType.CLOSED,
+}
 
 
 def int_list(value, name: str) -> list[int]:
@@ -73,6 +92,49 @@ class ServerInfo:
         limits = meta.get("limits") if isinstance(meta.get("limits"), dict) else {}
         known = {k: v for k, v in limits.items() if k in vars(Limits()) and type(v) is int}
         return cls(str(meta.get("server", "")), str(meta.get("fingerprint", "")), Limits(**known))
+
+
+def public_key(meta: dict[str, Any], name: str, what: str, code: ErrorCode) -> bytes:
+    """The raw X25519 public key `meta[name]` of a HELLO or HELLO_OK (`code` when it is missing or malformed)."""
+    value = meta.get(name)
+    if value is None:
+        raise ProtocolError(code, f"{what} carries no {name!r} key")
+    if not isinstance(value, bytes) or len(value) != PUBLIC_KEY_SIZE:
+        raise ProtocolError(code, f"{what} {name!r} must be {PUBLIC_KEY_SIZE} bytes (msgpack bin)")
+    return value
+
+
+@dataclass
+class Hello:
+    """The edge's HELLO (§4, §5), in the clear: the protocol version, the edge shard's fingerprint and
+    the client's two X25519 public keys. HELLO_OK's payload is `ServerInfo`; `handshake.py` derives
+    the keys from both."""
+    fingerprint: str  # the edge shard's (must equal the cloud shard's)
+    ephemeral: bytes  # e_c.pub, fresh for this connection
+    static: bytes  # s_c.pub: the client's identity (announced here, proven by its first encrypted frame)
+    seq: int = 1  # the frame's sequence number (HELLO_OK's `ref` answers it)
+    version: int = VERSION
+
+    def to_frame(self) -> Frame:
+        return Frame(MsgType.HELLO, seq=self.seq, meta={"version": self.version, "fingerprint": self.fingerprint,
+                                                        "e": self.ephemeral, "s": self.static})
+
+    @classmethod
+    def from_frame(cls, frame: Frame, shard_fingerprint: str | None = None) -> Hello:
+        """The HELLO, checked in the order of §5 step 2: `version` (VERSION_MISMATCH), the fingerprint
+        against the cloud shard's `shard_fingerprint` (FINGERPRINT_MISMATCH; None: not checked), `s`
+        (missing or not 32 bytes: AUTH_FAILED), `e` (BAD_REQUEST)."""
+        _expect(frame, MsgType.HELLO)
+        meta = frame.meta
+        if meta.get("version") != VERSION:
+            raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"edge speaks version {meta.get('version')}, cloud {VERSION}")
+        fp = meta.get("fingerprint")
+        if shard_fingerprint is not None and fp != shard_fingerprint:
+            raise ProtocolError(ErrorCode.FINGERPRINT_MISMATCH, "the edge shard and the cloud shard come from different "
+                                f"splits (cloud fingerprint {shard_fingerprint})")
+        static = public_key(meta, "s", "HELLO", ErrorCode.AUTH_FAILED)  # a missing credential
+        ephemeral = public_key(meta, "e", "HELLO", ErrorCode.BAD_REQUEST)
+        return cls(fp if isinstance(fp, str) else "", ephemeral, static, frame.seq)
 
 
 @dataclass
@@ -165,7 +227,7 @@ class Forward:
     keep: list[int] | None = None  # entries of the previous step's pending block to keep (after crop)
     crop: int | None = None  # truncate the cache to this length first
     context: int = 0  # C
-    control: Control | dict = field(default_factory=Control)  # a map travels as given (the cloud checks it)
+    control: Control = field(default_factory=Control)
     rows: list[int] | None = None  # split-head: the new tokens whose logits the edge wants (None = all)
 
     @property
@@ -186,7 +248,7 @@ class Forward:
             meta["crop"] = self.crop
         if self.context:
             meta["context"] = self.context
-        control = self.control.to_meta() if isinstance(self.control, Control) else self.control
+        control = self.control.to_meta()
         if control:
             meta["control"] = control
         if self.rows is not None:
@@ -220,12 +282,17 @@ class Forward:
 @dataclass
 class Result:
     """The new tokens' outputs (§4 RESULT): tail-local `hidden` [T, D]; split-head `hidden` [R, d]
-    and `logits` [R, S]."""
+    and `logits` [R, S].
+
+    `round_trip_s` and `wait_s` are not on the wire: the receiving client measures them
+    (`CloudClient.receive_forward`); a decoded frame has them at 0."""
     session: int
     tensors: dict[str, torch.Tensor]
     cache_len: int  # cache entries after the step (after crop, keep, append and the policy)
     compute_s: float = 0.0  # seconds from the request's arrival at the scheduler to its output (queue included)
     queue_s: float = 0.0  # of which waiting for a pass of the scheduler
+    round_trip_s: float = 0.0  # the edge's: from the request's send to its reply (client-measured)
+    wait_s: float = 0.0  # the edge's: how long taking the reply blocked (client-measured)
 
     def to_frame(self, wire_dtype: str) -> Frame:
         specs, payload = pack_tensors(self.tensors, wire_dtype)
@@ -297,6 +364,11 @@ class Closed:
 
     def to_frame(self) -> Frame:
         return Frame(MsgType.CLOSED, self.session)
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> Closed:
+        _expect(frame, MsgType.CLOSED)
+        return cls(frame.session)
 
 
 @dataclass
