@@ -25,11 +25,12 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
-from splitlm.edge.runtime import encode_prompt
+from splitlm.edge.text import encode_prompt
 from splitlm.model.loading import file_sha256, load_model, safetensors_files
 from splitlm.model.shards import cached_split
 

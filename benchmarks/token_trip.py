@@ -9,7 +9,13 @@ A tiny random Llama is split (2 + 2 edge layers) and served in this process; the
 event loop, its scheduler and codec pools) records each splitlm function entered during the third step.
 The trip starts when the decoding loop hands the drafted tree to the session (`EdgeSession.forward`) and
 ends when the step's result comes back to the loop; `--whole` starts at the step's drafting and ends at
-the next one's. docs/development.md keeps the list, so a change can see what it adds.
+the next one's.
+
+Two lists come out. **The trip**: the functions that take or return the step's state in one of its typed
+carriers (the contract's `Forward`, `Frame` and `Result`, the edge's `Flight` and `StepResult`, the
+cloud's `Job` and `Step`, or a list of them): the hallway a reader follows. **Called on the way**:
+every other splitlm function entered (layer math, crypto, codecs, metrics, cost fits, ...).
+docs/development.md keeps both, so a change can see what it adds.
 """
 
 from __future__ import annotations
@@ -28,23 +34,58 @@ import torch
 STEP = 3  # the traced step (the first ones warm the caches and the budget)
 
 
+CARRIERS = (("splitlm.transport.messages", "Forward"), ("splitlm.transport.messages", "Result"),
+            ("splitlm.transport.frames", "Frame"), ("splitlm.decoding.step", "StepResult"),
+            ("splitlm.edge.link", "Flight"), ("splitlm.edge.session", "Flight"),
+            ("splitlm.cloud.scheduler", "Job"), ("splitlm.cloud.sessions", "Step"))
+
+
+def carrier_types() -> tuple[type, ...]:
+    """The carrier classes this checkout has (older ones kept `Flight` in edge/session.py)."""
+    import importlib
+
+    found = []
+    for module, name in CARRIERS:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 class Recorder:
-    """A profile hook for every thread: (file, function) of each splitlm call while `on`."""
+    """A profile hook for every thread: (file, function) of each splitlm call while `on`, and whether
+    the function took or returned a carrier of the step's state."""
 
     def __init__(self):
         self.on = False
+        self.carriers = carrier_types()
         self.calls: dict[str, set[str]] = defaultdict(set)
+        self.trip: dict[str, set[str]] = defaultdict(set)
         self.lock = threading.Lock()
 
+    def carries(self, value) -> bool:
+        if isinstance(value, list | tuple) and value:
+            value = value[0]
+        return isinstance(value, self.carriers)
+
     def hook(self, frame, event, arg):
-        if not self.on or event != "call":
+        if not self.on or event not in ("call", "return"):
             return
         path = frame.f_code.co_filename
         if "/splitlm/" not in path or "token_trip" in path:
             return
-        rel = path[path.rindex("/splitlm/") + 1:]
+        rel, name = path[path.rindex("/splitlm/") + 1:], frame.f_code.co_qualname
+        if event == "call":
+            code = frame.f_code
+            args = [frame.f_locals.get(a) for a in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
+            carried = any(self.carries(a) for a in args)
+        else:
+            carried = self.carries(arg)
         with self.lock:
-            self.calls[rel].add(frame.f_code.co_qualname)
+            self.calls[rel].add(name)
+            if carried:
+                self.trip[rel].add(name)
 
 
 def make_split(root: Path) -> Path:
@@ -105,20 +146,32 @@ def trace(whole: bool) -> Recorder:
     return rec
 
 
+def listing(calls: dict[str, set[str]]) -> dict[str, list[str]]:
+    return {f: sorted(calls[f]) for f in sorted(calls)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--whole", action="store_true", help="the whole step (drafting and verification), not the trip")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args()
     rec = trace(args.whole)
-    files = sorted(rec.calls)
+    trip = listing(rec.trip)
+    rest = listing({f: rec.calls[f] - rec.trip.get(f, set()) for f in rec.calls if rec.calls[f] - rec.trip.get(f, set())})
+    every = listing(rec.calls)
+    counts = {"trip_files": len(trip), "trip_functions": sum(map(len, trip.values())),
+              "all_files": len(every), "all_functions": sum(map(len, every.values()))}
     if args.json:
-        print(json.dumps({"files": len(files), "functions": sum(len(v) for v in rec.calls.values()),
-                          "calls": {f: sorted(rec.calls[f]) for f in files}}, indent=1))
+        print(json.dumps({**counts, "trip": trip, "called_on_the_way": rest}, indent=1))
         return
-    for f in files:
-        print(f"{f}: {', '.join(sorted(rec.calls[f]))}")
-    print(f"{len(files)} files, {sum(len(v) for v in rec.calls.values())} functions")
+    print("The trip (functions that take or return the step's typed carriers):")
+    for f, names in trip.items():
+        print(f"  {f}: {', '.join(names)}")
+    print("Called on the way:")
+    for f, names in rest.items():
+        print(f"  {f}: {', '.join(names)}")
+    print(f"trip: {counts['trip_files']} files, {counts['trip_functions']} functions; "
+          f"every splitlm function entered: {counts['all_files']} files, {counts['all_functions']} functions")
 
 
 if __name__ == "__main__":

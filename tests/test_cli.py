@@ -107,5 +107,5 @@ def test_pipeline_flag_on_generate_chat_and_serve_edge():
     parser = build_parser()
     for argv in (["generate", "--edge", "e", "--prompt", "p"], ["chat", "--edge", "e"], ["serve-edge", "--edge", "e"]):
         assert not spec_arg(parser.parse_args(argv)).pipeline
-        spec = spec_arg(parser.parse_args([*argv, "--pipeline", "--spec", "draft", "--draft", "self-raw"]))
-        assert spec.pipeline and spec.mode == "draft" and spec.draft == "self-raw"
+        spec = spec_arg(parser.parse_args([*argv, "--pipeline", "--spec", "ngram"]))
+        assert spec.pipeline and spec.mode == "ngram"

@@ -39,35 +39,42 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+class Tarjan:
+    """Strongly connected components of a graph (Tarjan's algorithm)."""
+
+    def __init__(self, graph: dict[str, set[str]]):
+        self.graph, self.index, self.low, self.stack, self.on_stack = graph, {}, {}, [], set()
+        self.components: list[list[str]] = []
+
+    def visit(self, v: str) -> None:
+        self.index[v] = self.low[v] = len(self.index)
+        self.stack.append(v)
+        self.on_stack.add(v)
+        for w in self.graph.get(v, ()):
+            if w not in self.index:
+                self.visit(w)
+                self.low[v] = min(self.low[v], self.low[w])
+            elif w in self.on_stack:
+                self.low[v] = min(self.low[v], self.index[w])
+        if self.low[v] == self.index[v]:
+            self.components.append(self.pop_component(v))
+
+    def pop_component(self, v: str) -> list[str]:
+        component: list[str] = []
+        while not component or component[-1] != v:
+            w = self.stack.pop()
+            self.on_stack.discard(w)
+            component.append(w)
+        return component
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan's algorithm)."""
-    index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
+    """Strongly connected components with more than one module."""
+    tarjan = Tarjan(graph)
     for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+        if v not in tarjan.index:
+            tarjan.visit(v)
+    return [sorted(c) for c in tarjan.components if len(c) > 1]
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -16,7 +16,7 @@ from splitlm.cloud.sessions import (
     finish_step,
     run_pass,
 )
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
 from splitlm.model.shards import CloudModel, load_cloud
 from splitlm.transport.errors import ErrorCode, ProtocolError

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import cloud_forward
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
@@ -26,7 +26,7 @@ def run(edge, session, prompt, n=24, spec="ngram", cached=0):
 
 
 def cloud_session(server, session):
-    return server.server.sessions.sessions[session.id]
+    return server.server.sessions.sessions[session.link.id]
 
 
 def test_policy_parsing_and_tightening_order():
@@ -82,13 +82,13 @@ def test_sealed_cache_is_never_plaintext_between_requests(tiny_split, tiny_serve
         state = cloud_session(tiny_server, session)
         assert state.cache.length == 0 and state.cache.nbytes() == 0
         assert state.sealed is not None and probe not in state.sealed
-        assert session.key not in state.sealed and not any(v is session.key for v in vars(state).values())
+        assert session.link.key not in state.sealed and not any(v is session.link.key for v in vars(state).values())
         # a turn without the key, or with another key, fails cleanly and changes nothing
         h = torch.zeros(1, edge.cfg.hidden_size)
         blob = state.sealed
         for control in (Control(cache=True), Control(cache=True, key=bytes(32))):
             with pytest.raises(CloudError) as e:
-                cloud_forward(edge.client, session.id, h, [len(PROMPT) + 8], "fp32", control=control)
+                cloud_forward(edge.client, session.link.id, h, [len(PROMPT) + 8], "fp32", control=control)
             assert e.value.code == ErrorCode.SEALED_KEY
         assert state.sealed == blob
         more = run(edge, session, PROMPT + first + [3], cached=len(PROMPT + first) - 1, n=8, spec="none")
@@ -108,14 +108,14 @@ def test_window_is_enforced_and_cannot_be_loosened(tiny_split, tiny_server):
         assert str(state.policy) == "window:8" and state.cache.length <= 8
         h = torch.zeros(1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:  # a loosening control tuple
-            cloud_forward(edge.client, session.id, h, [200], "fp32", control=Control(cache=True, window=32))
+            cloud_forward(edge.client, session.link.id, h, [200], "fp32", control=Control(cache=True, window=32))
         assert e.value.code == ErrorCode.POLICY
         for looser in ("window:9", "session", "sealed"):  # a loosening POLICY message
             with pytest.raises(CloudError) as e:
-                edge.client.policy(session.id, PolicyChange(looser))
+                edge.client.policy(session.link.id, PolicyChange(looser))
             assert e.value.code == ErrorCode.POLICY
         with pytest.raises(CloudError) as e:  # more new tokens than the window
-            cloud_forward(edge.client, session.id, torch.zeros(9, edge.cfg.hidden_size), list(range(200, 209)), "fp32",
+            cloud_forward(edge.client, session.link.id, torch.zeros(9, edge.cfg.hidden_size), list(range(200, 209)), "fp32",
                           control=Control(cache=True))
         assert e.value.code == ErrorCode.POLICY
         assert str(state.policy) == "window:8" and state.cache.length <= 8
@@ -165,7 +165,7 @@ def test_control_tuple_is_validated(tiny_split, tiny_server):
         session = edge.open_session()
         h = torch.zeros(1, edge.cfg.hidden_size)
         def forward_frame(control):  # the control map as given: a malformed one goes up as it is
-            frame = Forward(h, torch.tensor([0])).to_frame(session.id, "fp32")
+            frame = Forward(h, torch.tensor([0])).to_frame(session.link.id, "fp32")
             frame.meta["control"] = control
             return frame
 
@@ -178,11 +178,11 @@ def test_control_tuple_is_validated(tiny_split, tiny_server):
                 edge.client.request(forward_frame(control))
             assert e.value.code == code, control
         reply = edge.client.request(Forward(h, torch.tensor([0]), control=Control(cache=False, split=2, dtype="int8"))
-                                    .to_frame(session.id, "fp32"))
+                                    .to_frame(session.link.id, "fp32"))
         out = Result.from_frame(reply, h.numel()).tensors["hidden"]
         assert reply.meta["tensors"][0]["dtype"] == "int8" and out.shape == (1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:
-            edge.client.policy(session.id, PolicyChange("window:3:4"))
+            edge.client.policy(session.link.id, PolicyChange("window:3:4"))
         assert e.value.code == ErrorCode.BAD_REQUEST
         session.close()
 
@@ -197,7 +197,7 @@ def test_a_window_shorter_than_the_context_forgets_its_start(tiny_split, tiny_se
             session = edge.open_session()
             state = cloud_session(tiny_server, session)
             for lo, hi in ((0, 8), (8, 16), (16, 17)):
-                out = cloud_forward(session.client, session.id, rows[lo:hi], list(range(lo, hi)), "fp32",
+                out = cloud_forward(session.link.client, session.link.id, rows[lo:hi], list(range(lo, hi)), "fp32",
                                     control=Control(cache=True)).tensors["hidden"]
                 assert state.cache.length == (min(hi, 8) if policy == "window:8" else hi)
             outputs[policy] = out[-1]

@@ -8,7 +8,7 @@ import pytest
 
 from splitlm.cloud.scheduler import BatchConfig
 from splitlm.cloud.server import BackgroundServer
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
 from splitlm.transport.frames import MsgType
 

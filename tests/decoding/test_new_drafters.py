@@ -15,8 +15,9 @@ from splitlm.decoding.budget import ComputeFit, StepBudget
 from splitlm.decoding.drafters import Drafter, KeyedCalibration
 from splitlm.decoding.head import DraftHead, HeadRunner, load_head, native_bf16
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.recycle import RecycleTable
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.decoding.suffix import ContextAutomaton, SuffixIndex
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.loading import load_model

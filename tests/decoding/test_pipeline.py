@@ -10,9 +10,10 @@ from conftest import make_tiny_llama
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.pipeline import pipelined_decode, sync_drafter
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecConfig, SpecStats
+from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.tree import TokenTree
 from splitlm.edge import Edge
 from splitlm.model.shards import split_model
@@ -124,7 +125,7 @@ def test_seeded_sampling_pipelined_equals_sequential_sampling(edge, seed):
 
 
 def cloud_cache(edge, session):
-    return edge.server.server.sessions.sessions[session.id].cache
+    return edge.server.server.sessions.sessions[session.link.id].cache
 
 
 def test_caches_after_a_run_equal_a_recomputation(edge):
@@ -165,11 +166,11 @@ def test_two_forwards_in_flight_on_one_connection(edge):
         sequential_session.forward(prompt)
         first = session.send([12], [5])
         second = session.send([13, 14], [6, 7])  # sent before the first reply is taken
-        assert len(session.client.in_flight) == 2
+        assert len(session.link.client.in_flight) == 2
         with pytest.raises(Exception, match="order"):
             session.receive(second)
         a, b = session.receive(first).out, session.receive(second).out
-        assert not session.client.in_flight
+        assert not session.link.client.in_flight
         torch.testing.assert_close(a, sequential_session.forward([12]).out)
         torch.testing.assert_close(b, sequential_session.forward([13, 14]).out)
     finally:
@@ -254,7 +255,7 @@ def test_window_policies_do_not_pipeline(edge):
         session.send([7], [3])
         with pytest.raises(Exception, match="pipelined"):
             session.send([8], [4])
-        session.receive(session.flights[0])
+        session.receive(session.link.flights[0])
     finally:
         session.close()
     prompt = [9, 10, 9, 10, 9, 10, 9]  # generate falls back to one step at a time, same output

@@ -9,7 +9,8 @@ from conftest import make_tiny_llama
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter, LookaheadDrafter, NgramDrafter
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.decoding.tree import TokenTree, accept_greedy
 from splitlm.model.loading import load_model
 
@@ -21,11 +22,11 @@ def model(request, tmp_path_factory):
     return load_model(path)[0]
 
 
-def run(model, prompt, n, drafter, max_nodes=None, adaptive=False):
+def run(model, prompt, n, drafter, max_nodes=None):
     stats = SpecStats()
     out = []
     for new in speculative_decode(LocalSession(model), prompt, n, set(), drafter, StepBudget(fixed_nodes=max_nodes),
-                                  stats, adaptive):
+                                  stats):
         out.extend(new)
     return out, stats
 
@@ -93,7 +94,7 @@ def test_drafters_match_sequential(model, seed, mode):
     rng = random.Random(seed)
     prompt = random_prompt(rng, rng.randrange(4, 30))
     reference, _ = run(model, prompt, 48, Drafter())
-    out, stats = run(model, prompt, 48, make_drafter(SpecConfig(mode)), adaptive=mode == "auto-window")
+    out, stats = run(model, prompt, 48, make_drafter(SpecConfig(mode)))  # auto-window's window adapts
     assert out == reference
     assert stats.steps <= 47
 

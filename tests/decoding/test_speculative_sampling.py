@@ -8,8 +8,9 @@ from conftest import make_tiny_llama
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_decode, sample_token, token_distribution
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.decoding.tree import TokenTree, accept_sampled
 from splitlm.model.loading import load_model
 
@@ -113,7 +114,7 @@ def test_greedy_with_sampling_config_stays_token_identical(tmp_path):
 
 def test_same_seed_same_tokens_as_sequential_sampling_whatever_the_drafter(tmp_path):
     """The randomness is fixed per position, so trees change the round trips, never the tokens."""
-    from splitlm.decoding.speculative import make_drafter
+    from splitlm.decoding.modes import make_drafter
 
     model = load_model(make_tiny_llama(tmp_path / "m", seed=6, vocab_size=24))[0]
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]

@@ -4,14 +4,14 @@ a connection the cloud dropped while idle is replaced; stop strings are cut and 
 import threading
 
 from splitlm.edge import Edge
-from splitlm.edge.runtime import find_stop, held_back
+from splitlm.edge.text import find_stop, held_back
 
 
 def test_threads_get_their_own_connections_and_the_same_tokens(tiny_split, tiny_server):
     prompts = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7]]
     with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
         solo = [edge.generate(p, max_new_tokens=24, stop_at_eos=False).token_ids for p in prompts]
-        assert len(edge._connections) == 1  # one at a time: the pooled connection is reused
+        assert edge.connections.count == 1  # one at a time: the pooled connection is reused
         results = [None] * len(prompts)
         barrier = threading.Barrier(len(prompts))
 
@@ -26,8 +26,8 @@ def test_threads_get_their_own_connections_and_the_same_tokens(tiny_split, tiny_
         for t in threads:
             t.join(60)
         assert results == solo
-        assert 1 < len(edge._connections) <= len(prompts)
-        assert len(edge._clients._idle) == len(edge._connections)  # all returned to the pool
+        assert 1 < edge.connections.count <= len(prompts)
+        assert edge.connections.idle == edge.connections.count  # all returned to the pool
     assert tiny_server.server.sessions.sessions == {}
 
 
@@ -36,7 +36,7 @@ def test_a_stale_pooled_connection_is_replaced(tiny_split, tiny_server):
         before = edge.generate([5, 6, 7], max_new_tokens=5, stop_at_eos=False).token_ids
         edge.client.ws.close()  # as the cloud does to a connection idle for its timeout
         assert edge.generate([5, 6, 7], max_new_tokens=5, stop_at_eos=False).token_ids == before
-        assert edge.client not in edge._connections and len(edge._connections) == 1
+        assert edge.client not in edge.connections and edge.connections.count == 1
 
 
 def test_stop_strings_are_found_and_their_beginnings_held_back():

@@ -14,11 +14,12 @@ import time
 
 import pytest
 
+import splitlm.edge.replay as replay_module
 from splitlm.cloud.local import free_port, wait_healthy
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge import Edge
-from splitlm.edge.session import EdgeSession
+from splitlm.edge.link import CloudLink
 
 PROMPT = "<|user|>abcabcabcabc abcabc\n<|assistant|>"
 SEEDED = SamplingConfig(temperature=0.9, seed=7)
@@ -85,7 +86,8 @@ def clouds(tiny_chat_split, tmp_path_factory):
         c.close()
 
 
-# where to kill: called after a block is sent, with the session, the block and the blocks in flight
+# where to kill: called after a block is sent, with the session's cloud side (`CloudLink`: its stats and the
+# blocks in flight) and the block
 POINTS = {
     "prefill": lambda s, f: s.stats.round_trips == 0,  # the first forward of a request
     "spec": lambda s, f: s.stats.round_trips >= 2 and len(f.ids) > 1,  # a drafted tree is being verified
@@ -110,7 +112,7 @@ def arm(monkeypatch, clouds: Clouds, point: str, mode: str = "kill") -> list:
     again on its port. `mode` "term": SIGTERM it right after the block went up instead; "freeze":
     only freeze it (a half-open link). Returns a list that records the fault."""
     fired: list[dict] = []
-    transmit, replay = EdgeSession._transmit, EdgeSession._replay
+    transmit, replay = CloudLink.transmit, replay_module.replay
 
     def faulty_transmit(self, f, c):
         hit = not fired and POINTS[point](self, f)
@@ -129,8 +131,8 @@ def arm(monkeypatch, clouds: Clouds, point: str, mode: str = "kill") -> list:
         fired[-1]["owed"] = sum(not f.void for f in self.flights)
         replay(self)
 
-    monkeypatch.setattr(EdgeSession, "_transmit", faulty_transmit)
-    monkeypatch.setattr(EdgeSession, "_replay", counting_replay)
+    monkeypatch.setattr(CloudLink, "transmit", faulty_transmit)
+    monkeypatch.setattr(replay_module, "replay", counting_replay)
     return fired
 
 
@@ -371,8 +373,8 @@ def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
 def test_replay_rebuilds_a_context_longer_than_one_forward(tiny_split, monkeypatch):
     """The cloud takes 16 tokens per forward: the replayed 60-token context goes up in chunks."""
     rebuilt = []
-    rebuild = EdgeSession._rebuild
-    monkeypatch.setattr(EdgeSession, "_rebuild", lambda self, upto, then: rebuilt.append(rebuild(self, upto, then))
+    rebuild = replay_module.rebuild
+    monkeypatch.setattr(replay_module, "rebuild", lambda link, upto, then: rebuilt.append(rebuild(link, upto, then))
                         or rebuilt[-1])
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.server import BackgroundServer

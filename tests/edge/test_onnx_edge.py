@@ -9,7 +9,7 @@ import torch
 from conftest import BUNDLED_PROMPTS
 from splitlm import SplitLMError
 from splitlm.cloud.server import BackgroundServer
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
 from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
 from splitlm.model.device import resolve_device
@@ -59,14 +59,10 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
             assert torch.allclose(out["torch"][0], out["onnx"][0], atol=1e-5)
             assert torch.allclose(out["torch"][1], out["onnx"][1], atol=1e-4)
             assert out["torch"][1].shape == out["onnx"][1].shape == (1, 2, model.cfg.vocab_size)
-            for name in caches:
-                for cache in caches[name]:
-                    if keep is not None:
-                        cache.keep(keep)
             if keep is not None:
-                for name in caches:
-                    for cache in caches[name]:
-                        cache.crop(cache.length - 1)  # and drop the last kept entry again
+                for cache in (*caches["torch"], *caches["onnx"]):
+                    cache.keep(keep)
+                    cache.crop(cache.length - 1)  # and drop the last kept entry again
     for t, o in zip(caches["torch"], caches["onnx"], strict=True):
         assert t.length == o.length == len(PROMPT) + 2 + 1
         for i in range(t.num_layers):

@@ -91,7 +91,7 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
 def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_server, bundled_hf):
     """An untrained head drafts badly but must not change a token; the edge learns only on its side."""
     from splitlm.decoding.head import DraftHead, HeadRunner
-    from splitlm.decoding.speculative import SpecConfig
+    from splitlm.decoding.modes import SpecConfig
 
     hf, tok = bundled_hf
     prompt = "The three primary colours are"
@@ -124,8 +124,9 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
 
     from splitlm.cli import main
     from splitlm.decoding.budget import StepBudget
+    from splitlm.decoding.modes import SpecConfig, make_drafter
     from splitlm.decoding.pipeline import pipelined_decode
-    from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter
+    from splitlm.decoding.speculative import SpecStats
 
     hf, tok = bundled_hf
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"

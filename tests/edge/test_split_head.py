@@ -145,7 +145,7 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
     ids = list(range(3, 19))  # 16 tokens; a RESULT of 16 KiB holds 10 rows of 24 + 256 fp32 values
     with BackgroundServer(tiny_split_head / "cloud", limits=ServerLimits(max_frame_bytes=16 * 1024)) as server, \
             Edge(tiny_split_head / "edge", server.url, wire_dtype="fp32") as edge:
-        assert edge.max_logit_rows == 10
+        assert edge.backend.max_logit_rows == 10
         session = edge.open_session()
         try:
             logits = session.forward(ids).out

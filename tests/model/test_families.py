@@ -12,7 +12,8 @@ from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.edge import Edge
 from splitlm.model.loading import load_model
 from splitlm.model.shards import split_model

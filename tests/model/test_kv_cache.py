@@ -163,51 +163,75 @@ def assert_same(new: KVCache, old: CatCache):
             assert torch.equal(got[0], old.k[layer]) and torch.equal(got[1], old.v[layer])
 
 
+# each operation on both caches at once; `dims`: (layers, rows, heads, hd)
+def op_append(rng, caches, n_pending, dims):
+    layers, rows, heads, hd = dims
+    t = rng.randint(1, 12)
+    positions = None if rng.random() < 0.2 else torch.tensor([rng.randint(0, 99) for _ in range(t)])
+    for c in caches:
+        c.begin(t, positions)
+    for layer in range(layers):
+        k = torch.randint(-9, 9, (rows, heads, t, hd)).float()
+        out = [c.update(layer, k, 2 * k) for c in caches]
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def op_keep(rng, caches, n_pending, dims, as_tensor=False):
+    idx = rng.sample(range(n_pending), rng.randint(0, n_pending))
+    if rng.random() < 0.3:
+        idx = list(range(len(idx)))  # a prefix: nothing moves
+    for c in caches:
+        c.keep(torch.tensor(idx, dtype=torch.long) if as_tensor else idx)
+
+
+def op_keep_tensor(rng, caches, n_pending, dims):
+    op_keep(rng, caches, n_pending, dims, as_tensor=True)
+
+
+def op_per_row(rng, caches, n_pending, dims):
+    if n_pending:
+        choice = torch.tensor([rng.randrange(n_pending) for _ in range(dims[1])])
+        for c in caches:
+            c.keep_per_row(choice)
+
+
+def op_crop(rng, caches, n_pending, dims):
+    n = rng.randint(0, caches[1].length)
+    for c in caches:
+        c.crop(n)
+
+
+def op_retain(rng, caches, n_pending, dims):
+    n = rng.randint(0, caches[1].length + 2)
+    for c in caches:
+        c.retain_last(n)
+
+
+def op_clear(rng, caches, n_pending, dims):
+    for c in caches:
+        c.clear()
+    assert caches[0].nbytes() == 0
+
+
+def op_bad(rng, caches, n_pending, dims):
+    with pytest.raises(IndexError):
+        caches[0].keep([n_pending])
+    with pytest.raises(IndexError):
+        caches[0].crop(caches[1].length + 1)
+
+
+OPS = {"append": op_append, "keep": op_keep, "keep_t": op_keep_tensor, "per_row": op_per_row, "crop": op_crop,
+       "retain": op_retain, "clear": op_clear, "bad": op_bad}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_operations_match_the_cat_based_cache(seed):
     rng = random.Random(seed)
-    layers, rows, heads, hd = 3, 1 + seed % 3, 2, 4
-    new, old = KVCache(layers, block=rng.choice([1, 3, 8])), CatCache(layers)
+    dims = (3, 1 + seed % 3, 2, 4)  # layers, rows, heads, hd
+    new, old = KVCache(dims[0], block=rng.choice([1, 3, 8])), CatCache(dims[0])
     for _ in range(300):
-        op = rng.choices(["append", "keep", "keep_t", "per_row", "crop", "retain", "clear", "bad"],
-                         [8, 3, 2, 1, 2, 2, 0.3, 1])[0]
-        n_pending = old.length - old.pending_start
-        if op == "append":
-            t = rng.randint(1, 12)
-            positions = None if rng.random() < 0.2 else torch.tensor([rng.randint(0, 99) for _ in range(t)])
-            for c in (new, old):
-                c.begin(t, positions)
-            for layer in range(layers):
-                k = torch.randint(-9, 9, (rows, heads, t, hd)).float()
-                out = [c.update(layer, k, 2 * k) for c in (new, old)]
-                assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
-        elif op in ("keep", "keep_t"):
-            idx = rng.sample(range(n_pending), rng.randint(0, n_pending))
-            if rng.random() < 0.3:
-                idx = list(range(len(idx)))  # a prefix: nothing moves
-            for c in (new, old):
-                c.keep(torch.tensor(idx, dtype=torch.long) if op == "keep_t" else idx)
-        elif op == "per_row" and n_pending:
-            choice = torch.tensor([rng.randrange(n_pending) for _ in range(rows)])
-            for c in (new, old):
-                c.keep_per_row(choice)
-        elif op == "crop":
-            n = rng.randint(0, old.length)
-            for c in (new, old):
-                c.crop(n)
-        elif op == "retain":
-            n = rng.randint(0, old.length + 2)
-            for c in (new, old):
-                c.retain_last(n)
-        elif op == "clear":
-            for c in (new, old):
-                c.clear()
-            assert new.nbytes() == 0
-        elif op == "bad":
-            with pytest.raises(IndexError):
-                new.keep([n_pending])
-            with pytest.raises(IndexError):
-                new.crop(old.length + 1)
+        op = rng.choices(list(OPS), [8, 3, 2, 1, 2, 2, 0.3, 1])[0]
+        OPS[op](rng, (new, old), old.length - old.pending_start, dims)
         assert_same(new, old)
         assert new.used_nbytes() <= new.nbytes()
 

@@ -14,7 +14,8 @@ import torch
 
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.speculative import SpecConfig, SpecStats, make_drafter, speculative_decode
+from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.decoding.step import StepResult
 from splitlm.model.llama import Transformer
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from splitlm.bench.modes import BenchContext, run_edge, teacher_forced_agreement
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from splitlm.bench.wan import WanConfig, WanEmulator
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecConfig
 from splitlm.result_files import write_json
 
 log = logging.getLogger(__name__)

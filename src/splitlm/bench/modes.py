@@ -1,7 +1,7 @@
 """Decoding modes the benchmark compares, and the lazily loaded resources they share.
 
 A mode is one function `run(ctx, prompt_ids, max_new_tokens) -> ModeRun`, registered with
-`@mode(...)`. Later modes (ngram, lookahead, auto, hf-pld, draft, ...) add one function here:
+`@mode(...)`. Later modes (ngram, lookahead, auto, hf-pld, ...) add one function here:
 
     @mode("ngram", network=True, help="n-gram speculative decoding through the split model")
     def run_ngram(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
@@ -102,7 +102,6 @@ class BenchContext:
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
         self.device, self.dtype = device, dtype  # the edge's (the reference model runs on the CPU in fp32)
-        self.draft: str | None = None  # --draft: the `draft` mode's draft model (default self), `pipelined`'s drafter
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -184,14 +183,14 @@ def run_split_seq(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int)
 
 @mode("ngram", network=True, help="speculative: n-gram (prompt lookup) token trees through the split model")
 def run_ngram(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
+    from splitlm.decoding.modes import SpecConfig
 
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("ngram"))
 
 
 @mode("lookahead", network=True, help="speculative: lookahead (Jacobi window + n-gram pool) through the split model")
 def run_lookahead(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
+    from splitlm.decoding.modes import SpecConfig
 
     return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("lookahead"))
 
@@ -200,7 +199,7 @@ def spec_mode(name: str, help: str, **spec) -> None:
     """Register a bench mode that decodes through the split model with SpecConfig(**spec)."""
 
     def run(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-        from splitlm.decoding.speculative import SpecConfig
+        from splitlm.decoding.modes import SpecConfig
 
         return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec))
 
@@ -219,43 +218,8 @@ spec_mode("auto-window", "speculative: the older combination (n-gram, corpus n-g
           mode="auto-window")
 spec_mode("auto-nowindow", "speculative: the older combination without its lookahead window", mode="auto-window",
           window=0)
-
-
-@mode("self-draft", network=True, help="speculative: the edge's own layers as a draft model, no adapter")
-def run_self_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
-
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft="self-raw"))
-
-
-@mode("self-draft-trained", network=True,
-      help="speculative: self-draft with the adapter of `splitlm train-draft` (trained on the fly if missing)")
-def run_self_draft_trained(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.draft import ADAPTER_FILE
-    from splitlm.decoding.speculative import SpecConfig
-
-    if not (ctx.edge_dir / ADAPTER_FILE).is_file():
-        from splitlm.decoding.train_draft import train_draft
-
-        train_draft(str(ctx.model_dir), ctx.edge_dir)
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft="self"))
-
-
-@mode("draft", network=True, help="speculative: the draft model given by --draft (a path, self or self-raw)")
-def run_draft(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
-
-    return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig("draft", draft=ctx.draft or "self"))
-
-
-@mode("pipelined", network=True,
-      help="speculative, pipelined: the next step is drafted and sent while one is in flight (drafter as auto, "
-           "or the draft model when --draft is given)")
-def run_pipelined(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
-    from splitlm.decoding.speculative import SpecConfig
-
-    spec = SpecConfig("auto-window" if ctx.draft is None else "draft", draft=ctx.draft or "self", pipeline=True, window=0)
-    return run_edge(ctx, prompt_ids, max_new_tokens, spec)
+spec_mode("pipelined", "speculative, pipelined: the next step is drafted and sent while one is in flight "
+          "(drafter as auto-nowindow)", mode="auto-window", pipeline=True, window=0)
 
 
 @mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")

@@ -72,7 +72,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
 def tokenize(prompts: list[Prompt], tok) -> None:
     """Fill `Prompt.ids` the way the edge does (the chat template for chat prompts)."""
-    from splitlm.edge.runtime import encode_prompt
+    from splitlm.edge.text import encode_prompt
 
     for p in prompts:
         if p.chat and not tok.chat_template:  # e.g. Gemma 3 270M's GGUF carries no template

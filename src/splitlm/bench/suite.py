@@ -73,7 +73,6 @@ class BenchConfig:
     limit: int | None = None
     memory: bool = True
     plots: bool = True
-    draft: str | None = None  # --draft (self, self-raw or a model path): mode draft's (default self), pipelined's
     codecs: list[str] = field(default_factory=list)  # codec study: bytes/token and agreement per wire codec
     device: str = "auto"  # the edge's device and compute dtype (this process)
     dtype: str = "auto"
@@ -286,7 +285,6 @@ def open_contexts(stack: contextlib.ExitStack, setup: BenchSetup) -> tuple[int |
     for rtt in setup.rtts:
         url = stack.enter_context(link(port, rtt, config)) if setup.network else None
         contexts[rtt] = setup.context(url)  # the transformers model is shared
-        contexts[rtt].draft = config.draft
         stack.callback(contexts[rtt].close)
     return port, contexts
 

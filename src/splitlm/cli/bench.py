@@ -86,9 +86,6 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="the edge's vocabulary subset (default all); split-head clouds compute logits for it only")
     p.add_argument("--wire-dtype", default="auto", choices=["auto", *WIRE_DTYPES],
                    help="activation codec of the modes (default auto: fp16, bf16 for Gemma)")
-    p.add_argument("--draft", default=None, metavar="self|self-raw|PATH",
-                   help="the draft model of mode `draft` (default self: the edge's layers with the trained adapter); "
-                        "given, mode `pipelined` drafts with it too (else with auto's drafters)")
     p.add_argument("--codecs", default="", metavar="C1,C2,...",
                    help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
                         "token and agreement with the full model's greedy tokens")
@@ -171,7 +168,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
         d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
         limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, train_head=not args.no_train_head,
-        codecs=parse_codecs(args.codecs), draft=args.draft,
+        codecs=parse_codecs(args.codecs),
         device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.runtime import Edge, GenerationStats
 
 PROMPT = "you> "

@@ -10,11 +10,10 @@ from splitlm import SplitLMError
 from splitlm.cli.options import (
     CLOUD_HELP,
     DEFAULT_PORT,
-    SPEC_CHOICES,
-    add_draft_option,
     add_edge_options,
     add_pipeline_option,
     add_sampling_options,
+    add_spec_option,
     open_edge,
     positive_int,
     sampling_config,
@@ -90,10 +89,8 @@ def add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
-    add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
-                   help="speculative decoding: several tokens per round trip, same greedy output (default auto)")
+    add_spec_option(p, "speculative decoding: several tokens per round trip, same greedy output")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this string (repeatable)")
     add_sampling_options(p)
@@ -109,9 +106,7 @@ def add_chat(sub) -> None:
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default 256)")
     add_sampling_options(p)
-    add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
-                   help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
+    add_spec_option(p, "speculative decoding (greedy, or exact speculative sampling)")
     add_edge_options(p)
     p.set_defaults(func=cmd_chat)

@@ -95,23 +95,23 @@ def cache_policy_arg(text: str) -> str:
 
 
 WIRE_CHOICES = ["auto", "fp32", "fp16", "bf16", "int8", "fp8"]
-SPEC_CHOICES = ["none", "ngram", "lookahead", "recycle", "suffix", "head", "auto", "auto-window", "draft"]
 
 
-def add_draft_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default="self", metavar="self|self-raw|PATH",
-                   help="--spec draft: the edge's own layers (self: with the adapter of `train-draft` if there is "
-                        "one; self-raw: without), or a small model of the same vocabulary (default self)")
+def add_spec_option(p: argparse.ArgumentParser, what: str) -> None:
+    """`--spec`: its choices and their help come from `splitlm.decoding.modes.SPEC_MODES`."""
+    from splitlm.decoding.modes import SPEC_MODES
+
+    modes = "; ".join(f"{m.name}: {m.help}" for m in SPEC_MODES.values())
+    p.add_argument("--spec", default="auto", choices=list(SPEC_MODES), help=f"{what} (default auto). {modes}")
 
 
 def spec_arg(args):
-    """The SpecConfig of --spec, --draft and --pipeline."""
+    """The SpecConfig of --spec and --pipeline."""
     from dataclasses import replace
 
     from splitlm.edge.runtime import as_spec
 
-    spec = as_spec(f"draft:{args.draft}" if args.spec == "draft" else args.spec)
-    return replace(spec, pipeline=args.pipeline)
+    return replace(as_spec(args.spec), pipeline=args.pipeline)
 
 
 def add_pipeline_option(p: argparse.ArgumentParser) -> None:

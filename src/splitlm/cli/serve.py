@@ -8,10 +8,9 @@ from splitlm import SplitLMError
 from splitlm.cli.options import (
     CLOUD_HELP,
     DEFAULT_PORT,
-    SPEC_CHOICES,
-    add_draft_option,
     add_edge_options,
     add_pipeline_option,
+    add_spec_option,
     non_negative_int,
     open_edge,
     port_number,
@@ -166,10 +165,8 @@ def add_serve_edge(sub) -> None:
                    help="the model id clients ask for (default: the name of the split directory)")
     p.add_argument("--api-key-file", metavar="FILE", default=None,
                    help="require 'Authorization: Bearer KEY' with the key in FILE (or set $SPLITLM_API_KEY)")
-    add_draft_option(p)
     add_pipeline_option(p)
-    p.add_argument("--spec", default="auto", choices=SPEC_CHOICES,
-                   help="speculative decoding (greedy, or exact speculative sampling) (default auto)")
+    add_spec_option(p, "speculative decoding (greedy, or exact speculative sampling)")
     p.add_argument("--max-concurrent", type=positive_int, default=4, help="requests generating at once (default 4)")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature of requests that give none (default 1.0, as OpenAI's API)")

@@ -1,5 +1,5 @@
-"""Commands that fit the edge's own parts on local text: drafters (`train-draft`, `train-head`, `warmup`)
-and LoRA adapters (`train-adapter`)."""
+"""Commands that fit the edge's own parts on local text: drafters (`train-head`, `warmup`) and LoRA
+adapters (`train-adapter`)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,6 @@ from splitlm import SplitLMError
 from splitlm.cli.options import int_at_least, need_edge_shard, positive_int, set_threads
 
 log = logging.getLogger(__name__)
-
-
-def cmd_train_draft(args) -> int:
-    from splitlm.decoding.train_draft import train_draft
-
-    need_edge_shard(args)
-    report = train_draft(args.model, args.edge, max_tokens=args.max_tokens,
-                         progress=lambda msg: log.info("[train-draft] %s", msg))
-    print(json.dumps(report))
-    return 0
 
 
 def cmd_train_adapter(args) -> int:
@@ -63,16 +53,6 @@ def cmd_warmup(args) -> int:
                           progress=lambda msg: log.info("[warmup] %s", msg))
     print(json.dumps(report))
     return 0
-
-
-def add_train_draft(sub) -> None:
-    """The `train-draft` command's parser."""
-    p = sub.add_parser("train-draft", help="fit the self-draft's adapter from the full model on local text")
-    p.add_argument("--model", default="default", help="the model the edge shard was split from")
-    p.add_argument("--edge", required=True, help="the edge shard directory; the adapter is written into it")
-    p.add_argument("--max-tokens", type=positive_int, default=8000, help="training tokens (default 8000)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
-    p.set_defaults(func=cmd_train_draft)
 
 
 def add_train_adapter(sub) -> None:

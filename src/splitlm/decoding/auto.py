@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration, either
-from splitlm.decoding.head import HeadDrafter, HeadRunner
+from splitlm.decoding.head import HeadRunner
 from splitlm.decoding.recycle import RecycleTable
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import PastOutputs, SuffixIndex
@@ -42,6 +42,9 @@ class DraftMemory:
 
 
 class AutoDrafter(DrafterGroup):
+    """Its drafters' trees merged into one, in order; a `guided` drafter (the head, last) sees the
+    tree the ones before it proposed."""
+
     def __init__(self, drafters: list[Drafter]):
         self.drafters = drafters
         self.name = "auto(" + "+".join(d.name for d in drafters) + ")"
@@ -50,7 +53,7 @@ class AutoDrafter(DrafterGroup):
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
         for d in self.drafters:  # the head last: it expands where the others' merged tree is strong
-            tree = d.propose(guide=merged) if isinstance(d, HeadDrafter) else d.propose()
+            tree = d.propose(guide=merged) if d.guided else d.propose()
             where = {0: 0}
             for i in range(1, len(tree)):
                 where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], combine=either)

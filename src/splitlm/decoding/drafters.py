@@ -5,6 +5,10 @@
     drafter.extend(new_tokens)       # tokens appended to the context after verification
 
 The lookahead drafter also runs a Jacobi window inside the same forward pass (see `Window`).
+
+What a drafter can do beyond that it declares as attributes of `Drafter` (`extras`, `guided`,
+`lookahead`, `window_gain`, `adapts_window`); the decoding loops read them and never ask a
+drafter's type.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ from splitlm.decoding.tree import TokenTree
 
 
 class Drafter:
+    """Drafts nothing (every tree is its root alone); the base of every drafter, and its capabilities."""
+
     name = "none"
     extras = 0  # > 0: verification passes should return each row's top-`extras` ids and hidden state
+    guided = False  # `propose(guide=tree)` takes the tree the drafters before it proposed (`auto` merges)
+    lookahead: LookaheadDrafter | None = None  # the Jacobi window riding along each pass, if it runs one
+    window_gain = 0.0  # tokens per step that only the lookahead window's pool proposed (an average)
+    adapts_window = False  # the lookahead window is resized every step to what the link affords
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -31,9 +41,6 @@ class Drafter:
 
     def propose(self) -> TokenTree:
         return TokenTree.root_only(self.context[-1])
-
-    def window(self) -> Window | None:
-        return None
 
     def accepted(self, drafted: list[int]) -> None:
         """The drafted tokens the target accepted in the last step (bonus token excluded)."""
@@ -174,6 +181,7 @@ class LookaheadDrafter(Drafter):
             raise ValueError("lookahead needs ngram >= 2 and width >= 0")
         self.width, self.n, self.max_candidates, self.pool_per_key = width, ngram, max_candidates, pool_per_key
         self.seed = seed
+        self.lookahead = self
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -239,6 +247,7 @@ class CombinedDrafter(DrafterGroup):
     def __init__(self, drafters: list[Drafter]):
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
+        self.lookahead = next((d.lookahead for d in drafters if d.lookahead is not None), None)
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
@@ -251,26 +260,11 @@ class CombinedDrafter(DrafterGroup):
                 n_before = len(merged)
                 where[i] = node = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i])
                 paths[node] = paths[where[tree.parents[i]]] + (tree.tokens[i],)
-                if isinstance(d, LookaheadDrafter) and node >= n_before:
+                if d is self.lookahead and node >= n_before:
                     self.window_only.add(paths[node])
         return merged
 
     def accepted(self, drafted: list[int]) -> None:
         # EMA of accepted tokens per step that only the lookahead window's pool proposed
         gain = sum(tuple(drafted[:i]) in self.window_only for i in range(1, len(drafted) + 1))
-        self.window_gain = 0.8 * getattr(self, "window_gain", 0.0) + 0.2 * gain
-
-    def lookahead(self) -> LookaheadDrafter | None:
-        return next((d for d in self.drafters if isinstance(d, LookaheadDrafter)), None)
-
-    def window(self) -> Window | None:
-        la = self.lookahead()
-        return None if la is None else la.window()
-
-    def set_width(self, width: int) -> None:
-        if (la := self.lookahead()) is not None:
-            la.set_width(width)
-
-    def observe(self, outputs: list[int]) -> None:
-        if (la := self.lookahead()) is not None:
-            la.observe(outputs)
+        self.window_gain = 0.8 * self.window_gain + 0.2 * gain

@@ -142,6 +142,7 @@ class HeadDrafter(Drafter):
 
     name = "head"
     extras = 1  # the hidden states (and the top-1 it comes with)
+    guided = True
 
     def __init__(self, runner: HeadRunner, max_depth: int = 8, k: int = 4, width: int = 6, max_nodes: int = 64,
                  min_reach: float = 0.01):

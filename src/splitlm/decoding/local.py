@@ -12,6 +12,8 @@ from splitlm.model.llama import Transformer, embed
 
 
 class LocalSession:
+    max_step_tokens: int | None = None  # no cloud cache window caps a step here
+
     def __init__(self, model: Transformer):
         self.model = model
         self.cache = model.stack.new_cache()

@@ -29,7 +29,7 @@ import torch
 
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
-from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.speculative import SpecStats, build_step, prefill, stop_at
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
@@ -53,6 +53,10 @@ class PipeSession(Protocol):
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may carry, or None."""
+
 
 @dataclass
 class Step:
@@ -71,20 +75,16 @@ class Step:
 
 
 def sync_drafter(drafter: Drafter, context: list[int]) -> None:
-    """Bring the drafter's context to `context`: extend it, or cut it back (`truncate` where the
-    drafter has one, else `reset`) and extend."""
+    """Bring the drafter's context to `context`: extend it, or, where it holds tokens `context` does
+    not (a bet that failed), start it afresh on `context`."""
     cur = drafter.context
     n = 0
     limit = min(len(cur), len(context))
     while n < limit and cur[n] == context[n]:
         n += 1
     if n < len(cur):
-        truncate = getattr(drafter, "truncate", None)
-        if truncate is None or n == 0:
-            drafter.reset(context)
-            return
-        truncate(n)
-    if n < len(context):
+        drafter.reset(context)
+    elif n < len(context):
         drafter.extend(context[n:])
 
 
@@ -121,6 +121,184 @@ def choose_bet(step: Step, budget: StepBudget) -> tuple[list[int], float] | None
     return path + tail[::-1], best_p
 
 
+@dataclass
+class Limits:
+    """Where a request's decoding ends."""
+
+    max_new_tokens: int
+    eos: set[int]
+    prompt_len: int
+
+
+class PipelinedRun:
+    """One pipelined request after its prefill: the steps in flight (at most two), the verified
+    context, and what the session must still be told.
+
+    Each round `next_verified` sends a step on the verified context when none that stands is in
+    flight (`fill`), bets on it (`bet`: the next step sent as a continuation of its likeliest path),
+    then verifies the oldest step (`verify`), which settles the bet (`resolve_bet`: the next step
+    stands, or is void and every cache rolls back)."""
+
+    def __init__(self, session: PipeSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
+                 sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False):
+        self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
+        self.sampler, self.limits, self.always_bet = sampler, limits, always_bet
+        self.context = context  # the prompt and the verified tokens
+        self.produced = 1  # the prefill's token
+        self.cap = session.max_step_tokens
+        self.flight: deque[Step] = deque()
+        self.keep_next: list[int] | None = None  # the last block's keep, for the next send (or the final settle)
+        self.last: tuple[Step, list[int]] | None = None  # the last verified step and its true keep
+        drafter.reset(context)
+
+    def done(self) -> bool:
+        return self.produced >= self.limits.max_new_tokens or self.context[-1] in self.limits.eos
+
+    def propose(self, ctx: list[int], exclude_root: bool) -> TokenTree:
+        """The drafter's tree on `ctx`, pruned to what the budget affords."""
+        sync_drafter(self.drafter, ctx)
+        tree = self.drafter.propose()
+        choice = self.budget.choose(tree)
+        nodes = choice.nodes if self.cap is None else min(choice.nodes, self.cap + exclude_root)
+        return tree.pruned(nodes, choice.reach)
+
+    def send(self, step: Step, keep: list[int] | None) -> None:
+        """Send `step`'s block (its tree, less the root where the step before sent it), settling the
+        block before it with `keep`."""
+        tree, base = step.tree, len(step.ctx) - 1
+        if step.root_sent:
+            tokens, positions, mask, rows = build_step(tree, None, base)
+        else:
+            tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
+            mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
+        step.flight = self.session.send(tokens, positions, mask, rows, keep, argmax=self.sampler is None)
+        self.flight.append(step)
+
+    def fill(self) -> None:
+        """Send a step on the verified context when none that stands is in flight; bet on the step
+        in flight when it is alone."""
+        if all(s.void for s in self.flight) and not self.done():
+            self.send(Step(self.propose(self.context, False), list(self.context), True), self.keep_next)
+            self.keep_next = None
+        if len(self.flight) == 1 and not self.flight[0].void:
+            self.bet(self.flight[0])
+
+    def pays(self, p: float, nodes: int) -> bool:
+        """Whether a bet that holds with chance `p` on a step of `nodes` tokens is expected to pay."""
+        # a stale step delays only the retry sent on the miss: the cloud started it half a round
+        # trip before the miss was seen and the retry arrives half a round trip after, so the
+        # delay is its compute less a round trip (edge compute counted too: an upper bound)
+        wasted = max(0.0, self.budget.compute.predict(nodes) - self.budget.rtt_s)
+        return self.always_bet or p * self.budget.rtt_s > (1 - p) * wasted
+
+    def bet(self, prev: Step) -> None:
+        """Send the next step as a continuation of `prev`'s likeliest path, where that is expected to
+        pay and the path ends before an end token or the length limit."""
+        bet = choose_bet(prev, self.budget)
+        if bet is None:
+            return
+        path, p = bet
+        tokens = [prev.tree.tokens[i] for i in path[1:]]
+        done = len(prev.ctx) + len(tokens) - self.limits.prompt_len  # generated if the bet holds
+        if not self.pays(p, len(prev.tree)) or done + 1 >= self.limits.max_new_tokens \
+                or self.limits.eos.intersection(tokens):
+            return
+        ctx = prev.ctx + tokens
+        nxt = Step(self.propose(ctx, True), ctx, False)
+        if len(nxt.tree) > 1:
+            prev.bet = path
+            self.send(nxt, prev.block_keep(path))
+            self.stats.pipelined += 1
+
+    def next_verified(self) -> tuple[list[int], bool] | None:
+        """Send and bet as the flight allows, then verify the oldest step that stands: the tokens it
+        adds to the context, and whether decoding stops there. None: nothing is left in flight."""
+        while True:
+            self.fill()
+            if not self.flight:
+                return None
+            step = self.flight.popleft()
+            if not step.void:
+                return self.verify(step)
+            self.session.discard(step.flight)  # rolled back, or it guessed nothing
+            self.stats.discarded += 1
+
+    def verify(self, step: Step) -> tuple[list[int], bool]:
+        """Take `step`'s reply and verify its tree on the true context (argmax, or the sampler's draw)."""
+        info = self.session.receive(step.flight)
+        logits = info.out  # [N, V] (greedy: [N] tokens); without the root's row when it went with the step before
+        if not step.root_sent:
+            logits = torch.cat([step.root_logits[None], logits])
+        if self.sampler:
+            path, new = accept_sampled(step.tree, logits, self.sampler, step.ctx)
+        else:
+            path, new = accept_greedy(step.tree, logits.tolist())
+        self.drafter.accepted(new[:-1])
+        self.learn(step, info, path)
+        fresh, keep, stop = self.cut(step, path, new)
+        self.last = (step, keep)
+        self.resolve_bet(step, path, new, logits, keep, stop)
+        self.produced += len(fresh)
+        self.context.extend(fresh)
+        return fresh, stop
+
+    def learn(self, step: Step, info: StepResult, path: list[int]) -> None:
+        """What the budget and the stats learn from a verified step."""
+        self.budget.compute.add(info.tokens, info.compute_s)
+        if not info.overlapped:
+            self.budget.observe_network(info.network_s)
+        self.budget.observe_acceptance(step.tree, path)
+        self.stats.steps += 1
+        self.stats.tree_nodes += len(step.tree)
+        self.stats.accepted_drafts += len(path) - 1
+
+    def cut(self, step: Step, path: list[int], new: list[int]) -> tuple[list[int], list[int], bool]:
+        """The tokens `step` adds to the context (a pipelined step's first token was the step before's
+        bonus), cut at an end token or the length limit; the entries of its block the caches keep; and
+        whether decoding stops."""
+        fresh = (step.ctx + new)[len(self.context):]
+        keep_len = len(path)
+        n = stop_at(fresh, self.produced, self.limits.max_new_tokens, self.limits.eos)
+        if n is not None:
+            fresh = fresh[:n]
+            # the cache keeps the context up to, not including, the last token
+            keep_len = len(self.context) - len(step.ctx) + n
+        return fresh, step.block_keep(path[:keep_len]), n is not None
+
+    def resolve_bet(self, step: Step, path: list[int], new: list[int], logits: torch.Tensor, keep: list[int],
+                    stop: bool) -> None:
+        """After `step` is verified: the step sent on its bet stands (the bet held) or is void (every
+        cache rolls back to the accepted path); with no step on a bet, `keep` goes with the next send."""
+        nxt = self.flight[0] if self.flight else None
+        if nxt is None or step.bet is None:
+            self.keep_next = keep
+        elif not stop and path == step.bet:  # verification goes on into the next step when its reply arrives
+            nxt.root_logits, nxt.known = logits[path[-1]], new[-1]
+            if nxt.tree.child(0, new[-1]) is None:  # it guessed nothing right: drop its block
+                nxt.void, self.keep_next = True, []
+        else:
+            self.session.rewind(step.flight, keep)
+            nxt.void = True
+            self.stats.missed += not stop
+
+    def finish(self) -> None:
+        """Decoding is over: take the rolled-back steps' replies, settle the last block."""
+        for s in self.flight:  # only rolled-back steps are left
+            self.session.discard(s.flight)
+            self.stats.discarded += 1
+        if self.keep_next is not None:
+            self.session.settle(self.keep_next)
+
+    def abandon(self) -> None:
+        """The caller stopped early: undo the bets, take the replies."""
+        if any(not s.void for s in self.flight) and self.last is not None:
+            self.session.rewind(self.last[0].flight, self.last[1])
+        elif self.keep_next is not None:
+            self.session.settle(self.keep_next)
+        for s in self.flight:
+            self.session.discard(s.flight)
+
+
 def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                      drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
                      sampling: SamplingConfig | None = None, always_bet: bool = False) -> Iterator[list[int]]:
@@ -133,120 +311,16 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     `always_bet` bets whenever there is a path to bet on (tests)."""
     sampler, root, _ = prefill(session, prompt_ids, cached, budget, sampling)
     yield [root]
-    produced = 1
-    context = list(prompt_ids) + [root]
-    drafter.reset(context)
-    cap = getattr(session, "max_step_tokens", None)
-    flight: deque[Step] = deque()
-    keep_next: list[int] | None = None  # the last block's keep, for the next send (or the final settle)
-    last: tuple[Step, list[int]] | None = None  # the last verified step and its true keep
-
-    def propose(ctx: list[int], exclude_root: bool) -> TokenTree:
-        sync_drafter(drafter, ctx)
-        tree = drafter.propose()
-        choice = budget.choose(tree)
-        nodes = choice.nodes if cap is None else min(choice.nodes, cap + exclude_root)
-        return tree.pruned(nodes, choice.reach)
-
-    def send(step: Step, keep: list[int] | None) -> None:
-        tree, base = step.tree, len(step.ctx) - 1
-        if step.root_sent:
-            tokens, positions, mask, rows = build_step(tree, None, base)
-        else:
-            tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
-            mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
-        step.flight = session.send(tokens, positions, mask, rows, keep, argmax=sampler is None)
-        flight.append(step)
-
+    run = PipelinedRun(session, drafter, budget, stats, sampler, list(prompt_ids) + [root],
+                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet)
     try:
-        while True:
-            live = [s for s in flight if not s.void]
-            if not live and produced < max_new_tokens and context[-1] not in eos:
-                send(Step(propose(context, False), list(context), True), keep_next)
-                keep_next = None
-                live = [flight[-1]]
-            if len(flight) == 1 and live:
-                prev = flight[-1]
-                bet = choose_bet(prev, budget)
-                if bet is not None:
-                    path, p = bet
-                    tokens = [prev.tree.tokens[i] for i in path[1:]]
-                    done = len(prev.ctx) + len(tokens) - len(prompt_ids)  # generated if the bet holds
-                    nodes = len(prev.tree)
-                    # a stale step delays only the retry sent on the miss: the cloud started it half a round
-                    # trip before the miss was seen and the retry arrives half a round trip after, so the
-                    # delay is its compute less a round trip (edge compute counted too: an upper bound)
-                    wasted = max(0.0, budget.compute.predict(nodes) - budget.rtt_s)
-                    pays = always_bet or p * budget.rtt_s > (1 - p) * wasted
-                    if pays and done + 1 < max_new_tokens and not eos.intersection(tokens):
-                        nxt = Step(TokenTree.root_only(tokens[-1]), prev.ctx + tokens, False)
-                        nxt.tree = propose(nxt.ctx, True)
-                        if len(nxt.tree) > 1:
-                            prev.bet = path
-                            send(nxt, prev.block_keep(path))
-                            stats.pipelined += 1
-            if not flight:
-                break
-            step = flight.popleft()
-            if step.void:
-                session.discard(step.flight)
-                stats.discarded += 1
-                continue
-            info = session.receive(step.flight)
-            logits = info.out
-            if not step.root_sent:
-                logits = torch.cat([step.root_logits[None], logits])
-            if sampler:
-                path, new = accept_sampled(step.tree, logits, sampler, step.ctx)
-            else:
-                path, new = accept_greedy(step.tree, logits.tolist())  # greedy steps return tokens
-            drafter.accepted(new[:-1])
-            budget.compute.add(info.tokens, info.compute_s)
-            if not info.overlapped:
-                budget.observe_network(info.network_s)
-            budget.observe_acceptance(step.tree, path)
-            stats.steps += 1
-            stats.tree_nodes += len(step.tree)
-            stats.accepted_drafts += len(path) - 1
-            verified = step.ctx + new
-            fresh = verified[len(context):]  # a pipelined step's first token was the step before's bonus
-            keep_len = len(path)
-            n = stop_at(fresh, produced, max_new_tokens, eos)
-            stop = n is not None
-            if stop:
-                fresh = fresh[:n]
-                # the cache keeps the context up to, not including, the last token
-                keep_len = len(context) - len(step.ctx) + n
-            keep = step.block_keep(path[:keep_len])
-            nxt = flight[0] if flight else None
-            last = (step, keep)
-            if nxt is not None and step.bet is not None:
-                if not stop and path == step.bet:
-                    nxt.root_logits, nxt.known = logits[path[-1]], new[-1]
-                    if nxt.tree.child(0, new[-1]) is None:  # it guessed nothing right: drop its block
-                        nxt.void, keep_next = True, []
-                else:
-                    session.rewind(step.flight, keep)
-                    nxt.void = True
-                    stats.missed += not stop
-            else:
-                keep_next = keep
-            produced += len(fresh)
-            context.extend(fresh)
+        while (verified := run.next_verified()) is not None:
+            fresh, stop = verified
             if fresh:
                 yield fresh
             if stop:
                 break
-        for s in flight:  # only rolled-back steps are left
-            session.discard(s.flight)
-            stats.discarded += 1
-        if keep_next is not None:
-            session.settle(keep_next)
-    except GeneratorExit:  # the caller stopped early: undo the bets, take the replies
-        if any(not s.void for s in flight) and last is not None:
-            session.rewind(last[0].flight, last[1])
-        elif keep_next is not None:
-            session.settle(keep_next)
-        for s in flight:
-            session.discard(s.flight)
+        run.finish()
+    except GeneratorExit:  # the caller stopped early
+        run.abandon()
         raise

@@ -10,78 +10,11 @@ from typing import Protocol
 
 import torch
 
-from splitlm.decoding.budget import StepBudget
-from splitlm.decoding.corpus import CorpusDrafter, NgramModel
-from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter, Window
+from splitlm.decoding.budget import BudgetChoice, StepBudget
+from splitlm.decoding.drafters import Drafter, Window
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
-
-SPEC_MODES = ("none", "ngram", "lookahead", "recycle", "suffix", "head", "auto", "auto-window", "draft")
-
-
-@dataclass
-class SpecConfig:
-    mode: str = "none"
-    max_nodes: int | None = None  # fixed tree size (root included); None = chosen per step from the link
-    window: int = 5  # lookahead: columns W
-    ngram: int = 4  # lookahead: N (window levels = N - 1)
-    max_depth: int = 8  # n-gram drafter: longest continuation
-    draft: str = "self"  # mode draft: `self` (the edge's own layers), `self-raw` (no adapter) or a model path
-    pipeline: bool = False  # send the next step while one is in flight (`splitlm.decoding.pipeline`)
-    cost: str = "measured"  # the step budget's cost model: measured, or zero (a cloud whose extra tokens cost nothing)
-
-    def __post_init__(self):
-        from splitlm.decoding.budget import COST_MODELS
-
-        if self.mode not in SPEC_MODES:
-            raise ValueError(f"unknown speculative mode {self.mode!r} (choose from {', '.join(SPEC_MODES)})")
-        if self.cost not in COST_MODELS:
-            raise ValueError(f"unknown cost model {self.cost!r} (choose from {', '.join(COST_MODELS)})")
-
-    @property
-    def budget_nodes(self) -> int:
-        """The most tree nodes a step may send: 128 where extra tokens cost nothing, else 64."""
-        return 128 if self.cost == "zero" else 64
-
-
-def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, draft_lm=None, memory=None) -> Drafter:
-    """The drafter of a mode. `auto-window` (n-gram, local-text n-gram model when `corpus` is given,
-    lookahead window) is the older combination; `recycle`, `suffix`, `head` and `auto` (those three
-    merged) keep their state in `memory` (`splitlm.decoding.auto.DraftMemory`; a fresh one if None);
-    `draft` needs the draft model (`splitlm.decoding.draft.make_draft_lm`)."""
-    if cfg.mode == "draft":
-        from splitlm.decoding.draft import ModelDrafter
-
-        if draft_lm is None:
-            raise ValueError("speculative mode draft needs a draft model")
-        return ModelDrafter(draft_lm)
-    if cfg.mode == "ngram":
-        return NgramDrafter(max_depth=cfg.max_depth)
-    if cfg.mode == "lookahead":
-        return LookaheadDrafter(width=cfg.window, ngram=cfg.ngram)
-    if cfg.mode == "auto-window":
-        drafters: list[Drafter] = [NgramDrafter(max_depth=cfg.max_depth)]
-        if corpus is not None:
-            drafters.append(CorpusDrafter(corpus, mix_context=True))
-        drafters.append(LookaheadDrafter(width=cfg.window, ngram=cfg.ngram))
-        return CombinedDrafter(drafters)
-    if cfg.mode in ("recycle", "suffix", "head", "auto"):
-        from splitlm.decoding.auto import AutoDrafter, DraftMemory
-        from splitlm.decoding.head import HeadDrafter
-        from splitlm.decoding.recycle import RecycledDrafter
-        from splitlm.decoding.suffix import SuffixDrafter
-
-        memory = memory or DraftMemory()
-        suffix = SuffixDrafter([memory.corpus, memory.past.index()], memory.suffix_calibration)
-        recycle = RecycledDrafter(memory.recycle)
-        if cfg.mode == "head" and memory.head is None:
-            raise ValueError("speculative mode head needs a trained draft head (splitlm train-head)")
-        head = HeadDrafter(memory.head) if memory.head is not None else None
-        if cfg.mode != "auto":
-            return {"recycle": recycle, "suffix": suffix, "head": head}[cfg.mode]
-        return AutoDrafter([d for d in (suffix, recycle, head) if d is not None])
-    return Drafter()
 
 
 class StepSession(Protocol):
@@ -94,6 +27,10 @@ class StepSession(Protocol):
                 argmax: bool = False) -> StepResult: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may carry (a cloud cache window caps them), or None."""
 
 
 @dataclass
@@ -167,11 +104,11 @@ def stop_at(tokens: list[int], produced: int, max_new_tokens: int, eos: set[int]
 
 
 def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                       drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                       adaptive: bool = False, cached: int = 0,
+                       drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
                        sampling: SamplingConfig | None = None) -> Iterator[list[int]]:
-    """Yield the new tokens of each step (the first chunk comes from the prefill). With `adaptive`,
-    a lookahead window is resized every step to what the measured link and compute afford.
+    """Yield the new tokens of each step (the first chunk comes from the prefill). A drafter that
+    `adapts_window` has its lookahead window resized every step to what the measured link and
+    compute afford.
 
     `cached`: the first `cached` prompt tokens are already in the session's caches (a later turn of
     a conversation). After every step the session is told which of its entries to keep
@@ -183,49 +120,27 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     context = list(prompt_ids) + [root]
     drafter.reset(context)
     drafter.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first_step)
-    la = drafter if isinstance(drafter, LookaheadDrafter) else getattr(drafter, "lookahead", lambda: None)()
-    max_width, levels = (la.width, la.n - 1) if la is not None else (0, 0)
-    adaptive_window = isinstance(drafter, LookaheadDrafter | CombinedDrafter) and adaptive
+    la = drafter.lookahead if drafter.adapts_window else None  # the window to resize
+    max_width = 0 if la is None else la.width
     while produced < max_new_tokens and root not in eos:
         started = time.perf_counter()
-        if adaptive_window:
+        if la is not None:
             tau = (produced - 1) / stats.steps if stats.steps else 1.0
-            width = drafter.window().width if drafter.window() is not None else 0
-            drafter.set_width(budget.window_width(width, max_width, levels, getattr(drafter, "window_gain", 0.0), tau))
-        window = drafter.window()
-        extra = 0 if window is None else len(window.tokens())
-        cap = getattr(session, "max_step_tokens", None)  # a cloud cache window caps a step's tokens
-        if cap is not None and extra >= cap:
-            window, extra = None, 0
-        tree = drafter.propose()
-        choice = budget.choose(tree, extra)
-        if cap is not None:
-            choice.nodes = min(choice.nodes, cap - extra)
-        tree = tree.pruned(choice.nodes, choice.reach)
+            la.set_width(budget.window_width(la.width, max_width, la.n - 1, drafter.window_gain, tau))
+        tree, window, choice = plan_step(drafter, budget, session.max_step_tokens)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         sent = time.perf_counter()
         step = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
         returned = time.perf_counter()
-        if sampler:
-            logits = step.out
-            argmax = logits.argmax(-1).tolist()
-            path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
-        else:
-            argmax = step.out.tolist()
-            path, new = accept_greedy(tree, argmax[: len(tree)])
+        path, new, argmax = accept(tree, step, sampler, context)
         drafter.accepted(new[:-1])
         drafter.verified(tree, path, new, step)
         if window is not None:
-            drafter.observe(argmax[len(tree):])
+            drafter.lookahead.observe(argmax[len(tree):])
         budget.observe_acceptance(tree, path)
         budget.observe_step(len(tokens), step.compute_s, step.network_s,
                             (sent - started) + (time.perf_counter() - returned))
-        stats.steps += 1
-        stats.tree_nodes += len(tree)
-        stats.window_tokens += extra
-        stats.accepted_drafts += len(path) - 1
-        stats.expected_tokens += choice.expected_tokens
-        stats.choices.append(len(tree))
+        record(stats, tree, window, path, choice)
         keep = path
         if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
             new = new[:n]
@@ -236,3 +151,41 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         drafter.extend(new)
         root = new[-1]
         yield new
+
+
+def plan_step(drafter: Drafter, budget: StepBudget, cap: int | None) -> tuple[TokenTree, Window | None, BudgetChoice]:
+    """The step's tree (pruned to what the budget affords), the lookahead window riding along (None
+    when the drafter runs none, or when `cap`, the most tokens a step may carry, leaves no room for
+    it) and the budget's choice."""
+    window = None if drafter.lookahead is None else drafter.lookahead.window()
+    extra = 0 if window is None else len(window.tokens())
+    if cap is not None and extra >= cap:
+        window, extra = None, 0
+    tree = drafter.propose()
+    choice = budget.choose(tree, extra)
+    if cap is not None:
+        choice.nodes = min(choice.nodes, cap - extra)
+    return tree.pruned(choice.nodes, choice.reach), window, choice
+
+
+def accept(tree: TokenTree, step: StepResult, sampler: Sampler | None,
+           context: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Verify `tree` against the pass's rows: the accepted path, the new tokens (accepted and the
+    bonus) and every row's greedy token (the window's rows follow the tree's)."""
+    if sampler:
+        logits = step.out  # [R, V]
+        path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
+        return path, new, logits.argmax(-1).tolist()
+    argmax = step.out.tolist()  # [R] greedy steps return tokens
+    path, new = accept_greedy(tree, argmax[: len(tree)])
+    return path, new, argmax
+
+
+def record(stats: SpecStats, tree: TokenTree, window: Window | None, path: list[int], choice: BudgetChoice) -> None:
+    """Count one verified step."""
+    stats.steps += 1
+    stats.tree_nodes += len(tree)
+    stats.window_tokens += 0 if window is None else len(window.tokens())
+    stats.accepted_drafts += len(path) - 1
+    stats.expected_tokens += choice.expected_tokens
+    stats.choices.append(len(tree))

@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitlm import SplitLMError
-from splitlm.decoding.speculative import SpecConfig
+from splitlm.decoding.modes import SpecConfig
 from splitlm.edge.api_requests import (
     APIError,
     GenerationRequest,
@@ -193,7 +193,7 @@ class EdgeAPI:
         return Response(generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: Request) -> Response:
-        tls_ca = self.edge._connect_args["tls_ca"]
+        tls_ca = self.edge.connections.tls_ca
         clouds = await asyncio.gather(*(asyncio.to_thread(cloud_health, url, tls_ca) for url in self.edge.cloud_urls))
         up = [c for c in clouds if c["status"] == "ok"]
         # "cloud": one that answers (requests fail over to it), else the first; "clouds": every URL of --cloud

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Iterator
 
 from splitlm import SplitLMError
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecConfig
 from splitlm.edge.results import GenerationResult, Stream
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """The edge's layers in ONNX Runtime (`--device onnx`, `--device onnx:int8`), CPU execution provider.
 
-`OnnxEdge` stands in for `splitlm.model.shards.EdgeModel` where an edge session uses it
-(`embed_and_head`, `tail_and_logits`, `head.new_cache()`, `tail.new_cache()`):
+`OnnxEdge` stands in for `splitlm.model.shards.EdgeModel` behind the edge's back-end interface
+(`splitlm.edge.backends.OnnxBackend`: `embed_and_head`, `tail_and_logits`, `head.new_cache()`,
+`tail.new_cache()`):
 the graphs of `splitlm.model.onnx_export` compute, the KV caches stay torch `KVCache`s here, so
 speculative trees keep and crop entries exactly as on the torch edge. Each call hands the graph
 the cache's entries so far and appends the new ones it returns.

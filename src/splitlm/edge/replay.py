@@ -1,9 +1,9 @@
-"""Failover of an `EdgeSession`: a new cloud session (on the same or another cloud) rebuilt from
+"""Failover of an edge session: a new cloud session (on the same or another cloud) rebuilt from
 what the edge holds, and the requests still owed a reply replayed into it (docs/failover.md).
 
-`EdgeSession.failover`, `_replay` and `_rebuild` are thin methods over `failover`, `replay` and
-`rebuild` here (`session`: the `EdgeSession` that lost its cloud; not imported here, since
-session.py imports this module)."""
+`EdgeSession.failover` is the entry point; its cloud side (`splitlm.edge.link.CloudLink`) calls
+`failover` here whenever its cloud is lost, and `failover`, `replay` and `rebuild` work through the
+link's public methods."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import logging
 import time
 
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from splitlm.edge.link import CloudLink, Flight
 from splitlm.model.device import to_host
 from splitlm.transport.client import CloudError
 from splitlm.transport.messages import Forward
@@ -20,10 +20,10 @@ from splitlm.transport.messages import Forward
 log = logging.getLogger(__name__)
 
 
-def failover(session, error: CloudError) -> None:
-    """The connection or the cloud died (`error`): reconnect (`Edge.reconnect`: the next cloud of
-    the list, backoff, at most `Edge.failover_timeout_s`), open a new session and replay into it
-    every request whose reply is still owed, so that decoding goes on as if nothing happened.
+def failover(link: CloudLink, error: CloudError) -> None:
+    """The connection or the cloud died (`error`): reconnect (`CloudConnections.reconnect`: the next
+    cloud of the list, backoff, at most `CloudConnections.failover_timeout_s`), open a new session and
+    replay into it every request whose reply is still owed, so that decoding goes on as if nothing happened.
 
     What the new session's cache needs is what the edge keeps anyway: the head layers' outputs of
     every committed token (`history`) and of every block in flight (`Flight.h`); nothing is
@@ -32,37 +32,30 @@ def failover(session, error: CloudError) -> None:
     context longer than the cloud's tokens per forward is rebuilt in chunks first. Rolled-back
     (void) blocks are not re-sent: their replies are dropped unread. A sealed session gets a new
     cache key (the new session's seal counter starts again)."""
-    edge = session.edge
     t0 = time.perf_counter()
-    deadline = time.monotonic() + edge.failover_timeout_s
-    log.warning("cloud session %d lost (%s): failing over", session.id, error)
+    deadline = time.monotonic() + link.connections.failover_timeout_s
+    log.warning("cloud session %d lost (%s): failing over", link.id, error)
     while True:
-        dead = session.client
-        edge._drop_client(dead)
-        authorised = edge.vocab.packed() if edge.split_head and not edge.vocab.everything else None
-        session.client, session.id = edge.reconnect(session.policy, authorised, dead.url, deadline)
-        if session.key is not None:
-            session.key = AESGCM.generate_key(bit_length=256)
+        link.reopen(deadline)
         try:
-            session._replay()
+            replay(link)
             break
         except CloudError as e:
             if not e.retryable or time.monotonic() > deadline:
                 raise
             log.warning("the new cloud session failed too (%s): failing over again", e)
-    session.stats.failovers += 1
-    session.stats.failover_s += time.perf_counter() - t0
-    log.warning("failed over to %s (session %d) in %.2f s", session.client.url, session.id, time.perf_counter() - t0)
+    link.stats.failovers += 1
+    link.stats.failover_s += time.perf_counter() - t0
+    log.warning("failed over to %s (session %d) in %.2f s", link.client.url, link.id, time.perf_counter() - t0)
 
 
-def replay(session) -> None:
+def replay(link: CloudLink) -> None:
     """Rebuild an empty cloud session's cache and re-send the blocks still owed a reply (see `failover`)."""
-    session.cloud_committed = session.cloud_pending = 0
-    session.cloud_keep = session.cloud_crop = None
-    policy = session.policy
+    link.cloud.forget()
+    policy = link.policy
     retained = policy.retention > 0
     owed = []
-    for f in session.flights:
+    for f in link.flights:
         if f.void:
             f.sent = None  # its reply is dropped unread
         else:
@@ -74,40 +67,40 @@ def replay(session) -> None:
         if prev is None:
             c = f.start if policy.window is None else min(f.start, policy.window)
             if retained and policy.window is None:
-                c -= session._rebuild(f.start, len(f.ids))
+                c -= rebuild(link, f.start, len(f.ids))
         else:
-            replay_keep(session, prev)
-            c = f.start - session.cloud_committed if retained else f.start
-        session._transmit(f, c)
+            replay_keep(link, prev)
+            c = f.start - link.cloud.committed if retained else f.start
+        link.transmit(f, c)
         prev = f
     if prev is not None and prev.settled:
-        replay_keep(session, prev)
+        replay_keep(link, prev)
 
 
-def replay_keep(session, f) -> None:
-    """The cloud-side bookkeeping of settling block `f` (a `Flight`, sent to the new session) with its keep."""
-    if session.policy.retention == 0:
+def replay_keep(link: CloudLink, f: Flight) -> None:
+    """The cloud-side bookkeeping of settling block `f` (sent to the new session) with its keep."""
+    if link.policy.retention == 0:
         return
+    cloud = link.cloud
     if f.keep is not None:
-        session.cloud_keep = list(f.keep)
-    session.cloud_committed += len(f.ids) if f.keep is None else len(f.keep)
-    session.cloud_pending = 0
+        cloud.keep = list(f.keep)
+    cloud.committed += len(f.ids) if f.keep is None else len(f.keep)
+    cloud.pending = 0
 
 
-def rebuild(session, upto: int, then: int) -> int:
+def rebuild(link: CloudLink, upto: int, then: int) -> int:
     """Send committed rows [0, upto) to the cloud as blocks of their own until the rest fits in one
     forward with `then` new tokens (the cloud's tokens per forward); returns the rows sent so."""
-    edge = session.edge
-    per_forward = session.client.info.limits.max_tokens_per_forward
+    per_forward = link.client.info.limits.max_tokens_per_forward
     done = 0
     while per_forward and upto - done + then > per_forward:
         n = min(per_forward, upto - done)
-        h, pos = to_host(session.history[done:done + n]), session.history_pos[done:done + n]  # [n, D]
-        request = Forward(h, torch.as_tensor(pos, dtype=torch.long), control=session.control(),
-                          rows=[n - 1] if edge.split_head else None)
-        client = session.client
-        client.receive_forward(client.send_forward(session.id, request, session.wire_dtype,
-                                                   max(h.numel(), edge.vocab.size)))
+        h, pos = to_host(link.history[done:done + n]), link.history_pos[done:done + n]  # [n, D]
+        request = Forward(h, torch.as_tensor(pos, dtype=torch.long), control=link.control(),
+                          rows=link.backend.reply_rows([n - 1]))
+        client = link.client
+        client.receive_forward(client.send_forward(link.id, request, link.wire_dtype,
+                                                   max(h.numel(), link.backend.vocab.size)))
         done += n
-        session.cloud_committed = done
+        link.cloud.committed = done
     return done

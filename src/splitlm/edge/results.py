@@ -1,14 +1,56 @@
-"""What a generation returns: the result, a stream of text pieces, and the one-line summary of
-its cost that `generate`, `chat` and the demo print."""
+"""What a generation returns: its costs (`GenerationStats`), the result, a stream of text pieces, and
+the one-line summary of its cost that `generate`, `chat` and the demo print."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TextIO
+from dataclasses import asdict, dataclass, field
 
-from splitlm.edge.session import GenerationStats
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, already in the session's caches (later turns of a conversation)
+    new_tokens: int = 0
+    round_trips: int = 0  # all cloud round trips, prefill included
+    prefill_round_trips: int = 1  # more when the prompt exceeds the cloud's tokens per forward
+    prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
+    decode_s: float = 0.0  # after the first token
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_s: float = 0.0  # round-trip time minus the cloud's compute
+    cloud_compute_s: float = 0.0
+    edge_compute_s: float = 0.0
+    serialize_s: float = 0.0  # frame and tensor encoding/decoding on the edge
+    failovers: int = 0  # connections lost (or clouds gone) mid-request, survived by replay (`EdgeSession.failover`)
+    failover_s: float = 0.0  # from the fault seen to the replayed requests sent again (reconnect, new session)
+    failover_stall_s: float = 0.0  # for each fault: the interrupted step's first send to its reply after the replay
+    spec_mode: str = "none"
+    spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
+
+    @property
+    def failover_note(self) -> str:
+        """`, 1 failover (0.19 s)` when the request survived faults, else empty (for stats lines)."""
+        if not self.failovers:
+            return ""
+        return f", {self.failovers} failover{'s' if self.failovers > 1 else ''} ({self.failover_s:.2f} s)"
+
+    @property
+    def decode_round_trips(self) -> int:
+        return max(0, self.round_trips - self.prefill_round_trips)
+
+    @property
+    def tokens_per_round_trip(self) -> float:
+        """Tokens produced by decoding steps per decoding round trip (prefill excluded)."""
+        return (self.new_tokens - 1) / self.decode_round_trips if self.decode_round_trips else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3)}
 
 
 @dataclass
@@ -52,7 +94,3 @@ def format_stats(s: GenerationStats) -> str:
     return (f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, "
             f"{s.tokens_per_round_trip:.2f} tokens/round trip, TTFT {s.prefill_s * 1000:.0f} ms, "
             f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB{s.failover_note}]")
-
-
-def print_stats(s: GenerationStats, file: TextIO | None = None) -> None:
-    print(format_stats(s), file=file or sys.stderr)

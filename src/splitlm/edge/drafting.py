@@ -1,0 +1,95 @@
+"""What an edge's drafters and step budgets keep across its requests (`DraftState`): the local text
+(tokenized once), its n-gram model, its suffix index, one `DraftMemory` per speculative
+configuration and the pools of step budgets. Built on first use; never sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from splitlm.decoding.auto import DraftMemory
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.corpus import NgramModel, default_corpus_documents
+from splitlm.decoding.head import HeadRunner, load_head
+from splitlm.decoding.modes import SpecConfig
+from splitlm.decoding.suffix import SuffixIndex
+from splitlm.decoding.warmup import find_warmup, read_warmup
+from splitlm.edge.connections import Pool
+from splitlm.edge.onnx_runtime import OnnxEdge
+from splitlm.edge.text import TextCodec
+from splitlm.model.shards import EdgeModel
+
+
+class DraftState:
+    """The drafting state of the edge whose shard is in `edge_dir`, its `model` on `device`. `text`: its
+    tokenizer (none: no local text), whose lock also guards the tables here; `with_head`: whether the
+    edge's back end gives the final hidden state that a trained draft head reads."""
+
+    def __init__(self, edge_dir: Path, model: EdgeModel | OnnxEdge, device: torch.device, text: TextCodec,
+                 with_head: bool):
+        self.edge_dir, self.model, self.device, self.with_head = edge_dir, model, device, with_head
+        self.tokenizer = text.tokenizer
+        self._lock = text.lock  # the pools' table, the corpus model, the tokenizer
+        self._corpus: NgramModel | None = None
+        self._corpus_ids: list[list[int]] | None = None
+        self._suffix_index: SuffixIndex | None = None
+        self._memories: dict[tuple, DraftMemory] = {}
+        self._budgets: dict[tuple, Pool[StepBudget]] = {}
+
+    def corpus_documents(self) -> list[str]:
+        """Local text for the `auto` drafter: Python's pydoc topics and, when there is one for this
+        model, a warm-up file of its own answers (`splitlm warmup`; bundled for the default model)."""
+        docs = default_corpus_documents()
+        warmup = find_warmup(self.edge_dir, self.model.manifest.model_hash)
+        return docs + (read_warmup(warmup) if warmup is not None else [])
+
+    def corpus_ids(self) -> list[list[int]]:
+        """The local text's documents as token ids (tokenized once; none without a tokenizer)."""
+        with self._lock:
+            if self._corpus_ids is None:
+                self._corpus_ids = [] if self.tokenizer is None else \
+                    self.tokenizer(self.corpus_documents(), add_special_tokens=False).input_ids
+            return self._corpus_ids
+
+    def corpus_model(self) -> NgramModel | None:
+        """The n-gram model of local text the `auto-window` drafter uses (built once, a few s; needs the tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        docs = self.corpus_ids()
+        with self._lock:
+            if self._corpus is None:
+                self._corpus = NgramModel([tok for doc in docs for tok in doc])
+            return self._corpus
+
+    def draft_memory(self, spec: SpecConfig) -> DraftMemory:
+        """What the `recycle`, `suffix`, `head` and `auto` drafters keep across this edge's requests, one per
+        speculative configuration: built on first use (the corpus's suffix index and the recycled table's
+        seed: a few s), the trained head loaded if the shard has one. Never sent."""
+        docs = self.corpus_ids()
+        with self._lock:
+            if self._suffix_index is None:
+                self._suffix_index = SuffixIndex(docs)
+            key = (spec.mode, spec.max_nodes, spec.cost)
+            if key not in self._memories:
+                self._memories[key] = DraftMemory.seeded(self._suffix_index, self.head_runner())
+            return self._memories[key]
+
+    def head_runner(self) -> HeadRunner | None:
+        """The shard's trained draft head on the edge's device, if it has one and the edge the final
+        hidden state it reads (split-head and ONNX edges have none)."""
+        head = load_head(self.edge_dir, self.model.manifest.model_hash) if self.with_head else None
+        if head is None:
+            return None
+        return HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight,
+                          self.model.cfg.embed_scale)
+
+    def budgets(self, spec: SpecConfig) -> Pool[StepBudget]:
+        """The step budgets of one speculative configuration: what a budget learns (link, compute cost,
+        drafters' calibration) carries over between requests; requests running at once each take their own."""
+        with self._lock:
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost)
+            if key not in self._budgets:
+                self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
+                                                             cost=spec.cost))
+            return self._budgets[key]

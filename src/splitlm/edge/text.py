@@ -1,0 +1,129 @@
+"""Text in and out of the edge: the shard's tokenizer (`TextCodec`, used under one lock: fast
+tokenizers are not safe to call from several threads at once), prompts in the chat template, and
+the text of a generation as it streams (`text_pieces`: stop strings cut it, their beginnings and
+incomplete UTF-8 sequences are held back)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+
+from splitlm import SplitLMError
+from splitlm.edge.results import GenerationResult, GenerationStats
+
+
+def load_tokenizer(edge_dir: Path):
+    """The shard's tokenizer (`transformers`), or None when it has none."""
+    if not (edge_dir / "tokenizer.json").is_file() and not (edge_dir / "tokenizer.model").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(edge_dir)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ([{"role", "content"}, ...]) in the tokenizer's chat template,
+    ready for the assistant's next turn."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt: raw text, or one user turn in the tokenizer's chat template."""
+    if not chat:
+        return tokenizer(prompt).input_ids
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` may not be shown yet: an incomplete UTF-8 sequence
+    (decoded as U+FFFD) or the beginning of a stop string."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+class TextCodec:
+    """The tokenizer of the shard in `edge_dir` (None without one) and the lock its users share."""
+
+    def __init__(self, edge_dir: Path):
+        self.edge_dir = edge_dir
+        self.tokenizer = load_tokenizer(edge_dir)
+        self.lock = threading.Lock()  # the tokenizer (and the tables of the edge's drafting state)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether prompts can be wrapped in the model's chat template (what `--chat` defaults to)."""
+        return self.tokenizer is not None and bool(self.tokenizer.chat_template)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise SplitLMError(f"{self.edge_dir} has no tokenizer; pass token ids instead of text")
+        if chat and not self.tokenizer.chat_template:
+            raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
+        with self.lock:
+            return encode_prompt(self.tokenizer, prompt, chat)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation [{"role": "system"|"user"|"assistant", "content": str}, ...] in the
+        chat template, ending where the assistant's next answer begins."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise SplitLMError("this model's tokenizer has no chat template")
+        with self.lock:
+            return encode_messages(self.tokenizer, messages)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        """A prompt's token ids: given as ids, or text encoded (in the chat template with `chat`)."""
+        ids = list(prompt) if isinstance(prompt, list | tuple) else self.encode(prompt, chat)
+        if not ids:
+            raise SplitLMError("the prompt is empty")
+        return ids
+
+
+def text_pieces(steps: Generator[tuple[list[int], GenerationStats], None, None], decode: Callable[[list[int]], str],
+                prompt_ids: list[int], stop: str | list[str] | None = None,
+                eos: set[int] | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
+    """The text of a generation's `steps` (new token ids of each step, live stats): yields (new text,
+    None) while decoding, then (last text, result). Text that could be the start of a stop string is
+    held back until it is not; at a stop string the text is cut (finish reason `stop`, as when the
+    last token is one of `eos`)."""
+    stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+    ids: list[int] = []
+    text, sent = "", 0  # decoded text; how much of it was yielded
+    stats = GenerationStats()
+    finish = "length"
+    try:
+        for tokens, live_stats in steps:
+            ids.extend(tokens)
+            stats = live_stats
+            text = decode(ids)
+            cut = find_stop(text, stops)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            safe = len(text) - held_back(text, stops)
+            if safe > sent:
+                yield text[sent:safe], None
+                sent = safe
+    finally:
+        steps.close()
+    if finish != "stop" and ids and ids[-1] in (eos or set()):
+        finish = "stop"
+    yield text[sent:], GenerationResult(text, ids, stats, finish, prompt_ids)
