@@ -45,11 +45,6 @@ def suffixed(base: Path, suffix: str) -> Path:
     return base.with_name(base.name + suffix)
 
 
-def stamped_base(out: str | Path, prefix: str, created: str) -> Path:
-    """`out/<prefix>-<YYYYMMDD-HHMMSS>` (no suffix) from the ISO time `created`; makes `out`."""
-    return result_base(out, prefix, time_stamp(created))
-
-
 def result_base(out: str | Path, kind: str, stamp: str | None = None) -> Path:
     """`out/<kind>-<stamp>` (no suffix; `out/<kind>` without a stamp); makes `out`.
 

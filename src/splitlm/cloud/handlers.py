@@ -17,7 +17,16 @@ from splitlm.model.shards import CloudModel
 from splitlm.transport.codecs import wire_nbytes
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import Frame, unpack_vocab
-from splitlm.transport.messages import Closed, Forward, Open, Opened, PolicyChange, PolicyOk, Result
+from splitlm.transport.messages import (
+    RESULT_RESERVE_BYTES,
+    Closed,
+    Forward,
+    Open,
+    Opened,
+    PolicyChange,
+    PolicyOk,
+    Result,
+)
 
 
 class StepRunner(Protocol):
@@ -102,6 +111,6 @@ class SessionRequests:
         s = self.model.cfg.vocab_size if session.vocab is None else session.vocab.numel()
         dtype = dtype or session.wire_dtype
         size = wire_nbytes(dtype, [rows, s]) + wire_nbytes(dtype, [rows, self.model.manifest.d_end])
-        if size + 4096 > self.limits.max_frame_bytes:
+        if size + RESULT_RESERVE_BYTES > self.limits.max_frame_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"logits for {rows} rows ({size} bytes) exceed the frame limit of "
                                                      f"{self.limits.max_frame_bytes} bytes; ask for fewer rows")

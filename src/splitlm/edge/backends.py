@@ -32,11 +32,9 @@ from splitlm.model.shards import EdgeModel, load_edge
 from splitlm.model.splithead import edge_logits
 from splitlm.transport.client import CloudClient
 from splitlm.transport.codecs import wire_nbytes
-from splitlm.transport.messages import Result
+from splitlm.transport.messages import RESULT_RESERVE_BYTES, Result
 
 log = logging.getLogger(__name__)
-
-FRAME_RESERVE = 4096  # bytes of a RESULT frame the cloud keeps for metadata and framing
 
 
 @dataclass
@@ -182,7 +180,7 @@ class SplitHeadBackend(LocalHead):
         frame = min(client.max_frame_bytes, client.info.limits.max_frame_bytes or client.max_frame_bytes)
         per_row = wire_nbytes(wire_dtype, [1, self.vocab.size]) + \
             wire_nbytes(wire_dtype, [1, self.model.manifest.d_end])
-        self.max_logit_rows = max(1, (frame - FRAME_RESERVE) // per_row)
+        self.max_logit_rows = max(1, (frame - RESULT_RESERVE_BYTES) // per_row)
 
     def reply_rows(self, rows: list[int] | None) -> list[int] | None:
         return rows

@@ -78,14 +78,9 @@ def replay(link: CloudLink) -> None:
 
 
 def replay_keep(link: CloudLink, f: Flight) -> None:
-    """The cloud-side bookkeeping of settling block `f` (sent to the new session) with its keep."""
-    if link.policy.retention == 0:
-        return
-    cloud = link.cloud
-    if f.keep is not None:
-        cloud.keep = list(f.keep)
-    cloud.committed += len(f.ids) if f.keep is None else len(f.keep)
-    cloud.pending = 0
+    """The cloud-side bookkeeping of settling block `f` (sent to the new session, so the cloud's
+    pending block) with its keep."""
+    link.cloud.settle(f.keep, len(f.ids) if f.keep is None else len(f.keep))
 
 
 def rebuild(link: CloudLink, upto: int, then: int) -> int:

@@ -279,6 +279,9 @@ class Forward:
         return cls(hidden, positions, mask, keep, crop, context, control, rows)
 
 
+RESULT_RESERVE_BYTES = 4096  # of a RESULT frame, kept for its metadata and framing (split-head rows fit in the rest)
+
+
 @dataclass
 class Result:
     """The new tokens' outputs (§4 RESULT): tail-local `hidden` [T, D]; split-head `hidden` [R, d]
