@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 
 from conftest import scrape_metrics
 from splitlm.cloud.metrics import CloudMetrics
-from splitlm.edge.api import EdgeMetrics
+from splitlm.edge.api_metrics import EdgeMetrics
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 

@@ -25,15 +25,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -42,6 +34,7 @@ from starlette.routing import Route
 
 from splitlm import SplitLMError
 from splitlm.decoding.modes import SpecConfig
+from splitlm.edge.api_metrics import EdgeMetrics
 from splitlm.edge.api_requests import (
     APIError,
     GenerationRequest,
@@ -50,13 +43,11 @@ from splitlm.edge.api_requests import (
     parse_chat,
     parse_completion,
 )
+from splitlm.edge.api_responses import chunk, completion_body, sse, usage
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
 
 log = logging.getLogger(__name__)
-disable_created_metrics()  # no *_created series
-SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TOKENS_PER_ROUND_TRIP = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 
 
 @dataclass
@@ -67,51 +58,6 @@ class APIConfig:
     max_concurrent: int = 4  # requests generating at once; more wait
     default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
     default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves
-
-
-class EdgeMetrics:
-    """What `GET /metrics` reports, in a `prometheus_client` registry of this server's own."""
-
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("splitlm_edge_requests_total", "HTTP API requests by route and status.",
-                                ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("splitlm_edge_requests_in_flight", "Generation requests in progress.", registry=r)
-        self.prompt_tokens = Counter("splitlm_edge_prompt_tokens_total", "Prompt tokens of generation requests.",
-                                     registry=r)
-        self.completion_tokens = Counter("splitlm_edge_completion_tokens_total", "Generated tokens.", registry=r)
-        self.round_trips = Counter("splitlm_edge_round_trips_total", "Cloud round trips (prefill included).",
-                                   registry=r)
-        self.tokens_per_round_trip = Histogram("splitlm_edge_tokens_per_round_trip",
-                                               "Per request: generated tokens per decoding round trip.",
-                                               buckets=TOKENS_PER_ROUND_TRIP, registry=r)
-        self.bytes = Counter("splitlm_edge_bytes_total", "Bytes exchanged with the cloud.", ["direction"], registry=r)
-        self.errors = Counter("splitlm_edge_errors_total", "Failed requests by error type.", ["type"], registry=r)
-        self.latency = Histogram("splitlm_edge_request_seconds", "Generation request duration.", ["endpoint"],
-                                 buckets=SECOND_BUCKETS, registry=r)
-        self.ttft = Histogram("splitlm_edge_time_to_first_token_seconds", "Prompt in to first token out.",
-                              buckets=SECOND_BUCKETS, registry=r)
-
-    def finished(self, endpoint: str, result: GenerationResult, seconds: float) -> None:
-        s = result.stats
-        self.prompt_tokens.inc(len(result.prompt_ids))
-        self.completion_tokens.inc(len(result.token_ids))
-        self.round_trips.inc(s.round_trips)
-        if s.decode_round_trips:
-            self.tokens_per_round_trip.observe(s.tokens_per_round_trip)
-        self.bytes.labels(direction="up").inc(s.bytes_up)
-        self.bytes.labels(direction="down").inc(s.bytes_down)
-        self.latency.labels(endpoint=endpoint).observe(seconds)
-        self.ttft.observe(s.prefill_s)
-
-
-def usage(result: GenerationResult) -> dict:
-    n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class EdgeAPI:
@@ -285,24 +231,10 @@ class EdgeAPI:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def completion_body(self, rid: str, chat: bool, result: GenerationResult) -> dict:
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.config.model_name, "system_fingerprint": self.fingerprint, "choices": [choice],
-                "usage": usage(result), "splitlm": result.stats.to_dict()}
+        return completion_body(rid, chat, result, self.config.model_name, self.fingerprint)
 
     def chunk(self, rid: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.config.model_name,
-                "system_fingerprint": self.fingerprint, "choices": [choice]}
+        return chunk(rid, chat, text, self.config.model_name, self.fingerprint, finish, role)
 
     async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, start) -> AsyncIterator[str]:
         """SSE chunks: the role (chat), the text pieces from `first` on, the finish reason, usage, [DONE]."""
