@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from conftest import cloud_forward
+from conftest import cloud_forward, scrape_metrics
 from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
@@ -27,44 +27,71 @@ def test_bytes_per_entry_and_whole_blocks(tiny_split):
 BLOCK_BYTES = 256 * 512  # one block of the tiny cloud's cache
 
 
-def test_capacity_refuses_new_sessions_and_growth_and_frees_on_close(tiny_split):
+def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_close(tiny_split):
+    """A new session, or a step that grows one, frees the least recently active idle session(s) instead
+    of being refused; their edges are told PREEMPTED (only they: others learn nothing)."""
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     limits = ServerLimits(kv_budget_bytes=3 * BLOCK_BYTES)
     with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
-        client = CloudClient(server.url, fp)
+        table, client = server.server.sessions, CloudClient(server.url, fp)
         try:
-            sessions = [client.open(Open("fp32")).session for _ in range(3)]
-            with pytest.raises(CloudError) as e:
-                client.open(Open("fp32"))
-            assert e.value.code == ErrorCode.CAPACITY
+            a, b, c = [client.open(Open("fp32")).session for _ in range(3)]
             h = torch.randn(300, 64)  # two blocks
-            with pytest.raises(CloudError) as e:
-                cloud_forward(client, sessions[0], h, list(range(300)), "fp32")
-            assert e.value.code == ErrorCode.CAPACITY
-            assert server.server.sessions.sessions[sessions[0]].cache.length == 0  # unchanged
-            result = cloud_forward(client, sessions[1], h[:10], list(range(10)), "fp32")  # within its block
-            assert result.cache_len == 10
-            assert result.round_trip_s >= result.wait_s >= 0.0 and result.round_trip_s > 0.0  # the client's clock
-            client.close_session(sessions[2])
-            result = cloud_forward(client, sessions[0], h, list(range(300)), "fp32")
-            assert result.tensors["hidden"].shape == (300, 64) and result.cache_len == 300
-            assert server.server.sessions.kv_reserved == 3 * BLOCK_BYTES
-            with pytest.raises(CloudError) as e:  # full again
+            with pytest.raises(CloudError) as e:  # sessions just opened are not preempted before their first step
                 client.open(Open("fp32"))
             assert e.value.code == ErrorCode.CAPACITY
-            none = sessions[1]
-            client.close_session(none)
+            for sid in (b, c, a):  # `a` is now the most recently active, `b` the least
+                cloud_forward(client, sid, h[:10], list(range(10)), "fp32")
+            d = client.open(Open("fp32")).session  # no room: `b` goes
+            assert set(table.sessions) == {a, c, d} and table.kv_reserved == 3 * BLOCK_BYTES
+            with pytest.raises(CloudError) as e:
+                cloud_forward(client, b, h[:4], list(range(4)), "fp32")
+            assert e.value.code == ErrorCode.PREEMPTED and e.value.retryable
+            result = cloud_forward(client, a, h, list(range(10, 310)), "fp32")  # grows to two blocks: `c` goes
+            assert result.tensors["hidden"].shape == (300, 64) and result.cache_len == 310
+            assert set(table.sessions) == {a, d} and table.kv_reserved == 3 * BLOCK_BYTES
+            assert server.server.stats.preemptions == 2 and server.server.stats.replays == 0
+            cloud_forward(client, d, h[:10], list(range(10)), "fp32")
+            e2 = client.open(Open("fp32")).session  # after a PREEMPTED answer to this client: a replay
+            assert server.server.stats.replays == 1 and set(table.sessions) == {d, e2}  # `a` made room for it
+            other = CloudClient(server.url, fp)  # the same client key on another connection: no such session
+            with pytest.raises(CloudError) as e:
+                cloud_forward(other, c, h[:4], list(range(4)), "fp32")
+            assert e.value.code == ErrorCode.UNKNOWN_SESSION
+            other.close()
+            assert client.close_session(c).session == c  # closing a preempted session forgets it
+            with pytest.raises(CloudError) as e:
+                client.close_session(c)
+            assert e.value.code == ErrorCode.UNKNOWN_SESSION
+            text = server.server.scrape().decode()
+            assert "splitlm_cloud_num_preemptions_total 3.0" in text and "splitlm_cloud_replays_total 1.0" in text
+            assert scrape_metrics(text)["splitlm_cloud_kv_cache_usage_perc"] == pytest.approx(2 / 3)  # d and e2
+            client.close_session(d)
             none = client.open(Open("fp32", "none")).session  # keeps nothing between requests: one block reserved
             cloud_forward(client, none, h[:5], list(range(5)), "fp32", control=Control(cache=False))
-            assert server.server.sessions.sessions[none].kv_reserved == BLOCK_BYTES
-            text = server.server.metrics.render().decode()
-            assert "splitlm_cloud_kv_budget_bytes" in text and "splitlm_cloud_kv_reserved_bytes" in text
+            assert table.sessions[none].kv_reserved == BLOCK_BYTES
         finally:
             client.close()
         deadline = time.monotonic() + 10
-        while server.server.sessions.sessions and time.monotonic() < deadline:  # dropped with the connection
+        while (table.sessions or len(table.tombstones)) and time.monotonic() < deadline:  # dropped with the connection
             time.sleep(0.05)
-        assert server.server.sessions.kv_reserved == 0
+        assert table.kv_reserved == 0 and not table.sessions and not len(table.tombstones)
+
+
+def test_capacity_when_a_session_does_not_fit_even_alone(tiny_split):
+    """A step larger than the whole budget: CAPACITY, nothing preempted, the session unchanged."""
+    fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(kv_budget_bytes=BLOCK_BYTES)) as server:
+        client = CloudClient(server.url, fp)
+        try:
+            a = client.open(Open("fp32")).session
+            with pytest.raises(CloudError) as e:
+                cloud_forward(client, a, torch.randn(300, 64), list(range(300)), "fp32")  # two blocks
+            assert e.value.code == ErrorCode.CAPACITY and e.value.recoverable and not e.value.retryable
+            assert list(server.server.sessions.sessions) == [a] and server.server.stats.preemptions == 0
+            assert server.server.sessions.sessions[a].cache.length == 0
+        finally:
+            client.close()
 
 
 def test_the_local_api_answers_503_with_retry_after_at_capacity():

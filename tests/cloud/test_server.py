@@ -213,7 +213,7 @@ def test_idle_connections_are_closed(tiny_split, fingerprint):
 
     from websockets.exceptions import ConnectionClosed
 
-    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(idle_timeout_s=0.6)) as server:
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(connection_idle_timeout_s=0.6)) as server:
         raw = Raw(server.url)
         assert raw.hello(fingerprint).type == MsgType.HELLO_OK
         sid = raw.send(Frame(MsgType.OPEN, meta={"wire_dtype": "fp32"})).session

@@ -72,18 +72,23 @@ class SessionRequests:
         return PolicyOk(session.id, session.policy, session.cache_shape[0]).to_frame()
 
     async def forward(self, conn: Caller, frame: Frame) -> Frame:
-        """Check the request, reserve its KV memory, queue it for a pass; its RESULT."""
+        """Check the request, reserve its KV memory, queue it for a pass; its RESULT. The session is
+        mid-request (never preempted) from here until its reply is built."""
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
+        with self.sessions.active(session):
+            return await self.compute(session, frame)
+
+    async def compute(self, session: Session, frame: Frame) -> Frame:
         req, entries = await self.codec.run(len(frame.payload), self.parse_forward, session, frame)
         t = req.new_tokens
         if self.model.split_head:
             self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
-        self.sessions.reserve(session, entries)  # CAPACITY when the KV budget cannot hold the step
+        self.sessions.reserve(session, entries)  # preempts idle sessions, or CAPACITY when none can make room
         try:
             done = await self.scheduler.run(session, req)
         finally:
             self.sessions.settle(session)
-        self.metrics.count_forward(t, done.compute_s, done.queue_s)
+        self.metrics.count_forward(t, req.context, done.compute_s, done.queue_s)
         result = Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s)
         try:
             return await self.codec.run(sum(x.nbytes for x in done.tensors.values()), result.to_frame,

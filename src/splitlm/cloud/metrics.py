@@ -1,5 +1,8 @@
 """What the cloud counts, and the plain HTTP it answers on the WebSocket port: `GET /healthz` (`ok`
-with the shard fingerprint, the device and the dtype) and `GET /metrics` (the Prometheus text format)."""
+with the shard fingerprint, the device and the dtype) and `GET /metrics` (the Prometheus text format).
+
+The quantities vLLM exports have `splitlm_cloud_` counterparts (requests running and waiting, KV cache
+use, preemptions, queue time, tokens): docs/api.md lists each with its vLLM name."""
 
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ class ServerStats:
     forwards: int = 0  # FORWARD requests computed
     tokens: int = 0  # token positions they ran through the layers
     errors: int = 0  # ERROR frames sent
+    preemptions: int = 0  # sessions freed to make room for others
+    idle_evictions: int = 0  # sessions freed after the idle timeout
+    replays: int = 0  # OPENs by a client key that was told PREEMPTED (its edge replaying a context)
 
 
 class CloudMetrics:
@@ -49,6 +55,10 @@ class CloudMetrics:
         self.round_trips = Counter("splitlm_cloud_round_trips_total",
                                    "FORWARD requests computed (one per edge round trip).", registry=r)
         self.tokens = Counter("splitlm_cloud_tokens_total", "Token positions run through the middle layers.", registry=r)
+        self.rows = Counter("splitlm_cloud_rows_total", "Rows run through the middle layers: new token positions "
+                            "and re-sent context rows (prompt and generated tokens alike).", registry=r)
+        self.context_rows = Counter("splitlm_cloud_context_rows_total", "Context rows re-sent by edges (replays "
+                                    "after a preemption or a failover, sessions that keep no cache).", registry=r)
         self.tokens_per_round_trip = Histogram("splitlm_cloud_tokens_per_round_trip",
                                                "Token positions per FORWARD (trees and windows included).",
                                                buckets=TOKEN_BUCKETS, registry=r)
@@ -61,7 +71,18 @@ class CloudMetrics:
         self.sessions = Gauge("splitlm_cloud_sessions", "Open sessions.", registry=r)
         self.kv_reserved = Gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.",
                                  registry=r)
-        self.kv_budget = Gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (CAPACITY beyond it).", registry=r)
+        self.kv_budget = Gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (preemption, then CAPACITY "
+                               "beyond it).", registry=r)
+        self.kv_usage = Gauge("splitlm_cloud_kv_cache_usage_perc", "KV cache bytes reserved as a fraction of the "
+                              "budget (0 to 1).", registry=r)
+        self.running = Gauge("splitlm_cloud_num_requests_running", "FORWARDs in a pass of the layers now.", registry=r)
+        self.waiting = Gauge("splitlm_cloud_num_requests_waiting", "FORWARDs queued for their first pass.", registry=r)
+        self.preemptions = Counter("splitlm_cloud_num_preemptions_total", "Idle sessions freed to make room for another "
+                                   "(their edges replay).", registry=r)
+        self.idle_evictions = Counter("splitlm_cloud_idle_evictions_total", "Sessions freed after the idle timeout "
+                                      "(their edges replay if they come back).", registry=r)
+        self.replays = Counter("splitlm_cloud_replays_total", "OPENs by a client that was told PREEMPTED "
+                               "(an edge re-opening to replay its context).", registry=r)
         self.batch_size = Histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.batch_rows = Histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
@@ -84,15 +105,38 @@ class CloudMetrics:
         self.requests.labels(type=msg_type.name).inc()
         self.request_seconds.labels(type=msg_type.name).observe(seconds)
 
-    def count_forward(self, tokens: int, compute_s: float, queue_s: float) -> None:
-        """A FORWARD of `tokens` new positions computed (compute_s includes queue_s)."""
+    def count_forward(self, tokens: int, context: int, compute_s: float, queue_s: float) -> None:
+        """A FORWARD of `tokens` new positions after `context` context rows computed (compute_s includes queue_s)."""
         self.stats.forwards += 1
         self.stats.tokens += tokens
         self.round_trips.inc()
         self.tokens.inc(tokens)
+        self.rows.inc(tokens + context)
+        self.context_rows.inc(context)
         self.tokens_per_round_trip.observe(tokens)
         self.compute_seconds.observe(compute_s)
         self.queue_seconds.observe(queue_s)
+
+    def count_preemption(self, idle: bool) -> None:
+        """A session freed: after the idle timeout (`idle`), else to make room for another."""
+        if idle:
+            self.stats.idle_evictions += 1
+            self.idle_evictions.inc()
+        else:
+            self.stats.preemptions += 1
+            self.preemptions.inc()
+
+    def count_replay(self) -> None:
+        self.stats.replays += 1
+        self.replays.inc()
+
+    def set_load(self, running: int, waiting: int, kv_reserved: int, kv_budget: int) -> None:
+        """The gauges read at a scrape: FORWARDs computing and queued, KV bytes reserved and the budget."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_reserved.set(kv_reserved)
+        self.kv_budget.set(kv_budget)
+        self.kv_usage.set(kv_reserved / kv_budget if kv_budget else 0.0)
 
     def on_pass(self, sessions: int, rows: int, seconds: float) -> None:
         self.batch_size.observe(sessions)

@@ -106,6 +106,13 @@ class Scheduler:
         with self._cv:
             return sum(job.remaining for job in self._queue)
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): requests taken into a pass (a chunked one until its last chunk), and
+        requests queued for their first pass."""
+        with self._cv:
+            running = sum(job.running for job in self._queue)
+            return running, len(self._queue) - running
+
     def submit(self, session: Session, req: Forward) -> Future:
         """Queue a validated request; the future's result is a `Done` (or the error that failed it)."""
         job = Job(session, req)

@@ -98,7 +98,7 @@ class CloudServer:
         return load_cloud(shard_dir, self.device, self.dtype)
 
     def make_sessions(self) -> SessionTable:
-        return SessionTable(self.limits, self.budget)
+        return SessionTable(self.limits, self.budget, self.metrics)
 
     def make_scheduler(self, batch: BatchConfig | None) -> Scheduler:
         return Scheduler(self.model, batch, self.metrics.on_pass)
@@ -142,8 +142,7 @@ class CloudServer:
     def scrape(self) -> bytes:
         """`GET /metrics`."""
         self.metrics.sessions.set(len(self.sessions.sessions))
-        self.metrics.kv_reserved.set(self.sessions.kv_reserved)
-        self.metrics.kv_budget.set(self.budget.budget_bytes)
+        self.metrics.set_load(*self.scheduler.load(), self.sessions.kv_reserved, self.budget.budget_bytes)
         return self.metrics.render()
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
@@ -163,10 +162,14 @@ class CloudServer:
             self._stop.set()
 
     async def expire_loop(self) -> None:
+        """Free the sessions idle for `ServerLimits.idle_timeout_s` (checked every quarter of it, at most
+        every 30 s); they are preempted: their edges replay when they come back."""
+        if not self.limits.idle_timeout_s:
+            return
         while True:
-            await asyncio.sleep(min(30.0, max(0.5, self.limits.idle_timeout_s / 4)))
+            await asyncio.sleep(min(30.0, max(0.05, self.limits.idle_timeout_s / 4)))
             if n := self.sessions.expire():
-                log.info("expired %d idle session(s)", n)
+                log.info("freed %d idle session(s)", n)
 
     async def serve(self, host: str, port: int, started: threading.Event | None = None,
                     stop: asyncio.Event | None = None) -> None:
@@ -174,7 +177,7 @@ class CloudServer:
         self._stop = stop = stop if stop is not None else asyncio.Event()
         async with serve(self.servicer.serve, host, port, max_size=self.limits.max_frame_bytes, compression=None,
                          process_request=self.process_request, ping_interval=ping, ping_timeout=ping,
-                         ssl=self.ssl_context) as server:
+                         open_timeout=self.limits.upgrade_timeout_s, ssl=self.ssl_context) as server:
             if threading.current_thread() is threading.main_thread():  # `splitlm serve-cloud`: SIGTERM drains
                 asyncio.get_running_loop().add_signal_handler(
                     signal.SIGTERM, lambda: asyncio.ensure_future(self.drain()))

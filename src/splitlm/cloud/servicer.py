@@ -220,11 +220,11 @@ class Servicer:
         return True
 
     async def request_phase(self, conn: Connection) -> None:
-        """Requests until the connection ends; one silent for the idle timeout is closed (its sessions
-        expire too), and a draining server tells it GOING_AWAY after the reply it is computing."""
+        """Requests until the connection ends; one silent for the connection idle timeout is closed (its
+        sessions end with it), and a draining server tells it GOING_AWAY after the reply it is computing."""
         while True:
             try:
-                data = await asyncio.wait_for(conn.ws.recv(), self.limits.idle_timeout_s)
+                data = await asyncio.wait_for(conn.ws.recv(), self.limits.connection_idle_timeout_s or None)
             except (TimeoutError, asyncio.TimeoutError):
                 await self.close(conn, "idle timeout")
                 return

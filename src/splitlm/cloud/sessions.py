@@ -1,16 +1,21 @@
 """Cloud sessions: one KV cache per session under its cache policy, the limits that protect the
-server, and the forward steps of several sessions in one pass."""
+server, preemption when the KV budget is full (`cloud.preemption`), and the forward steps of several
+sessions in one pass."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from splitlm.cloud.budget import KVBudget
+from splitlm.cloud.metrics import CloudMetrics
+from splitlm.cloud.preemption import OPEN_GRACE_S, Tombstones, victims
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
@@ -27,8 +32,10 @@ class ServerLimits:
     max_tokens_per_session: int = 8192  # cache entries; also capped by the model's max positions
     max_tokens_per_forward: int = 2048
     max_frame_bytes: int = 64 * 2**20
-    idle_timeout_s: float = 600.0
+    idle_timeout_s: float = 300.0  # a session unused this long is freed (PREEMPTED: its edge replays); 0 = never
+    connection_idle_timeout_s: float = 600.0  # a connection that sends nothing this long is closed; 0 = never
     hello_timeout_s: float = 10.0
+    upgrade_timeout_s: float = 30.0  # TLS and the WebSocket upgrade of a new connection (a loaded host is slow)
     max_bad_frames: int = 64  # undecodable / unauthenticated / replayed frames before the connection is closed
     kv_budget_bytes: int = 0  # what all sessions' KV caches may take on the device (`cloud.budget`); 0 = automatic
     ping_interval_s: float | None = 20.0  # keepalive pings (a connection silent to them as long again is closed)
@@ -50,7 +57,9 @@ class Session:
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
     kv_reserved: int = 0  # bytes of the KV budget this session holds (`cloud.budget`)
-    closed: bool = False  # closed, dropped with its connection or expired: queued requests are not computed
+    closed: bool = False  # closed, dropped with its connection or preempted: queued requests are not computed
+    active: int = 0  # its FORWARDs between arrival and reply (queued, computing, answered): never preempted then
+    grace_until: float = 0.0  # time.monotonic() until which a session opened and not yet used is not preempted
 
     @property
     def cache_shape(self) -> tuple[int, int]:
@@ -81,34 +90,67 @@ class Session:
 
 
 class SessionTable:
-    """The open sessions; with a `budget`, what their KV caches reserve of it (CAPACITY when full)."""
+    """The open sessions; with a `budget`, what their KV caches reserve of it. When it is full, idle
+    sessions are preempted (least recently active first); CAPACITY only when none can make room."""
 
-    def __init__(self, limits: ServerLimits, budget: KVBudget | None = None):
-        self.limits, self.budget = limits, budget
+    def __init__(self, limits: ServerLimits, budget: KVBudget | None = None, metrics: CloudMetrics | None = None):
+        self.limits, self.budget, self.metrics = limits, budget, metrics
         self.sessions: dict[int, Session] = {}
+        self.tombstones = Tombstones()
 
     @property
     def kv_reserved(self) -> int:
         return sum(s.kv_reserved for s in self.sessions.values())
 
-    def _check_capacity(self, more: int, what: str) -> None:
-        if self.budget is not None and self.kv_reserved + more > self.budget.budget_bytes:
-            raise ProtocolError(ErrorCode.CAPACITY, f"the cloud's KV memory is fully used ({what}); "
-                                                    "retry later or use another cloud")
+    def make_room(self, more: int, what: str) -> None:
+        """Room for `more` bytes of reservations: preempt idle sessions if needed, or answer CAPACITY
+        (nothing changes) when every session that could make room is mid-request."""
+        if self.budget is None:
+            return
+        over = self.kv_reserved + more - self.budget.budget_bytes
+        if over <= 0:
+            return
+        chosen = victims(self.sessions.values(), over)
+        if chosen is None:
+            raise ProtocolError(ErrorCode.CAPACITY, f"the cloud's KV memory is fully used ({what}) by sessions that "
+                                                    "are all mid-request; retry later or use another cloud")
+        for victim in chosen:
+            self.preempt(victim.id, idle=False)
+
+    def preempt(self, sid: int, idle: bool) -> None:
+        """Free session `sid`'s cache; its edge is told PREEMPTED on its next request (`idle`: it sat
+        unused for the idle timeout, else it made room for another)."""
+        session = self.sessions[sid]
+        self.remove(sid)
+        session.wipe()
+        self.tombstones.add(sid, session.owner, session.conn)
+        if self.metrics is not None:
+            self.metrics.count_preemption(idle)
 
     def reserve(self, session: Session, entries: int) -> None:
         """Reserve what `session`'s cache holds while a pass appends to it (`entries` during the pass),
-        or answer CAPACITY (nothing changes)."""
+        preempting idle sessions for it, or answer CAPACITY (nothing changes)."""
         if self.budget is None:
             return
         need = max(session.cache.nbytes(), self.budget.need(entries))
-        self._check_capacity(need - session.kv_reserved, f"{entries} entries do not fit")
+        self.make_room(need - session.kv_reserved, f"{entries} entries do not fit")
         session.kv_reserved = need
 
     def settle(self, session: Session) -> None:
         """After a pass: the session keeps what its cache still allocates (at least one block)."""
+        session.last_used = time.monotonic()
         if self.budget is not None:
             session.kv_reserved = max(session.cache.nbytes(), self.budget.need(session.cache_shape[0]))
+
+    @contextlib.contextmanager
+    def active(self, session: Session) -> Iterator[Session]:
+        """`session` is mid-request while in this block (a FORWARD from arrival to reply): never preempted."""
+        session.active += 1
+        session.grace_until = 0.0
+        try:
+            yield session
+        finally:
+            session.active -= 1
 
     def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0,
              policy: CachePolicy | None = None) -> Session:
@@ -119,18 +161,26 @@ class SessionTable:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
                                 f"at most {self.limits.max_sessions_per_client} sessions per client")
         first = self.budget.need(1) if self.budget is not None else 0
-        self._check_capacity(first, "no room for a new session")
+        self.make_room(first, "no room for a new session")
         sid = secrets.randbits(63) or 1
-        while sid in self.sessions:
+        while sid in self.sessions or sid in self.tombstones.stones:
             sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy(), kv_reserved=first)
+        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy(), kv_reserved=first,
+                          grace_until=time.monotonic() + OPEN_GRACE_S)
         self.sessions[sid] = session
+        if self.tombstones.reopened(owner) and self.metrics is not None:
+            self.metrics.count_replay()
         return session
 
     def get(self, sid: int, owner: bytes, conn: int | None = None) -> Session:
-        """The session, if `owner` (and, when given, connection `conn`) opened it."""
+        """The session, if `owner` (and, when given, connection `conn`) opened it; PREEMPTED if it was freed."""
         session = self.sessions.get(sid)
         if session is None or session.owner != owner or (conn is not None and session.conn != conn):
+            stone = self.tombstones.find(sid, owner, conn)
+            if stone is not None:
+                self.tombstones.tell(stone)
+                raise ProtocolError(ErrorCode.PREEMPTED, f"session {sid:#x} was freed to make room (or sat idle): "
+                                                         "open a new session and replay its context")
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {sid:#x}")  # same answer: no oracle
         session.last_used = time.monotonic()
         return session
@@ -140,18 +190,27 @@ class SessionTable:
         self.sessions.pop(sid).closed = True
 
     def close(self, sid: int, owner: bytes, conn: int | None = None) -> None:
+        """End a session; closing a preempted one only forgets its tombstone."""
+        if sid not in self.sessions and self.tombstones.find(sid, owner, conn) is not None:
+            self.tombstones.forget(sid)
+            return
         self.get(sid, owner, conn)
         self.remove(sid)
 
     def drop_connection(self, conn: int) -> None:
+        """A connection ended: its sessions end (their caches are freed now) and its tombstones go."""
         for sid in [s.id for s in self.sessions.values() if s.conn == conn]:
             self.remove(sid)
+        self.tombstones.drop_connection(conn)
 
     def expire(self) -> int:
+        """Free the sessions unused for the idle timeout (0: never), as preempted; how many."""
+        if not self.limits.idle_timeout_s:
+            return 0
         cutoff = time.monotonic() - self.limits.idle_timeout_s
-        stale = [s.id for s in self.sessions.values() if s.last_used < cutoff]
+        stale = [s.id for s in self.sessions.values() if s.last_used < cutoff and not s.active]
         for sid in stale:
-            self.remove(sid)
+            self.preempt(sid, idle=True)
         return len(stale)
 
 

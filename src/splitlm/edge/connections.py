@@ -19,7 +19,6 @@ from typing import Generic, TypeVar
 from splitlm import SplitLMError
 from splitlm.transport.client import PING_INTERVAL_S, CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
-from splitlm.transport.errors import ErrorCode
 from splitlm.transport.keys import Identity
 from splitlm.transport.messages import Open
 
@@ -136,9 +135,12 @@ class CloudConnections:
             try:
                 client = self.settings.connect(self.urls[k], open_timeout_s)
             except CloudError as e:
-                if not e.retryable or i == n - 1:
+                if not e.retryable or n == 1:
                     raise
-                log.info("%s", e)
+                if i == n - 1:
+                    raise CloudError(f"none of the {n} clouds could be reached (the last: {e})", e.code,
+                                     retryable=True) from None
+                log.info("%s; trying the next cloud", e)
                 continue
             self._first = k
             with self._lock:
@@ -174,7 +176,7 @@ class CloudConnections:
                 return client, client.open(request).session
             except CloudError as e:
                 self.drop(client)
-                if not e.retryable:
+                if not e.recoverable:  # gone, or full (CAPACITY): the clouds in turn, with backoff
                     raise
                 after = client.url
         return self.reconnect(request, after, time.monotonic() + self.failover_timeout_s)
@@ -192,7 +194,7 @@ class CloudConnections:
                 if client is not None:  # reached but refused: the next round starts after it
                     self.drop(client)
                     after = client.url
-                if not (e.retryable or e.code == ErrorCode.CAPACITY):  # a full cloud: try the next
+                if not e.recoverable:  # a full cloud (CAPACITY): try the next
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:

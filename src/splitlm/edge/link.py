@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -40,6 +41,7 @@ class Flight:
     start: int  # committed entries before the block (edge)
     argmax: bool = False  # the reply's result is each row's greedy token, not its logits
     extras: int = 0  # > 0: also each row's `extras` likeliest ids and final hidden state (`StepResult`), for drafters
+    allowed: torch.Tensor | None = None  # [R, V] bool: with argmax, each row's greedy token among these (a grammar's)
     sent: PendingForward | None = None
     edge_s: float = 0.0  # head (and later tail) compute
     serialize_s: float = 0.0
@@ -139,6 +141,15 @@ class Reply:
         return max(0.0, wait_s - self.compute_s - self.serialize_s)
 
 
+class StepObserver(Protocol):
+    """Sees every FORWARD an edge's sessions send and every RESULT they take, in order (`Edge.observer`;
+    the load generator's trace recorder, `splitlm.bench.trace`). Called on the session's thread."""
+
+    def sent(self, request: Forward) -> None: ...
+
+    def received(self, result: Result | None) -> None: ...
+
+
 Recover = Callable[["CloudLink", CloudError], None]  # a lost cloud: reconnect and replay (`splitlm.edge.replay`)
 
 
@@ -151,9 +162,9 @@ class CloudLink:
     failover) is re-sent as context rows instead of being recomputed."""
 
     def __init__(self, connections: CloudConnections, backend: EdgeBackend, policy: CachePolicy, wire_dtype: str,
-                 split: int, recover: Recover):
+                 split: int, recover: Recover, observer: StepObserver | None = None):
         self.connections, self.backend, self.policy, self.wire_dtype = connections, backend, policy, wire_dtype
-        self.split, self.recover = split, recover
+        self.split, self.recover, self.observer = split, recover, observer
         self.key = AESGCM.generate_key(bit_length=256) if policy.sealed else None  # never leaves this session
         self.client, self.id = connections.open_session(self.open_request())
         self.history = torch.zeros(0, backend.cfg.hidden_size, device=backend.device)  # [L, D] fp32 (the residual stream)
@@ -213,7 +224,7 @@ class CloudLink:
         try:
             self.transmit(f, c)
         except CloudError as e:
-            if not e.retryable:
+            if not e.recoverable:
                 self.flights.pop()
                 raise
             self.failover(e)
@@ -233,6 +244,8 @@ class CloudLink:
                           c, self.control(), self.backend.reply_rows(f.rows))
         f.sent = client.send_forward(self.id, request, self.wire_dtype,
                                      self.backend.reply_elements(f.n_rows, sent.numel()))
+        if self.observer is not None:
+            self.observer.sent(request)
         f.serialize_s += client.serialize_s - ser
         f.bytes_up = client.bytes_up - up
         self.stats.bytes_up += f.bytes_up
@@ -244,6 +257,8 @@ class CloudLink:
             raise SplitLMError("replies are taken in the order the steps were sent")
         reply = Reply(*self._receive(f))
         self.flights.popleft()
+        if self.observer is not None:
+            self.observer.received(reply.result)
         s = self.stats
         s.round_trips += 1
         s.bytes_down += reply.bytes_down
@@ -264,7 +279,7 @@ class CloudLink:
             try:
                 result = client.receive_forward(f.sent)
             except CloudError as e:
-                if not e.retryable:
+                if not e.recoverable:
                     raise
                 self.failover(e)
                 continue
@@ -298,7 +313,7 @@ class CloudLink:
         try:
             self.client.policy(self.id, change)
         except CloudError as e:
-            if not e.retryable:
+            if not e.recoverable:
                 raise
             self.failover(e)
             if change.key is not None:
@@ -315,6 +330,21 @@ class CloudLink:
         dead = self.client
         self.connections.drop(dead)
         self.client, self.id = self.connections.reconnect(self.open_request(), dead.url, deadline)
+        if self.key is not None:
+            self.key = AESGCM.generate_key(bit_length=256)
+
+    def resume(self, deadline: float) -> None:
+        """The cloud freed this session (PREEMPTED): a new, empty session on the same connection (the replies
+        still owed on it are taken and dropped first); when that cloud is full or gone, `reopen`."""
+        try:
+            self.client.drop_replies()
+            self.id = self.client.open(self.open_request()).session
+        except CloudError as e:
+            if not e.recoverable:
+                raise
+            log.info("cannot reopen on %s (%s): trying the clouds in turn", self.client.url, e)
+            self.reopen(deadline)
+            return
         if self.key is not None:
             self.key = AESGCM.generate_key(bit_length=256)
 

@@ -1,5 +1,6 @@
 """Failover of an edge session: a new cloud session (on the same or another cloud) rebuilt from
-what the edge holds, and the requests still owed a reply replayed into it (docs/failover.md).
+what the edge holds, and the requests still owed a reply replayed into it (docs/failover.md); also
+after the cloud preempted the session (a replay onto the same cloud).
 
 `EdgeSession.failover` is the entry point; its cloud side (`splitlm.edge.link.CloudLink`) calls
 `failover` here whenever its cloud is lost, and `failover`, `replay` and `rebuild` work through the
@@ -15,6 +16,7 @@ import torch
 from splitlm.edge.link import CloudLink, Flight
 from splitlm.model.device import to_host
 from splitlm.transport.client import CloudError
+from splitlm.transport.errors import ErrorCode
 from splitlm.transport.messages import Forward
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ def failover(link: CloudLink, error: CloudError) -> None:
     """The connection or the cloud died (`error`): reconnect (`CloudConnections.reconnect`: the next
     cloud of the list, backoff, at most `CloudConnections.failover_timeout_s`), open a new session and
     replay into it every request whose reply is still owed, so that decoding goes on as if nothing happened.
+    The cloud freed the session (`PREEMPTED`): the same, on the same connection first (`CloudLink.resume`).
 
     What the new session's cache needs is what the edge keeps anyway: the head layers' outputs of
     every committed token (`history`) and of every block in flight (`Flight.h`); nothing is
@@ -34,19 +37,37 @@ def failover(link: CloudLink, error: CloudError) -> None:
     cache key (the new session's seal counter starts again)."""
     t0 = time.perf_counter()
     deadline = time.monotonic() + link.connections.failover_timeout_s
-    log.warning("cloud session %d lost (%s): failing over", link.id, error)
+    preempted = error.code == ErrorCode.PREEMPTED
+    log_fault(link, error, preempted)
     while True:
-        link.reopen(deadline)
+        if preempted:
+            link.resume(deadline)
+        else:
+            link.reopen(deadline)
         try:
             replay(link)
             break
         except CloudError as e:
-            if not e.retryable or time.monotonic() > deadline:
+            if not e.recoverable or time.monotonic() > deadline:
                 raise
+            preempted = e.code == ErrorCode.PREEMPTED
             log.warning("the new cloud session failed too (%s): failing over again", e)
+    took = time.perf_counter() - t0
+    if error.code == ErrorCode.PREEMPTED:
+        link.stats.preemptions += 1
+        log.info("replayed into session %d on %s after a preemption in %.2f s", link.id, link.client.url, took)
+        return
     link.stats.failovers += 1
-    link.stats.failover_s += time.perf_counter() - t0
-    log.warning("failed over to %s (session %d) in %.2f s", link.client.url, link.id, time.perf_counter() - t0)
+    link.stats.failover_s += took
+    log.warning("failed over to %s (session %d) in %.2f s", link.client.url, link.id, took)
+
+
+def log_fault(link: CloudLink, error: CloudError, preempted: bool) -> None:
+    """A preemption is the cloud's routine (INFO); a lost cloud is worth a WARNING."""
+    if preempted:
+        log.info("cloud session %d preempted (%s): reopening and replaying", link.id, error)
+    else:
+        log.warning("cloud session %d lost (%s): failing over", link.id, error)
 
 
 def replay(link: CloudLink) -> None:

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidURI, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from splitlm import SplitLMError
@@ -64,12 +64,19 @@ class CloudError(SplitLMError):
     """The cloud answered with an ERROR frame, or could not be reached.
 
     `retryable`: the connection (or the cloud) is gone, not the request at fault: closed, timed out,
-    unreachable, or the cloud said GOING_AWAY. An edge session fails over on these (`EdgeSession`)."""
+    unreachable (also while opening: TCP, the WebSocket upgrade, HELLO), or the cloud said GOING_AWAY;
+    or the cloud freed the session (`PREEMPTED`). An edge session fails over on these (`EdgeSession`)."""
 
     def __init__(self, message: str, code: ErrorCode | None = None, retryable: bool = False):
         super().__init__(message)
         self.code = code
         self.retryable = retryable
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether a session goes on after it by failing over (a new session, its context replayed):
+        retryable, or the cloud had no room for it (`CAPACITY`: another cloud, or this one later)."""
+        return self.retryable or self.code == ErrorCode.CAPACITY
 
 
 def lost(message: str) -> CloudError:
@@ -89,9 +96,12 @@ def tls_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None:
 
 
 def error_from_frame(reply: Frame, note: str = "") -> CloudError:
+    """An ERROR frame as a `CloudError`; `PREEMPTED` is retryable (only the session is gone: the edge
+    opens a new one and replays into it, docs/failover.md)."""
     code = reply.meta.get("code")
-    return CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}",
-                      ErrorCode(code) if code in ErrorCode._value2member_map_ else None)
+    code = ErrorCode(code) if code in ErrorCode._value2member_map_ else None
+    return CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}", code,
+                      retryable=code == ErrorCode.PREEMPTED)
 
 
 class CloudClient:
@@ -126,8 +136,10 @@ class CloudClient:
                                                 ping_timeout=ping_timeout_s, ssl=context).__enter__()
         except InvalidURI as e:
             raise CloudError(f"cannot reach the cloud at {url}: {e}") from None
-        except (OSError, InvalidHandshake, TimeoutError) as e:
-            raise lost(f"cannot reach the cloud at {url}: {e}") from None
+        except ConnectionClosed:  # accepted, then closed before the upgrade went through (a dead cloud behind a proxy)
+            raise lost(f"cannot reach the cloud at {url}: the connection closed during the WebSocket upgrade") from None
+        except (OSError, WebSocketException, TimeoutError) as e:  # reset, refused, a bad upgrade answer: try another
+            raise lost(f"cannot reach the cloud at {url}: {e or type(e).__name__}") from None
         try:
             self.channel: Channel = self._handshake(fingerprint, pinned, known_hosts, rekey)
         except BaseException:
@@ -289,6 +301,23 @@ class CloudClient:
         self.serialize_s += time.perf_counter() - t0
         result.round_trip_s, result.wait_s = now - pending.sent_at, now - waited
         return result
+
+    def drop_replies(self) -> int:
+        """Take and discard the replies of every request still unanswered (their session is gone, e.g.
+        PREEMPTED, so they are errors too), so that the connection can carry new requests; how many."""
+        n = 0
+        while self.in_flight:
+            self.in_flight.popleft()
+            data = self._recv()
+            try:
+                reply = self._open(data)
+            except ProtocolError as e:
+                raise CloudError(f"rejected a frame from the cloud: {e}", e.code) from None
+            if reply.type == MsgType.GOING_AWAY:
+                self.ws.close()
+                raise lost(f"the cloud is going away ({GoingAway.from_frame(reply).reason})")
+            n += 1
+        return n
 
     def close_session(self, session: int) -> Closed:
         """End a session (CLOSE -> CLOSED)."""

@@ -25,6 +25,7 @@ class ErrorCode(IntEnum):
     POLICY = 17  # a request the session's cache policy forbids, or an attempt to loosen the policy
     SEALED_KEY = 18  # a sealed session's request without its cache key, or with a key that does not open it
     CAPACITY = 19  # the cloud's KV memory budget cannot hold a new session or this step now (retry later)
+    PREEMPTED = 20  # the session's cache was freed to make room (or it sat idle): open a new one and replay
 
 
 class ProtocolError(Exception):
