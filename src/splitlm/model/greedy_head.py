@@ -66,7 +66,7 @@ class GreedyHead:
 
     @torch.inference_mode()
     def argmax(self, h: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """h [N, D] (final-normed) -> token ids [N]; `allowed` [V] bool."""
+        """h [N, D] (final-normed) -> token ids [N]; `allowed` [V] or per row [N, V] bool."""
         return self.candidates(h, allowed)[0]
 
     @torch.inference_mode()
@@ -102,5 +102,5 @@ class GreedyHead:
         out = torch.full((n,), vocab, dtype=torch.long, device=h.device)
         out = out.scatter_reduce(0, rows[wins], cols[wins], "amin")  # ties go to the lowest id
         for r in (out == vocab).nonzero()[:, 0].tolist():  # NaN in the row: no bound holds, the plain head decides
-            out[r] = self._plain(h[r:r + 1], allowed)[0]
+            out[r] = self._plain(h[r:r + 1], allowed if allowed is None or allowed.dim() == 1 else allowed[r:r + 1])[0]
         return out, top

@@ -1,0 +1,281 @@
+"""Grammars that constrain what the edge may emit: JSON (any object, or one JSON Schema), a regular
+expression or a Lark (EBNF) grammar, compiled for the model's tokenizer by `llguidance`.
+
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {...}})
+    grammar = compile_grammar(spec, GrammarTokenizer.from_hf(tokenizer, vocab_size, eos_ids))
+    state = grammar.start()          # one per request
+    state.allowed()                  # [V] bool: the tokens the grammar allows next
+    state.advance(token); state.rollback(1)
+
+A state whose continuation the grammar fixes *forces* its next token (`forced`): llguidance's
+fast-forward tokens (the tokenizer's own split of the forced bytes), or the end token once the
+grammar is complete. A forced state allows that token only, so "argmax over the allowed tokens"
+emits it whatever the model says: sequential constrained decoding and grammar-aware speculation
+(`splitlm.decoding.grammar_decode`) agree token for token. JSON grammars emit `json.dumps`'
+separators (`", "`, `": "`) and no other whitespace: the keys, quotes and punctuation between values
+are then forced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitlm import SplitLMError
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+# JSON as json.dumps writes it: fixed separators, no other whitespace (more of it is forced)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(SplitLMError):
+    """A grammar the engine cannot compile (or a response format it cannot read)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match.
+
+    kind: json_object (any JSON object), json_schema (`source`: the schema as JSON text), regex
+    (`source`: the pattern, Rust `regex` syntax, matched against the whole output) or lark (`source`:
+    a Lark grammar, llguidance's dialect, which also takes GBNF/EBNF-like rules and embedded `%json`)."""
+
+    kind: str
+    source: str = ""
+    name: str | None = None  # a label for messages (an OpenAI response_format's schema name)
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r} (choose from {', '.join(GRAMMAR_KINDS)})")
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, name: str | None = None) -> GrammarSpec:
+        """From a schema (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be a JSON object")
+        return cls("json_schema", json.dumps(schema), name)  # key order kept: it is the output's
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> GrammarSpec:
+        return cls("lark", grammar)
+
+    @property
+    def schema(self) -> dict | None:
+        """The JSON schema the output validates against (json_object: any object), else None."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        return json.loads(self.source) if self.kind == "json_schema" else None
+
+
+def grammar_from_format(fmt: Any) -> GrammarSpec | None:
+    """A `GrammarSpec` from what `Edge.generate(response_format=...)` takes: a GrammarSpec; a pydantic
+    model class (its JSON schema); an OpenAI `response_format` dict (`{"type": "text" | "json_object"}`
+    or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`); any other dict is a
+    JSON schema itself. None (or type text): unconstrained."""
+    if fmt is None or isinstance(fmt, GrammarSpec):
+        return fmt
+    if isinstance(fmt, type) and hasattr(fmt, "model_json_schema"):  # a pydantic model class
+        return GrammarSpec.json_schema(fmt.model_json_schema(), fmt.__name__)
+    if not isinstance(fmt, dict):
+        raise GrammarError("response_format must be a JSON schema (dict), a pydantic model class, "
+                           f"an OpenAI response_format or a GrammarSpec, not {type(fmt).__name__}")
+    kind = fmt.get("type")
+    if kind == "text" and len(fmt) == 1:
+        return None
+    if kind == "json_object" and len(fmt) == 1:
+        return GrammarSpec.json_object()
+    if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+        inner = fmt["json_schema"]
+        if not isinstance(inner.get("schema"), dict):
+            raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
+        return GrammarSpec.json_schema(inner["schema"], inner.get("name"))
+    return GrammarSpec.json_schema(fmt)
+
+
+@dataclass(frozen=True)
+class GrammarTokenizer:
+    """The model's tokenizer as the grammar engine sees it (building it takes ~0.3 s on a 49k
+    vocabulary: make it once per tokenizer)."""
+
+    ll: Any  # llguidance.LLTokenizer
+    vocab_size: int  # V: the model's (token ids >= the tokenizer's size are never allowed)
+    eos: tuple[int, ...]  # the end tokens; a complete grammar forces the first
+
+    @classmethod
+    def from_hf(cls, tokenizer, vocab_size: int, eos_ids: list[int] | tuple[int, ...]) -> GrammarTokenizer:
+        """From a fast `transformers` tokenizer."""
+        import llguidance.hf
+
+        if not eos_ids:
+            raise GrammarError("constrained decoding needs the model's end token (its config names none)")
+        try:
+            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+        except (ValueError, RuntimeError) as e:
+            raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
+        return cls(ll, vocab_size, tuple(eos_ids))
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar for `spec` (not yet checked)."""
+    from llguidance import LLMatcher
+
+    if spec.kind in ("json_object", "json_schema"):
+        try:
+            return LLMatcher.grammar_from_json_schema(spec.schema, overrides=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(f"cannot compile the JSON schema: {e}") from None
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.source)
+    return LLMatcher.grammar_from_lark(spec.source)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar for one tokenizer; `start()` gives each request its own state."""
+
+    spec: GrammarSpec
+    text: str  # llguidance's grammar
+    tokenizer: GrammarTokenizer
+
+    def start(self) -> GrammarState:
+        return GrammarState(self)
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> Grammar:
+    """Compile and check `spec` for `tokenizer`; GrammarError with the engine's message if it cannot."""
+    from llguidance import LLMatcher
+
+    text = grammar_text(spec)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer.ll)
+    what = spec.kind.replace("_", " ") + (f" {spec.name!r}" if spec.name else "")
+    if is_error:
+        raise GrammarError(f"cannot compile the {what}: {messages[0] if messages else 'invalid grammar'}")
+    for m in messages:
+        log.warning("%s: %s", what, m)
+    grammar = Grammar(spec, text, tokenizer)
+    probe = LLMatcher(tokenizer.ll, text, log_level=0)
+    if probe.is_error():
+        raise GrammarError(f"cannot compile the {what}: {probe.get_error()}")
+    return grammar
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one packed mask row."""
+    return (vocab_size + 31) // 32
+
+
+def unpack_masks(words: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """Packed mask rows [N, W] int32 (bit j of word i: token 32·i + j) -> [N, V] bool."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<i4").view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
+def allows(row: np.ndarray, token: int) -> bool:
+    """Whether packed mask `row` [W] allows `token`."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+class GrammarState:
+    """Where one request stands in its grammar: the tokens consumed so far (a `llguidance.LLMatcher`)."""
+
+    def __init__(self, grammar: Grammar):
+        from llguidance import LLMatcher
+
+        self.grammar = grammar
+        self.vocab_size = grammar.tokenizer.vocab_size
+        self.eos = grammar.tokenizer.eos
+        self.matcher = LLMatcher(grammar.tokenizer.ll, grammar.text, log_level=0)
+        self.consumed = 0
+        self.ended = False  # an end token was consumed
+
+    def forced(self) -> int | None:
+        """The one token the grammar allows next (None: a choice is left to the model)."""
+        if self.ended or self.matcher.is_stopped():
+            return self.eos[0]
+        ff = self.matcher.compute_ff_tokens()
+        return ff[0] if ff else None
+
+    def fill_mask(self, row: np.ndarray) -> int | None:
+        """Write the allowed tokens into `row` ([W] int32, packed) and return the forced token, if any
+        (then the row allows it alone)."""
+        forced = self.forced()
+        if forced is None:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            self.check()
+        else:
+            row[:] = 0
+            row[forced >> 5] = np.int32(np.uint32(1 << (forced & 31)).view(np.int32))
+        return forced
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        row = np.zeros(mask_words(self.vocab_size), dtype=np.int32)
+        self.fill_mask(row)
+        return unpack_masks(row[None], self.vocab_size)[0]
+
+    def forced_chain(self, limit: int) -> list[int]:
+        """The tokens the grammar forces from here on, one after another (at most `limit`, stopping
+        after an end token); the state is left where it was."""
+        chain: list[int] = []
+        while len(chain) < limit and (tok := self.forced()) is not None:
+            self.advance(tok)
+            chain.append(tok)
+            if tok in self.eos:
+                break
+        self.rollback(len(chain))
+        return chain
+
+    def advance(self, token: int) -> None:
+        """Consume `token`; GrammarError if the grammar does not allow it. An end token is taken where
+        the output is a complete match (the engine itself is not told: it ends nothing to roll back)."""
+        if self.ended:
+            raise GrammarError("no token may follow the end token")
+        if token in self.eos:
+            if not self.matcher.is_accepting():
+                raise GrammarError("the end token came before the output matched the grammar")
+            self.ended = True
+        elif not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} does not match the grammar: {self.matcher.get_error()}")
+        self.consumed += 1
+
+    def rollback(self, n: int = 1) -> None:
+        """Undo the last `n` tokens consumed."""
+        if n and self.ended:
+            self.ended, n, self.consumed = False, n - 1, self.consumed - 1
+        if n:
+            self.matcher.rollback(n)
+            self.consumed -= n
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is a complete match (it may end here)."""
+        return self.matcher.is_accepting()
+
+    @property
+    def finished(self) -> bool:
+        """Complete, and nothing but an end token may follow."""
+        return self.matcher.is_stopped()
+
+    def check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar engine failed: {self.matcher.get_error()}")

@@ -1,0 +1,236 @@
+"""Constrained decoding: every emitted token is one the request's grammar allows.
+
+Sequential constrained decoding (`constrained_sequential`, spec mode `none`) is the reference: at
+each step the best allowed token (argmax over the grammar's mask, or the sampler's draw from the
+masked distribution), one token per round trip. A forced state allows one token only, so it is
+emitted whatever the model says.
+
+Grammar-aware speculation (`constrained_decode`, every other mode) gives the same tokens with fewer
+round trips:
+
+- the tokens the grammar forces after the last emitted one (`GrammarState.forced_chain`) are certain:
+  the drafter's context is extended by them before it drafts, and the step's tree is that chain
+  followed by the drafter's tree (the chain's nodes still ride in the pass: the cache needs their
+  entries and the token after them needs the model's logits at their positions);
+- the tree is walked through the grammar (`splitlm.decoding.grammar_tree.constrain`): rejected drafts
+  are pruned before they are sent, forced continuations join as certain nodes, every node gets its
+  mask;
+- each row's token is chosen among its node's allowed tokens (the screened greedy head takes the
+  masks, `EdgeSession.forward(allowed=...)`; sampling masks the logits before the sampler), and the
+  tree is verified as usual: the certain nodes are accepted whenever their parents are.
+
+Where the forced chain itself ends the request (an end token, or the length limit) it is emitted
+without a round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.grammar import GrammarState
+from splitlm.decoding.grammar_tree import ConstrainedTree, constrain
+from splitlm.decoding.sampling import Sampler, SamplingConfig
+from splitlm.decoding.speculative import SpecStats, StepSession, build_step, extras, stop_at
+from splitlm.decoding.step import StepResult
+from splitlm.decoding.tree import FORCED, TokenTree, accept_greedy, accept_sampled
+
+if TYPE_CHECKING:
+    from splitlm.decoding.logprobs import LogprobRecorder
+
+MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
+MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
+
+
+@dataclass
+class GrammarStats:
+    """What the grammar did to the trees of one request."""
+
+    rejected_drafts: int = 0  # drafted nodes pruned before they were sent
+    forced_tokens: int = 0  # emitted tokens that the grammar forced
+    forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
+    mask_steps: int = 0  # masks computed (one per tree node sent or walked)
+    mask_s: float = 0.0  # time spent walking trees and computing masks
+
+    def to_dict(self) -> dict:
+        return {"rejected_drafts": self.rejected_drafts, "forced_tokens": self.forced_tokens,
+                "forced_free": self.forced_free, "mask_steps": self.mask_steps, "mask_s": round(self.mask_s, 6),
+                "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1)}
+
+
+def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, context: list[int]) -> int:
+    """The token after `context` from logits [V] among `allowed` [V]."""
+    masked = logits.masked_fill(~allowed, -torch.inf)
+    return sampler.token(masked, context) if sampler else int(masked.argmax())
+
+
+def advance_all(state: GrammarState, tokens: list[int]) -> None:
+    for t in tokens:
+        state.advance(t)
+
+
+def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
+                           state: GrammarState, gstats: GrammarStats, cached: int = 0,
+                           sampling: SamplingConfig | None = None,
+                           logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+    """One token per round trip, each the best the grammar allows (`state`: the grammar before the
+    first; the request ends with it). Yields [token] per step."""
+    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
+    argmax = sampler is None and logprobs is None
+    eos = eos | set(state.eos)
+    context = list(prompt_ids)
+    ids, rows = prompt_ids[cached:], [len(prompt_ids) - cached - 1]
+    for produced in range(1, max_new_tokens + 1):
+        t0 = time.perf_counter()
+        allowed = state.allowed()  # [V]
+        gstats.mask_s += time.perf_counter() - t0
+        gstats.mask_steps += 1
+        gstats.forced_tokens += state.forced() is not None
+        if argmax and produced > 1:  # the prefill (maybe streamed in chunks) returns logits
+            token = int(session.forward(ids, argmax=True, allowed=allowed[None]).out[-1])
+        else:
+            logits = session.forward(ids, rows=rows).out  # [1, V]
+            token = pick(logits[-1], allowed, sampler, context)
+            if logprobs is not None:
+                logprobs.record([token], logits[-1:])
+        state.advance(token)
+        context.append(token)
+        yield [token]
+        if token in eos or produced == max_new_tokens:
+            return
+        ids, rows = [token], None
+
+
+class ConstrainedRun:
+    """One constrained speculative request after its prefill: the verified context, the grammar state
+    after it, and what each step needs."""
+
+    def __init__(self, session: StepSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
+                 state: GrammarState, gstats: GrammarStats, sampler: Sampler | None,
+                 logprobs: LogprobRecorder | None):
+        self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
+        self.state, self.gstats, self.sampler, self.logprobs = state, gstats, sampler, logprobs
+        self.argmax = sampler is None and logprobs is None  # else logits come back and the mask applies here
+        self.last_nodes = 16  # the tree size the budget chose last
+
+    def plan(self, context: list[int], chain: list[int]) -> tuple[ConstrainedTree, int]:
+        """The step's tree: the forced `chain` after the root, then the drafter's tree (drafted on the
+        context extended by the chain), walked through the grammar and cut to what the budget affords;
+        and the budget's expected tokens."""
+        tree = TokenTree([context[-1]] + chain, list(range(-1, len(chain))), [1.0] * (len(chain) + 1),
+                         [None] + [FORCED] * len(chain))
+        sub = self.drafter.propose()  # rooted at the chain's end
+        # walk about what the budget sent last time, with room for the drafts the grammar will reject
+        sub = sub.pruned(min(self.budget.max_nodes, 2 * self.last_nodes + 8))
+        where = {0: len(chain)}
+        for i in range(1, len(sub)):
+            where[i] = tree.add(where[sub.parents[i]], sub.tokens[i], sub.scores[i], sub.keys[i])
+        t0 = time.perf_counter()
+        walked = constrain(tree, self.state, MAX_TREE_CHAIN)
+        self.gstats.mask_s += time.perf_counter() - t0
+        self.gstats.mask_steps += len(walked.tree)
+        self.gstats.rejected_drafts += walked.rejected
+        choice = self.budget.choose(walked.tree)
+        self.last_nodes = choice.nodes
+        cap = self.session.max_step_tokens
+        nodes = max(choice.nodes, len(chain) + 1)  # the chain is certain: always sent
+        nodes = nodes if cap is None else max(min(nodes, cap), 1)
+        kept = walked.tree.pruned(nodes, choice.reach)
+        index = {p: i for i, p in enumerate(walked.tree.paths())}
+        rows = [walked.rows[index[p]] for p in kept.paths()]
+        return ConstrainedTree(kept, rows), choice.expected_tokens
+
+    def verify(self, tree: ConstrainedTree, context: list[int]) -> tuple[list[int], list[int], StepResult]:
+        """Send the tree, choose each row's token among its allowed ones, walk the tree: the accepted
+        path, the new tokens and the step."""
+        tokens, positions, mask, rows = build_step(tree.tree, None, len(context) - 1)
+        allowed = tree.allowed(list(range(len(tree.tree))), self.state.vocab_size)  # [N, V]
+        step = self.session.forward(tokens, positions, mask, rows=rows, argmax=self.argmax,
+                                    allowed=allowed if self.argmax else None, **extras(self.drafter))
+        if self.sampler is not None:
+            path, new = accept_sampled(tree.tree, step.out.masked_fill(~allowed, -torch.inf), self.sampler, context)
+        else:
+            out = step.out if self.argmax else step.out.masked_fill(~allowed, -torch.inf).argmax(-1)
+            path, new = accept_greedy(tree.tree, out.tolist())
+        return path, new, step
+
+    def learn(self, tree: TokenTree, k: int, path: list[int], new: list[int], step: StepResult) -> None:
+        """The drafter hears of the step as of its own tree: the part after the `k` chain tokens."""
+        self.drafter.accepted(new[k:-1])
+        if len(path) > k:
+            sub = TokenTree(tree.tokens[k:], [max(p - k, -1) for p in tree.parents[k:]], tree.scores[k:],
+                            tree.keys[k:])
+            view = StepResult(step.out[k:], step.tokens, step.network_s, step.compute_s, step.overlapped,
+                              None if step.topk is None else step.topk[k:],
+                              None if step.hidden is None else step.hidden[k:])
+            self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], view)
+
+
+def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun) -> tuple[int, StepResult]:
+    """Run the prompt: the first token (the best allowed one) and the prefill's step."""
+    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], **extras(run.drafter))
+    run.budget.observe_network(step.network_s)
+    root = pick(step.out[-1], run.state.allowed(), run.sampler, list(prompt_ids))
+    if run.logprobs is not None:
+        run.logprobs.record([root], step.out[-1:])
+    run.gstats.forced_tokens += run.state.forced() is not None
+    run.state.advance(root)
+    return root, step
+
+
+def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
+                       drafter: Drafter, budget: StepBudget, stats: SpecStats, state: GrammarState,
+                       gstats: GrammarStats, cached: int = 0, sampling: SamplingConfig | None = None,
+                       logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+    """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), every token
+    allowed by the grammar (`state`: before the first token); the same tokens as
+    `constrained_sequential`. Yields the new tokens of each step; the request ends with the grammar."""
+    eos = eos | set(state.eos)
+    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
+    run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
+    root, first = constrained_prefill(session, prompt_ids, cached, run)
+    yield [root]
+    produced, context = 1, list(prompt_ids) + [root]
+    drafter.reset(context)
+    drafter.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first)
+    cap = session.max_step_tokens
+    while produced < max_new_tokens and root not in eos:
+        started = time.perf_counter()
+        chain = state.forced_chain(MAX_ROOT_CHAIN if cap is None else min(MAX_ROOT_CHAIN, cap - 1))
+        if logprobs is None and (n := stop_at(chain, produced, max_new_tokens, eos)) is not None:
+            gstats.forced_tokens += n
+            gstats.forced_free += n
+            advance_all(state, chain[:n])
+            yield chain[:n]  # the request ends inside the chain: no round trip needed
+            return
+        drafter.extend(chain)
+        tree, expected = run.plan(context, chain)
+        sent = time.perf_counter()
+        path, new, step = run.verify(tree, context)
+        returned = time.perf_counter()
+        run.learn(tree.tree, len(chain), path, new, step)
+        budget.observe_acceptance(tree.tree, path)
+        budget.observe_step(len(tree.tree), step.compute_s, step.network_s,
+                            (sent - started) + (time.perf_counter() - returned))
+        stats.verified(len(tree.tree), len(path) - 1)
+        stats.expected_tokens += expected
+        stats.choices.append(len(tree.tree))
+        keep = path
+        if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
+            new, keep = new[:n], path[:n]  # the cache keeps the context up to, not including, the last token
+        session.settle(keep)
+        if logprobs is not None:
+            logprobs.record(new, step.out[path[: len(new)]])
+        gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1:len(new) + 1])
+        advance_all(state, new)
+        produced += len(new)
+        context.extend(new)
+        drafter.extend(new[len(chain):])
+        root = new[-1]
+        yield new

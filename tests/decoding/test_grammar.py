@@ -1,0 +1,222 @@
+"""Constrained decoding: grammar-aware speculation (every drafter) equals sequential constrained
+decoding token for token, greedy and seeded sampling; rejected drafts are never sent; forced tokens
+ride as certain nodes; every output matches its grammar."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import JSON_EOS, make_tiny_llama, save_merge_tokenizer
+from splitlm.decoding.budget import StepBudget
+from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.grammar import (
+    GrammarError,
+    GrammarSpec,
+    GrammarTokenizer,
+    compile_grammar,
+    grammar_from_format,
+)
+from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
+from splitlm.decoding.grammar_tree import constrain
+from splitlm.decoding.local import LocalSession
+from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.tree import TokenTree
+from splitlm.model.loading import load_model
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 2}},
+    "required": ["name", "age", "role", "active", "tags"], "additionalProperties": False}
+REGEX = r"[a-z]{2,5}-[0-9]{3}( ok)?"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("grammar-tiny")
+    size = save_merge_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    eos = tok.convert_tokens_to_ids(JSON_EOS)
+    make_tiny_llama(path, seed=21, vocab_size=size, eos_token_id=eos, bos_token_id=eos)
+    model = load_model(path)[0]
+    return model, tok, GrammarTokenizer.from_hf(tok, size, [eos])
+
+
+def decode_text(tok, ids: list[int]) -> str:
+    return tok.decode([t for t in ids if t != tok.eos_token_id])
+
+
+def sequential(model, gt, spec, prompt, n, sampling=None):
+    gstats = GrammarStats()
+    out = []
+    for new in constrained_sequential(LocalSession(model), prompt, n, set(), compile_grammar(spec, gt).start(),
+                                      gstats, sampling=sampling):
+        out += new
+    return out, gstats
+
+
+def speculative(model, gt, spec, prompt, n, drafter, sampling=None, step_cap=None):
+    stats, gstats = SpecStats(), GrammarStats()
+    out = []
+    session = LocalSession(model)
+    session.max_step_tokens = step_cap  # a cloud window's cap on the tokens of one step
+    for new in constrained_decode(session, prompt, n, set(), drafter, StepBudget(),
+                                  stats, compile_grammar(spec, gt).start(), gstats, sampling=sampling):
+        out += new
+    return out, stats, gstats
+
+
+class NoisyOracle(Drafter):
+    """Proposes the true continuation to a random depth, corrupted somewhere, plus random branches."""
+
+    name = "oracle"
+
+    def __init__(self, reference, prompt_len, rng, vocab):
+        self.reference, self.prompt_len, self.rng, self.vocab = reference, prompt_len, rng, vocab
+
+    def propose(self):
+        done = len(self.context) - self.prompt_len
+        truth = self.reference[done:done + self.rng.randrange(0, 10)]
+        if truth and self.rng.random() < 0.4:
+            truth[self.rng.randrange(len(truth))] = self.rng.randrange(self.vocab)
+        tree = TokenTree.root_only(self.context[-1])
+        tree.add_path(truth, [0.9] * len(truth))
+        while len(tree) < 14:
+            tree.add(self.rng.randrange(len(tree)), self.rng.randrange(self.vocab), 0.1)
+        return tree
+
+
+SPECS = [GrammarSpec.json_schema(SCHEMA), GrammarSpec.regex(REGEX), GrammarSpec.json_object()]
+
+
+def check_valid(tok, spec: GrammarSpec, ids: list[int]) -> None:
+    text = decode_text(tok, ids)
+    if spec.kind == "regex":
+        assert re.fullmatch(spec.source, text), text
+    else:
+        jsonschema.validate(json.loads(text), spec.schema)
+
+
+@pytest.mark.parametrize("spec", SPECS[:2], ids=["schema", "regex"])
+def test_sequential_is_argmax_over_the_allowed_tokens(setup, spec):
+    """The reference itself, against a brute-force loop: full-context logits, the grammar's mask, argmax."""
+    model, tok, gt = setup
+    prompt = tok("Fill in: ").input_ids
+    out, gstats = sequential(model, gt, spec, prompt, 60)
+    state, ctx = compile_grammar(spec, gt).start(), list(prompt)
+    for t in out:
+        with torch.inference_mode():
+            logits = LocalSession(model).forward(ctx).out[-1]
+        assert t == int(logits.masked_fill(~state.allowed(), -torch.inf).argmax())
+        state.advance(t)
+        ctx.append(t)
+    assert out[-1] == tok.eos_token_id and state.finished or state.accepting
+    check_valid(tok, spec, out)
+    assert gstats.forced_tokens > 0 or spec.kind == "regex"
+
+
+CASES = [(m, 0) for m in ("none", "ngram", "suffix", "recycle", "auto", "lookahead", "auto-window")] + \
+    [("auto", 1), ("auto", 2)]
+
+
+@pytest.mark.parametrize(("mode", "which"), CASES, ids=[f"{m}-{['schema', 'regex', 'object'][w]}" for m, w in CASES])
+def test_every_drafter_equals_sequential(setup, mode, which):
+    spec = SPECS[which]
+    model, tok, gt = setup
+    prompt = tok('Example: {"name": "ab", "age": 7, "role": "user"} Now: ').input_ids
+    reference, _ = sequential(model, gt, spec, prompt, 48)
+    out, stats, gstats = speculative(model, gt, spec, prompt, 48, make_drafter(SpecConfig(mode)))
+    assert out == reference
+    if reference[-1] == tok.eos_token_id:
+        check_valid(tok, spec, out)
+    if spec.kind != "regex":
+        assert stats.steps < len(out) - 1  # forced tokens ride: fewer round trips than tokens
+        assert gstats.forced_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_noisy_trees_greedy_and_sampled(setup, seed):
+    """Drafts that are partly the truth, partly corrupted, partly random: the same tokens as sequential
+    decoding (greedy, and sampling with a seed); rejected drafts are pruned before they are sent."""
+    model, tok, gt = setup
+    rng = random.Random(seed)
+    spec = SPECS[seed % 2]
+    prompt = tok(f"Record {seed}: ").input_ids
+    for sampling in (None, SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)):
+        reference, _ = sequential(model, gt, spec, prompt, 50, sampling)
+        oracle = NoisyOracle(reference, len(prompt) + 1, rng, len(tok))
+        out, stats, gstats = speculative(model, gt, spec, prompt, 50, oracle, sampling)
+        assert out == reference
+        assert gstats.rejected_drafts > 0
+        assert stats.accepted_drafts > 0
+
+
+def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
+    model, tok, gt = setup
+    state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()
+    opening = state.forced_chain(32)
+    assert tok.decode(opening) == '{"name":'  # the forced bytes, less the last token that could merge on
+    tree = TokenTree.root_only(5)
+    bad = tok("[").input_ids[0]
+    tree.add(0, bad, 0.9)  # JSON objects open with '{': rejected
+    tree.add(1, opening[0], 0.9)  # under a rejected node: gone with it
+    walked = constrain(tree, state)
+    assert walked.rejected == 2
+    assert walked.tree.tokens[1:len(opening) + 1] == opening  # added as a chain of certain nodes
+    assert all(walked.tree.certain(i) for i in range(1, len(opening) + 1))
+    assert bad not in walked.tree.tokens
+    allowed = walked.allowed(list(range(len(walked.tree))), len(tok))
+    assert allowed[0].sum() == 1 and allowed[0, opening[0]]
+    budget = StepBudget()
+    choice = budget.choose(walked.tree)
+    assert choice.reach[1:len(opening) + 1] == [1.0] * len(opening)  # the budget counts them as certain
+
+
+def test_the_budget_sends_forced_chains_first(setup):
+    model, tok, gt = setup
+    prompt = tok("Go: ").input_ids
+    spec = GrammarSpec.json_schema(SCHEMA)
+    reference, _ = sequential(model, gt, spec, prompt, 48)
+    capped, stats, _ = speculative(model, gt, spec, prompt, 48, Drafter(), step_cap=3)
+    assert capped == reference  # 3 tokens a step: chains are cut into several steps, never lost
+    assert max(stats.choices) <= 3
+    free, free_stats, gfree = speculative(model, gt, spec, prompt, 48, Drafter())
+    assert free == reference and free_stats.steps < stats.steps
+    assert gfree.forced_tokens >= 10 and gfree.rejected_drafts == 0  # no drafter: only the grammar's chains
+    assert free_stats.steps + gfree.forced_tokens <= len(free)  # every forced token saves a round trip
+
+
+def test_compile_errors_and_response_formats(setup):
+    _, _, gt = setup
+    for bad in (GrammarSpec.regex("(x"), GrammarSpec.lark("start: foo"), GrammarSpec.json_schema({"type": "bogus"})):
+        with pytest.raises(GrammarError, match="cannot compile"):
+            compile_grammar(bad, gt)
+    with pytest.raises(GrammarError, match="unknown grammar kind"):
+        GrammarSpec("xml")
+    assert grammar_from_format(None) is None and grammar_from_format({"type": "text"}) is None
+    assert grammar_from_format({"type": "json_object"}) == GrammarSpec.json_object()
+    wrapped = grammar_from_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}})
+    assert wrapped.schema == SCHEMA and wrapped.name == "p"
+    assert grammar_from_format(SCHEMA).schema == SCHEMA
+    assert list(grammar_from_format(SCHEMA).schema["properties"]) == list(SCHEMA["properties"])  # the order is the output's
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    assert grammar_from_format(Person).schema["required"] == ["name", "age"]
+    with pytest.raises(GrammarError):
+        grammar_from_format(3)
