@@ -1,0 +1,33 @@
+"""OpenAI-style errors of serve-edge: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+from __future__ import annotations
+
+from splitlm.transport.errors import ErrorCode
+
+CAPACITY_RETRY_AFTER_S = 2
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def cloud_failure(e: Exception) -> APIError:
+    """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, else 502."""
+    if getattr(e, "code", None) == ErrorCode.CAPACITY:
+        return APIError(503, f"the cloud is at capacity: {e}", "server_error", code="cloud_capacity",
+                        headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)})
+    return APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
+
+
+def invalid(param: str, message: str, code: str | None = "invalid_value") -> APIError:
+    """A 400 that names the request parameter at fault."""
+    return APIError(400, message, param=param, code=code)
