@@ -38,7 +38,7 @@ lint: setup
 GPU_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 gpu-wheels:
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --dest .gpu-wheels \
-		websockets cryptography gguf pytest pytest-timeout hypothesis
+		websockets cryptography gguf pytest pytest-timeout hypothesis psutil prometheus_client msgpack
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="auto")
     ap.add_argument("--cost", default="measured")
-    # tune on prompts.json; prompts-heldout.json is for checking a change, not for choosing it
+    # tune on prompts.json and prompts-tuning.json; never on prompts-headline.json (frozen) or Spec-Bench
     ap.add_argument("--prompts", default=str(ROOT / "prompts.json"))
     ap.add_argument("--limit", type=int)
     ap.add_argument("--max-new-tokens", type=int, default=64)

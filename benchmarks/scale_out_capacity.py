@@ -28,6 +28,7 @@ from splitlm.cloud.ray_stage import PassMeta, load_stage, stage_ranges  # noqa: 
 from splitlm.model.kv_cache import KVCache  # noqa: E402
 from splitlm.model.loading import resolve_model  # noqa: E402
 from splitlm.model.shards import Manifest  # noqa: E402
+from splitlm.result_files import begin_run, write_result  # noqa: E402
 
 CONTEXT = 64
 CHUNK = 256
@@ -94,6 +95,7 @@ def main() -> int:
     p.add_argument("--no-ray", action="store_true", help="skip the Ray hop measurement")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    begin_run()
     torch.set_num_threads(1)
     split, _ = resolve_split(BenchConfig(model=args.model), resolve_model(args.model))
     shard = split / "cloud"
@@ -128,10 +130,8 @@ def main() -> int:
            "model": args.model, "cloud_layers": list(manifest.cloud_layers), "context": CONTEXT,
            "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
            "stage_passes": rows, "ray_hops": hops}
-    out = Path("benchmarks") / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"scale-out-capacity-{doc['started'].replace(':', '')}.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = write_result(Path("benchmarks") / "results", "scale-out-capacity", doc,
+                        stamp=doc["started"].replace(":", "")).json
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0

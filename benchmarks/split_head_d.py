@@ -14,14 +14,15 @@ For each D, over the bench prompts (each position's next-token prediction of the
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from splitlm.bench.prompts import default_prompts_path, load_prompts, load_tokenizer, tokenize
 from splitlm.model.loading import resolve_model
+from splitlm.result_files import begin_run, write_result
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/split-head-d.json")
     p.add_argument("--d", default="64,144,288,432,512")
     args = p.parse_args()
+    begin_run()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
@@ -56,9 +58,9 @@ def main() -> None:
                      "edge_ms": round(timings["edge"], 2), "cloud_ms": round(timings["cloud"], 2),
                      "down_bytes_fp16": 2 * d + 2 * w.shape[0]})
         print(rows[-1])
-    with open(args.out, "w") as f:
-        json.dump({"model": model_dir.name, "hidden_size": w.shape[1], "vocab_size": w.shape[0], "rows": rows}, f,
-                  indent=1)
+    out = Path(args.out)
+    write_result(out.parent, out.stem, {"model": model_dir.name, "hidden_size": w.shape[1], "vocab_size": w.shape[0],
+                                        "rows": rows})
 
 
 if __name__ == "__main__":

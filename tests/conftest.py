@@ -224,3 +224,25 @@ def cloud_forward(client, session: int, hidden: torch.Tensor, positions: list[in
 
     request = Forward(hidden, torch.as_tensor(positions, dtype=torch.long), control=control or Control(), **fields)
     return client.receive_forward(client.send_forward(session, request, wire_dtype, hidden.numel()))
+
+
+# --- constrained decoding: a byte-level BPE with merges (forced text has several splits) and an end token ---
+MERGES = [("Ġ", '"'), ('"', ":"), ("{", '"'), ('"', ","), ("n", "a"), ("na", "m"), ("nam", "e"), ("a", "g"),
+          ("ag", "e"), ("r", "o"), ("ro", "l"), ("rol", "e"), ('"', "}"), ("t", "r"), ("tr", "u"), ("tru", "e")]
+JSON_EOS = "</s>"
+
+
+def save_merge_tokenizer(path) -> int:
+    """A byte-level BPE tokenizer with MERGES and an end token; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=JSON_EOS)
+    fast.save_pretrained(path)
+    return len(fast)

@@ -2,12 +2,14 @@
 exactly the metrics they export."""
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
 from conftest import scrape_metrics
 from splitlm.cloud.metrics import CloudMetrics
-from splitlm.edge.api_metrics import EdgeMetrics
+from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector
+from splitlm.edge.prefix_pool import PoolCounters, PoolUsage
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 
@@ -17,11 +19,20 @@ def exported(registry) -> set[str]:
 
 
 def documented(side: str) -> set[str]:
-    return set(re.findall(rf"`(splitlm_{side}_[a-z_]+)", DOC))
+    return set(re.findall(rf"`(splitlm_{side}_[a-z0-9_]+)", DOC))
+
+
+def edge_registry():
+    """serve-edge's registry as `EdgeAPI` builds it: `EdgeMetrics` and the prefix pool's collector
+    (over an idle pool's figures)."""
+    metrics = EdgeMetrics()
+    idle = SimpleNamespace(counters=PoolCounters(), usage=PoolUsage)
+    metrics.registry.register(PrefixPoolCollector(idle))
+    return metrics.registry
 
 
 def test_docs_name_every_metric_and_no_other():
-    assert documented("edge") == exported(EdgeMetrics().registry)
+    assert documented("edge") == exported(edge_registry())
     assert documented("cloud") == exported(CloudMetrics().registry)
 
 

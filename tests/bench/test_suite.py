@@ -277,7 +277,7 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     trained = []
-    monkeypatch.setattr(train_head_module, "train_head", lambda model, edge, log: trained.append(edge) or
+    monkeypatch.setattr(train_head_module, "train_head", lambda model, edge, log, out=None: trained.append(edge) or
                         {"seconds": 1.0, "heldout": {"conditional": [0.5]}})
     manifest = SimpleNamespace(model_hash="ab" * 16)
     edge = tmp_path / "edge"

@@ -4,6 +4,7 @@ exactly, on random models; the index structures against brute force."""
 import gzip
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +182,7 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
     from splitlm.decoding.head import find_head
     from splitlm.decoding.train_head import train_head
     from splitlm.model.shards import Manifest, split_model
+    from splitlm.result_files import file_digest
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
@@ -191,8 +193,15 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
             words = " ".join(rng.choice(["def", "return", "x", "=", "(", ")", ":"]) for _ in range(40))
             f.write(json.dumps({"prompt": f"q{i}: ", "text": words}) + "\n")
     report = train_head(str(audit_model_dir), split / "edge", warmup=warm, max_tokens=3000, vocab=64, inner=32,
-                        minutes=0.2, batch=64, lr=5e-3)
+                        minutes=0.2, batch=64, lr=5e-3, out=tmp_path / "results")
     head = load_head(split / "edge")
+    # its report: next to the head, next to the cache's copy, and in the results directory, with the head's digest
+    beside = json.loads((split / "edge" / "draft_head.json").read_text())
+    assert beside["head_sha256"] == file_digest(split / "edge" / "draft_head.safetensors") == report["head_sha256"]
+    assert beside["heldout"] == report["heldout"] and "splitlm train-head --edge" in beside["reproduce"]
+    assert Path(report["cached"]).with_suffix(".json").is_file()
+    (written,) = (tmp_path / "results").glob("train-head-*.json")
+    assert json.loads(written.read_text())["provenance"]["draft_heads"][0]["sha256"] == report["head_sha256"]
     assert head is not None and len(head.vocab_ids) == report["vocab"] <= 64
     assert report["loss_last"] < report["loss_first"]
     cond = report["heldout"]["conditional"]

@@ -188,17 +188,42 @@ def test_metrics(api, client):
     assert values['splitlm_edge_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert values['splitlm_edge_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
     assert values['splitlm_edge_errors_total{type="invalid_request_error"}'] >= 1
-    assert values["splitlm_edge_completion_tokens_total"] >= 3
+    assert values["splitlm_edge_generation_tokens_total"] >= 3
     assert values["splitlm_edge_round_trips_total"] >= 3
-    assert values['splitlm_edge_request_seconds_count{endpoint="/v1/completions"}'] >= 1
+    assert values['splitlm_edge_e2e_request_latency_seconds_count{endpoint="/v1/completions"}'] >= 1
     assert values['splitlm_edge_bytes_total{direction="up"}'] > 0
-    assert values["splitlm_edge_requests_in_flight"] == 0
+    assert values["splitlm_edge_num_requests_running"] == 0
+
+
+def test_spec_decode_counters_of_a_repetitive_request(api, client):
+    """A request that makes the model repeat moves vLLM's speculative-decoding counters consistently."""
+    def scrape():
+        with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
+            return scrape_metrics(r.read().decode())
+
+    def spec(v, name):
+        return sum(x for k, x in v.items() if k.startswith(f"splitlm_edge_spec_decode_num_{name}_total"))
+
+    before = scrape()
+    reply = client.completions.create(model=MODEL, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", temperature=0,
+                                      max_tokens=24)
+    after = scrape()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["splitlm_edge_generation_tokens_total"] == reply.usage.completion_tokens
+    assert delta["splitlm_edge_prompt_tokens_total"] == reply.usage.prompt_tokens
+    drafts, proposed = spec(delta, "drafts"), spec(delta, "draft_tokens")
+    accepted, per_pos = spec(delta, "accepted_tokens"), spec(delta, "accepted_tokens_per_pos")
+    assert 0 < drafts <= delta["splitlm_edge_round_trips_total"] - 1 and 0 < accepted <= proposed
+    assert per_pos == accepted
+    assert accepted / drafts > 1  # the ngram drafter predicts the repetition several tokens deep
+    assert delta["splitlm_edge_time_to_first_token_seconds_count"] == 1
+    assert after["splitlm_edge_num_requests_waiting"] == 0 and after["splitlm_edge_num_requests_running"] == 0
 
 
 def test_a_client_that_goes_away_stops_its_generation(api, client, bundled_server):
     def in_flight():
         with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
-            return scrape_metrics(r.read().decode())["splitlm_edge_requests_in_flight"]
+            return scrape_metrics(r.read().decode())["splitlm_edge_num_requests_running"]
 
     stream = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1000,
                                        stream=True)
@@ -209,4 +234,32 @@ def test_a_client_that_goes_away_stops_its_generation(api, client, bundled_serve
     while in_flight() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert in_flight() == 0  # long before 1000 tokens
-    assert bundled_server.server.sessions.sessions == {}  # its cloud session was closed
+    with urllib.request.urlopen(api + "/metrics", timeout=10) as r:  # its cloud session was closed or pooled
+        pooled = scrape_metrics(r.read().decode())["splitlm_edge_prefix_pool_sessions"]
+    assert len(bundled_server.server.sessions.sessions) == pooled <= 4
+
+
+def test_bundled_tool_round_trip_and_json(client):
+    """The bundled model through serve-edge: a required call (parallel allowed) whose arguments follow
+    the schema, its result sent back as `role: tool`, a final answer."""
+    import jsonschema
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=ask, tools=[weather], tool_choice="required",
+                                           temperature=0, max_tokens=120)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+    results = [{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "sky": "sunny"}'}
+               for c in choice.message.tool_calls]
+    final = client.chat.completions.create(model=MODEL, messages=[*ask, choice.message.model_dump(exclude_none=True),
+                                                                  *results],
+                                           tools=[weather], temperature=0, max_tokens=24)
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    assert final.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,18 +126,55 @@ def test_cli_export_and_generate_on_onnx(tiny_split, tmp_path, capsys):
     assert "--int8" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_bundled_onnx_edge_is_token_identical(bundled_split, bundled_server, tmp_path_factory):
-    """The bundled model, greedy, with no speculation and with `auto`: the ONNX fp32 edge emits the torch edge's tokens."""
+@pytest.fixture(scope="module")
+def bundled_onnx(bundled_split, tmp_path_factory):
+    """A copy of the bundled edge shard with its fp32 and int8 graphs."""
     edge_dir = tmp_path_factory.mktemp("bundled-onnx") / "edge"
     shutil.copytree(bundled_split / "edge", edge_dir)
-    export_edge_onnx(load_edge(edge_dir), edge_dir)
+    export_edge_onnx(load_edge(edge_dir), edge_dir, int8=True)
+    return edge_dir
+
+
+@pytest.mark.slow
+def test_bundled_onnx_edge_is_token_identical(bundled_onnx, bundled_server):
+    """The bundled model, greedy, with no speculation and with `auto`: the ONNX fp32 edge emits the torch edge's tokens."""
+    edge_dir = bundled_onnx
     with Edge(edge_dir, bundled_server.url, device="cpu", dtype="fp32") as ref, \
             Edge(edge_dir, bundled_server.url, device="onnx") as onnx:
         for spec in ("none", "auto"):
             for prompt in BUNDLED_PROMPTS:
                 want = ref.generate(prompt, 24, spec=spec).token_ids
                 assert onnx.generate(prompt, 24, spec=spec).token_ids == want, (spec, prompt)
+
+
+INT8_AGREEMENT_BOUND = 0.75
+
+
+@pytest.mark.slow
+def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_server):
+    """docs/edge-profiles.md: the int8 edge agrees with the fp32 model on 85.4 % of teacher-forced positions
+    (164/192, the first 6 tuning prompts x 32). Here: the fp32 torch edge generates 32 tokens greedily for
+    each of the first 4 of those prompts, the int8 edge runs prompt + continuation in one forward, and its
+    greedy token must be the fp32 one at >= 75 % of the positions. On this machine these 4 prompts give
+    111/128 (0.867); over the 12 first tuning prompts single prompts range from 0.66 to 1.0 (mean 0.80),
+    so 0.75 over 128 positions leaves room for another CPU's int8 kernels, and still fails an int8 edge
+    that lost a tenth of the documented agreement or more."""
+    prompts = json.loads((Path(__file__).parents[2] / "benchmarks" / "prompts-tuning.json").read_text())[:4]
+    hits = total = 0
+    with Edge(bundled_onnx, bundled_server.url, device="cpu", dtype="fp32", wire_dtype="fp32") as ref, \
+            Edge(bundled_onnx, bundled_server.url, device="onnx:int8", wire_dtype="fp32") as int8:
+        for p in prompts:
+            ids = ref.encode(p["prompt"], chat=p["chat"])
+            want = ref.generate(ids, 32, spec="none", stop_at_eos=False).token_ids
+            session = int8.open_session()
+            try:
+                logits = session.forward(ids + want[:-1]).out  # [T, V], teacher-forced
+            finally:
+                session.close()
+            got = logits[len(ids) - 1:].argmax(-1).tolist()
+            hits += sum(a == b for a, b in zip(got, want, strict=True))
+            total += len(want)
+    assert hits / total >= INT8_AGREEMENT_BOUND, f"int8 agreement {hits}/{total}"
 
 
 GEMMA3 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

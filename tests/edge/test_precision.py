@@ -46,7 +46,7 @@ def test_bf16_cloud_agrees_with_the_fp32_model(fp32_edge_bf16_cloud, bundled_hf)
 
     hf, _ = bundled_hf
     edge = fp32_edge_bf16_cloud
-    prompts = json.loads((Path(__file__).parents[2] / "benchmarks" / "prompts-heldout.json").read_text())
+    prompts = json.loads((Path(__file__).parents[2] / "benchmarks" / "prompts-tuning.json").read_text())
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     hits = total = 0

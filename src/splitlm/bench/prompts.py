@@ -1,7 +1,10 @@
 """The benchmark's prompt set: load and check `benchmarks/prompts.json`, tokenize like the edge does.
 
 Format: a JSON list of `{"id", "category", "prompt", "chat"}`; `chat: true` wraps the prompt in
-the model's chat template (as `splitlm generate --chat` does), `false` continues the raw text.
+the model's chat template (as `splitlm generate --chat` does), `false` continues the raw text. An
+optional `schema` (a JSON schema) is what the answer must match: the `+json` modes constrain to it,
+and every mode's answer is checked against it (`schema_valid`).
+Spec-Bench's question file is read by `splitlm.bench.specbench`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class Prompt:
     prompt: str
     chat: bool = False
     ids: list[int] = field(default_factory=list)  # token ids, filled by `tokenize`
+    skip_modes: frozenset[str] = field(default_factory=frozenset)  # modes that leave it out (Spec-Bench's caps)
+    follows: str | None = None  # a later turn: the id of the turn it follows (its ids are filled once that is answered)
+    schema: dict | None = None  # the JSON schema its answer must match (`benchmarks/prompts-json.json`; `+json` modes)
 
 
 def default_prompts_path() -> Path:
@@ -57,10 +63,13 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             raise SplitLMError(f"{where}: missing or empty string field(s): {', '.join(missing)}")
         if not isinstance(item.get("chat", False), bool):
             raise SplitLMError(f"{where}: 'chat' must be true or false")
+        if not isinstance(item.get("schema", {}), dict):
+            raise SplitLMError(f"{where}: 'schema' must be a JSON schema object")
         if item["id"] in seen:
             raise SplitLMError(f"{where}: duplicate id {item['id']!r}")
         seen.add(item["id"])
-        prompts.append(Prompt(item["id"], item["category"], item["prompt"], item.get("chat", False)))
+        prompts.append(Prompt(item["id"], item["category"], item["prompt"], item.get("chat", False),
+                              schema=item.get("schema")))
     return prompts
 
 
@@ -75,6 +84,8 @@ def tokenize(prompts: list[Prompt], tok) -> None:
     from splitlm.edge.text import encode_prompt
 
     for p in prompts:
+        if p.follows:  # a conversation's later turn: tokenized with the answer to the turn before
+            continue
         if p.chat and not tok.chat_template:  # e.g. Gemma 3 270M's GGUF carries no template
             log.info("[bench] prompt %r: the model has no chat template; using the plain text", p.id)
             p.chat = False

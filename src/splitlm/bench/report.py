@@ -59,7 +59,20 @@ def _setup(doc: dict) -> str:
             f" cloud in its own process\n"
             f"- run: {doc['created']}, {doc['duration_s']:.0f} s; load average (1 min) at start"
             f" {env.get('load_avg_at_start', ['?'])[0]}, at end {env.get('load_avg_at_end', ['?'])[0]}"
-            " (other work on the machine slows every mode; compare modes within a run)")
+            " (other work on the machine slows every mode; compare modes within a run)" + _provenance(doc))
+
+
+def _provenance(doc: dict) -> str:
+    """The run's provenance (`result_files.provenance`) as one more line of the set-up, if it has one."""
+    prov = doc.get("provenance")
+    if not prov:
+        return ""
+    code = prov["code"]
+    commit = f"commit {(code['commit'] or '?')[:12]}{' (dirty)' if code['dirty'] else ''}" if code["commit"] \
+        else f"splitlm {code['version']} (no checkout)"
+    heads = ", ".join(f"{Path(h['path']).name} sha256 {(h['sha256'] or '?')[:12]}" for h in prov["draft_heads"])
+    return (f"\n- provenance: {commit}; draft head {heads or 'none'}; torch threads {prov['torch_threads']};"
+            f" command `{prov['command_line']}`")
 
 
 def markdown_report(doc: dict) -> str:
@@ -141,7 +154,18 @@ def markdown_report(doc: dict) -> str:
              for mode, f in doc["step_model"].items()]),
             "", "Least squares over the sweep's per-RTT step times; LOO: leave one RTT out, fit the rest, predict it"
             " (relative error of the step time). Predicted tok/s = tok/step ÷ t_step(RTT)."]
-    return "\n".join(out) + "\n"
+    from splitlm.bench.structured import markdown as structured_markdown
+
+    return "\n".join(out) + "\n" + spec_bench_section(doc) + structured_markdown(doc.get("structured") or {})
+
+
+def spec_bench_section(doc: dict) -> str:
+    """A Spec-Bench run's table by category, next to the published figures (`bench.specbench`)."""
+    if not doc.get("spec_bench"):
+        return ""
+    from splitlm.bench.specbench import markdown
+
+    return "\n" + markdown(doc["spec_bench"])
 
 
 def write_plots(doc: dict, base: Path) -> list[Path]:

@@ -31,22 +31,13 @@ from splitlm.bench.modes import MODES, BenchContext, Mode
 from splitlm.bench.prompts import Prompt
 from splitlm.cloud.local import cloud_process, health
 from splitlm.progress import bar, track
-from splitlm.result_files import time_stamp, write_result
+from splitlm.result_files import cpu_model, default_results_dir, time_stamp, write_result
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "splitlm.bench/1"
 DEFAULT_MODES = "local-hf,split-seq,auto"
-HEAD_MODES = {"auto", "auto-zerocost", "head"}  # the modes that draft with the trained head
-
-
-def default_results_dir() -> Path:
-    """Where bench and loadtest write by default, outside any source tree: $SPLITLM_RESULTS, else
-    $XDG_DATA_HOME/splitlm/results, else ~/.local/share/splitlm/results."""
-    if env := os.environ.get("SPLITLM_RESULTS"):
-        return Path(env)
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "splitlm" / "results"
+HEAD_MODES = {"auto", "auto-zerocost", "head", "auto+json"}  # the modes that draft with the trained head
 
 
 DEFAULT_OUT = default_results_dir()
@@ -79,6 +70,9 @@ class BenchConfig:
     cloud_device: str | None = None  # the cloud's (None: as the edge's)
     cloud_dtype: str | None = None
     train_head: bool = True  # train the draft head once if modes need it and this model has none
+    categories: list[str] | None = None  # Spec-Bench: these categories only
+    per_category: int | None = None  # Spec-Bench: this many questions per category (`specbench.select`)
+    mode_questions: dict[str, int] = field(default_factory=dict)  # Spec-Bench: a mode on fewer of those
 
     @property
     def sweep(self) -> bool:
@@ -141,7 +135,7 @@ def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        report = train_head(str(model_dir), edge_dir, log=lambda msg: log.info("[bench] %s", msg))
+        report = train_head(str(model_dir), edge_dir, log=lambda msg: log.info("[bench] %s", msg), out=config.out)
     finally:
         torch.set_num_threads(threads)
     log.info(f"[bench] draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
@@ -165,13 +159,9 @@ def environment(model_dir: Path, config: BenchConfig) -> dict:
     from splitlm.model.config import ModelConfig
     from splitlm.model.loading import read_hf_config
 
-    cpu = ""
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     return {
-        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
         "cpu_count": os.cpu_count(), "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
         "transformers": transformers.__version__, "splitlm": __version__,
         "threads": {"edge_and_local": 1, "cloud": 1, "wan_emulator": "thread of the bench process"},
@@ -210,8 +200,10 @@ class BenchSetup:
     def context(self, url: str | None, wire_dtype: str | None = None) -> BenchContext:
         """A bench context of the run's edge reaching `url` (with `wire_dtype`, else the configured codec)."""
         c = self.config
-        return BenchContext(self.model_dir, self.edge_dir, url, wire_dtype or c.wire_dtype, c.vocab,
-                            device=c.device, dtype=c.dtype)
+        ctx = BenchContext(self.model_dir, self.edge_dir, url, wire_dtype or c.wire_dtype, c.vocab,
+                           device=c.device, dtype=c.dtype)
+        ctx.schemas = {tuple(p.ids): p.schema for p in self.prompts if p.schema}  # what the `+json` modes match
+        return ctx
 
 
 @dataclass
@@ -243,11 +235,13 @@ def prepare(config: BenchConfig) -> BenchSetup:
     draft head first if a mode needs one (`ensure_head`). The split decides K, M and the topology."""
     import torch
 
-    from splitlm.bench.prompts import default_prompts_path, load_prompts, load_tokenizer, tokenize
+    from splitlm.bench.prompts import default_prompts_path, load_tokenizer, tokenize
+    from splitlm.bench.specbench import load_prompt_set
     from splitlm.model.loading import resolve_model
 
     prompts_path = Path(config.prompts) if config.prompts else default_prompts_path()
-    prompts = load_prompts(prompts_path)[: config.limit]
+    prompts = load_prompt_set(prompts_path, config.categories, config.per_category, config.mode_questions)
+    prompts = prompts[: config.limit]
     modes = [MODES[m] for m in config.modes]
     network = any(m.network for m in modes) or bool(config.codecs)
     torch.set_num_threads(1)
@@ -294,8 +288,13 @@ def reference_runs(setup: BenchSetup, ctx: BenchContext) -> Reference:
     from splitlm.bench.modes import teacher_forced_agreement
 
     prompts, max_new = setup.prompts, setup.config.max_new_tokens
+    from splitlm.bench.specbench import fill_follow_up
+
     log.info("[bench] reference: greedy continuations of the full transformers model")
-    token_ids = {p.id: MODES["local-hf"].run(ctx, p.ids, max_new).token_ids for p in prompts}
+    token_ids: dict[str, list[int]] = {}
+    for p in prompts:  # a later turn follows the reference's answer to the turn before (Spec-Bench's MT-bench)
+        fill_follow_up(p, prompts, token_ids, setup.tokenizer)
+        token_ids[p.id] = MODES["local-hf"].run(ctx, p.ids, max_new).token_ids
     local = {p.id: (len(token_ids[p.id]),) * 2 for p in prompts}  # local modes are the reference
     split: dict[str, tuple[int, int]] = {}
     if setup.network:
@@ -326,10 +325,11 @@ def measure_runs(setup: BenchSetup, contexts: dict[float, BenchContext], referen
         for m in setup.modes:  # warm-up (connects, first calls), not counted
             m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
     rows: list[dict] = []
-    shown = bar(len(prompts) * len(contexts) * len(setup.modes), "bench", unit="run")
+    shown = bar(sum(m.name not in p.skip_modes for p in prompts for m in setup.modes) * len(contexts), "bench",
+                unit="run")
     for i, p in enumerate(prompts, 1):
         for rtt, ctx in contexts.items():
-            for m in setup.modes:
+            for m in (m for m in setup.modes if m.name not in p.skip_modes):
                 run = m.run(ctx, p.ids, max_new)
                 row = prompt_row(m.name, rtt, p, run, reference.token_ids[p.id], reference.agreement(m, p.id),
                                  setup.tokenizer.decode(run.token_ids, skip_special_tokens=True))
@@ -393,8 +393,9 @@ def results_doc(setup: BenchSetup, measured: Measured, started: float, load_at_s
         "duration_s": round(time.time() - started, 1),
         "config": {**asdict(config), "prompts": str(setup.prompts_path), "sweep": config.sweep},
         "environment": env,
-        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids)}
-                    for p in setup.prompts],
+        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids),
+                     **({"follows": p.follows} if p.follows else {}),
+                     **({"skip_modes": sorted(p.skip_modes)} if p.skip_modes else {})} for p in setup.prompts],
         "memory": measured.memory,
         "results": results,
         "step_model": fit_sweep(results) if config.sweep else {},
@@ -405,6 +406,9 @@ def results_doc(setup: BenchSetup, measured: Measured, started: float, load_at_s
 
 def run_bench(config: BenchConfig) -> dict:
     """Run the benchmark; returns the results document (see docs/benchmarks.md for its fields)."""
+    from splitlm.bench import specbench
+    from splitlm.bench.structured import structured_summary
+
     setup = prepare(config)
     started = time.time()
     load_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -419,7 +423,11 @@ def run_bench(config: BenchConfig) -> dict:
         measured.memory = memory_probes(setup, port)
         measured.split = split_fields(setup.manifest, config, first.edge) if setup.network else {}
         measured.devices = where_run(setup, first, port)
-    return results_doc(setup, measured, started, load_at_start)
+    doc = results_doc(setup, measured, started, load_at_start)
+    if specbench.is_spec_bench(setup.prompts_path):  # per category next to the published figures
+        doc["spec_bench"] = specbench.summary(doc)
+    doc["structured"] = structured_summary(doc)  # the `+json` modes against their unconstrained twins
+    return doc
 
 
 def write_results(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:

@@ -8,6 +8,7 @@ from splitlm import __version__
 from splitlm.cli import audit, bench, demo, generate, models, serve, train
 from splitlm.cli.options import edge_security_kwargs, spec_arg
 from splitlm.cli.output import add_common_options, configure_logging, run_command
+from splitlm.result_files import begin_run
 
 __all__ = ["build_parser", "edge_security_kwargs", "main", "spec_arg"]
 
@@ -32,6 +33,7 @@ SERVER_COMMANDS = ("serve-cloud", "serve-edge", "wan")
 
 
 def main(argv: list[str] | None = None) -> int:
+    begin_run(None if argv is None else ["splitlm", *argv])  # the load average and command a result records
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose, args.quiet, timestamps=args.command in SERVER_COMMANDS)
     return run_command(args.func, args)

@@ -46,7 +46,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_prefill_arguments(p)
     p.add_argument("--edge-profiles", action="store_true",
                    help="instead of the WAN bench: the edge's peak memory, compute per step and agreement in each "
-                        "profile (torch fp32, torch bf16, onnx fp32, onnx int8) on the held-out prompts "
+                        "profile (torch fp32, torch bf16, onnx fp32, onnx int8) on the tuning set prompts-tuning.json "
                         "(--limit, default 8; --max-new-tokens; --threads)")
     p.add_argument("--threads", type=int, default=None, help="--edge-profiles: threads per profile (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
@@ -68,7 +68,14 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
     aliases = ", ".join(f"{a}={n}" for a, n in ALIASES.items())
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help=f"comma-separated modes (default {DEFAULT_MODES}). {known}. Aliases: {aliases}")
-    p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
+    p.add_argument("--prompts", default="",
+                   help="prompt file (default benchmarks/prompts.json), or Spec-Bench's question.jsonl (docs/benchmarks.md)")
+    p.add_argument("--categories", default=None, metavar="C1,C2",
+                   help="Spec-Bench: only these categories (mt_bench, translation, summarization, qa, math_reasoning, rag)")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="Spec-Bench: N evenly spaced questions per category, by question_id (default all)")
+    p.add_argument("--mode-questions", default="", metavar="MODE=M,...",
+                   help="Spec-Bench: run MODE on M of each category's --per-category questions only (evenly spaced)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
@@ -142,12 +149,25 @@ def parse_codecs(text: str) -> list[str]:
     return codecs
 
 
+def parse_mode_questions(text: str) -> dict[str, int]:
+    """'recycle=10,suffix=10' -> {'recycle': 10, 'suffix': 10}; SplitLMError on anything else."""
+    from splitlm.bench.modes import parse_modes
+
+    caps = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        mode, _, n = item.partition("=")
+        if not n.strip().isdigit() or int(n) < 1:
+            raise SplitLMError(f"--mode-questions {item!r}: expected MODE=N with N >= 1, e.g. recycle=10")
+        caps[parse_modes(mode)[0]] = int(n)
+    return caps
+
+
 def check_bench_args(args: argparse.Namespace) -> None:
     """Refuse values and combinations the WAN bench cannot run, with the reason."""
     if args.rtt_ms < 0 or args.jitter_ms < 0 or (args.mbps is not None and args.mbps <= 0):
         raise SplitLMError("--rtt-ms and --jitter-ms must be >= 0 and --mbps > 0")
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        raise SplitLMError("--max-new-tokens and --limit must be at least 1")
+    if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category)):
+        raise SplitLMError("--max-new-tokens, --limit and --per-category must be at least 1")
     if args.head < 1 or (args.tail is not None and args.tail < 0):
         raise SplitLMError("--head must be >= 1 and --tail >= 0")
     if args.edge and (args.topology != "tail-local" or args.d_end is not None or args.tail is not None):
@@ -168,7 +188,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         head=args.head, tail=args.tail, wire_dtype=args.wire_dtype, edge=args.edge, topology=args.topology,
         d_end=args.d_end, vocab=args.vocab, jitter_ms=args.jitter_ms, mbps=args.mbps,
         limit=args.limit, memory=not args.no_memory, plots=not args.no_plots, train_head=not args.no_train_head,
-        codecs=parse_codecs(args.codecs),
+        codecs=parse_codecs(args.codecs), per_category=args.per_category,
+        categories=[c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None,
+        mode_questions=parse_mode_questions(args.mode_questions),
         device=args.device, dtype=args.dtype, cloud_device=args.cloud_device, cloud_dtype=args.cloud_dtype)
 
 
@@ -215,21 +237,22 @@ def prefill_main(args: argparse.Namespace) -> int:
 
 def edge_profiles_main(args: argparse.Namespace, config: BenchConfig) -> int:
     """`bench --edge-profiles` on the tail-local split of `config` (made here, or `--edge`'s)."""
-    from splitlm.bench.edge_profiles import edge_profiles_doc, heldout_prompts, markdown, write_results
+    from splitlm.bench.edge_profiles import edge_profiles_doc, markdown, tuning_prompts, write_results
     from splitlm.bench.suite import resolve_split
     from splitlm.model.loading import resolve_model
 
     if config.topology != "tail-local":
         raise SplitLMError("--edge-profiles needs the tail-local topology (the ONNX edge has a tail)")
     split_dir = resolve_split(config, resolve_model(config.model))[0]
-    prompts = heldout_prompts(config.prompts, config.limit)
+    prompts = tuning_prompts(config.prompts, config.limit)
     doc = edge_profiles_doc(split_dir, prompts, config.max_new_tokens, args.threads or 2)
     return report(markdown(doc), write_results(doc, config.out))
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from splitlm.bench.prompts import default_prompts_path, load_prompts
+    from splitlm.bench.prompts import default_prompts_path
     from splitlm.bench.report import markdown_report
+    from splitlm.bench.specbench import load_prompt_set
     from splitlm.bench.suite import run_bench, write_results
 
     if args.pass_cost:
@@ -239,7 +262,8 @@ def bench_main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.edge_profiles:
         return edge_profiles_main(args, config)
-    load_prompts(config.prompts or default_prompts_path())  # fail fast, before loading any model
+    load_prompt_set(config.prompts or default_prompts_path(), config.categories, config.per_category,
+                    config.mode_questions)  # fail fast, before loading any model
     if config.vocab not in ("all", "en", "zh") and not Path(config.vocab).is_file():
         raise SplitLMError(f"--vocab {config.vocab!r}: not all, en, zh or an allow-list file")
     doc = run_bench(config)

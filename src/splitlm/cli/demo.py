@@ -39,6 +39,7 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
             # The step budget of `auto` learns the link's round trip and the cloud's cost per token from the
             # steps it runs (an edge that has served a request knows them); a first request starts untrained
             # and drafts too little. One short request first, as `bench` does before it measures.
+            log_head(split_dir / "edge", edge.model.manifest.model_hash, spec)
             log.info("splitlm demo: one short warm-up request first, so that the speculation budget knows the link "
                      "(not shown)")
             edge.generate(WARMUP_PROMPT, WARMUP_TOKENS, chat=True, spec=spec)
@@ -59,6 +60,20 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
                 log.info("splitlm demo: one prose answer; `splitlm bench` averages 20 prompts (code gains most, prose "
                          "least) on an idle machine: docs/results.md")
     return 0
+
+
+def log_head(edge_dir, model_hash: str, spec: str) -> None:
+    """Say which draft head `auto` drafts with (and where it came from), or that it has none."""
+    from splitlm.decoding.head import find_head, head_origin
+
+    if spec not in ("auto", "head"):
+        return
+    path = find_head(edge_dir, model_hash)
+    if path is None:
+        log.info("splitlm demo: no draft head for this model (`splitlm train-head` trains one): %s drafts without it",
+                 spec)
+    else:
+        log.info("splitlm demo: %s drafts with the draft head %s (%s)", spec, path, head_origin(path))
 
 
 def cmd_demo(args) -> int:

@@ -32,7 +32,8 @@ def cmd_generate(args) -> int:
     with open_edge(args) as edge:
         stop_at_eos = not args.ignore_eos
         chat = args.chat if args.chat is not None else edge.has_chat_template
-        options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop)
+        options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop,
+                       response_format=grammar_arg(args))
         if args.json:
             result = edge.generate(prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
@@ -46,6 +47,36 @@ def cmd_generate(args) -> int:
         print()
         print(format_stats(stream.result.stats), file=sys.stderr)
     return 0
+
+
+def read_text(path: str, what: str) -> str:
+    try:
+        return open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SplitLMError(f"cannot read the {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def grammar_arg(args):
+    """The `GrammarSpec` of --json-schema FILE, --json-object, --grammar FILE or --regex PATTERN (None: none)."""
+    from splitlm.decoding.grammar import GrammarSpec
+
+    if args.json_schema:
+        return GrammarSpec.json_schema(read_text(args.json_schema, "JSON schema"))
+    if args.json_object:
+        return GrammarSpec.json_object()
+    if args.grammar:
+        return GrammarSpec.lark(read_text(args.grammar, "grammar file"))
+    return GrammarSpec.regex(args.regex) if args.regex else None
+
+
+def add_grammar_options(p: argparse.ArgumentParser) -> None:
+    """Constrained decoding (docs/structured-outputs.md): at most one grammar."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON Schema file")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (llguidance's dialect: "
+                                                     "EBNF-like rules, /regex/ terminals)")
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression (Rust regex syntax)")
 
 
 def read_prompt(args) -> str:
@@ -94,6 +125,7 @@ def add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this string (repeatable)")
     add_sampling_options(p)
+    add_grammar_options(p)
     add_edge_options(p)
     p.set_defaults(func=cmd_generate)
 

@@ -31,6 +31,8 @@ def cmd_serve_cloud(args) -> int:
     from splitlm.cloud.sessions import ServerLimits
 
     set_threads(args.threads)
+    if args.idle_timeout < 0:
+        raise SplitLMError(f"--idle-timeout must be 0 (never) or more seconds, got {args.idle_timeout:g}")
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20,
@@ -80,12 +82,22 @@ def cmd_serve_edge(args) -> int:
         raise SplitLMError(f"--default-temperature must be between 0 and 2, got {args.default_temperature}")
     config = APIConfig(model_name=args.model_name or Path(args.edge).resolve().parent.name, api_key=api_key(args),
                        spec=spec_arg(args), max_concurrent=args.max_concurrent,
-                       default_temperature=args.default_temperature, default_max_tokens=args.default_max_tokens)
+                       default_temperature=args.default_temperature, default_max_tokens=args.default_max_tokens,
+                       prefix_pool=prefix_pool_limits(args))
     with open_edge(args) as edge:
         if args.spec == "auto":
             edge.draft_memory(config.spec)  # built once now, not in the first request
         serve(edge, config, args.host, args.port)
     return 0
+
+
+def prefix_pool_limits(args):
+    """The prefix pool's limits from --prefix-pool, --prefix-pool-mb and --prefix-pool-ttl."""
+    from splitlm.edge.prefix_pool import PoolLimits
+
+    if args.prefix_pool_ttl < 0:
+        raise SplitLMError(f"--prefix-pool-ttl must be >= 0 seconds, got {args.prefix_pool_ttl}")
+    return PoolLimits(args.prefix_pool, args.prefix_pool_mb, args.prefix_pool_ttl)
 
 
 def cmd_keygen(args) -> int:
@@ -109,7 +121,9 @@ def add_serve_cloud(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=8192, help="KV entries per session")
     p.add_argument("--max-frame-mb", type=positive_int, default=64, metavar="MB",
                    help="largest frame a client may send, in MiB (larger ones are refused)")
-    p.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session expires")
+    p.add_argument("--idle-timeout", type=float, default=300.0, metavar="S",
+                   help="free a session unused this many seconds (its edge is told PREEMPTED and replays its "
+                        "context when it comes back; default 300, 0 = never)")
     p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
                    help="keepalive pings; a connection that answers none for as long is closed (default 20, 0 = off)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
@@ -121,7 +135,8 @@ def add_serve_cloud(sub) -> None:
                    help="rows of one causal request (a prefill) per pass; longer ones run in chunks, "
                         "interleaved with other sessions' steps")
     p.add_argument("--kv-budget-mb", type=non_negative_int, default=0, metavar="MB",
-                   help="KV cache memory of all sessions in MiB; beyond it OPEN/FORWARD get CAPACITY "
+                   help="KV cache memory of all sessions in MiB; when full, idle sessions are preempted (least "
+                        "recently active first), and OPEN/FORWARD get CAPACITY only when every session is mid-request "
                         "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)")
     p.add_argument("--identity", metavar="KEY", default=None,
                    help="the cloud's private key (from `splitlm keygen`; default: cloud.key in the config dir, "
@@ -172,5 +187,12 @@ def add_serve_edge(sub) -> None:
                    help="temperature of requests that give none (default 1.0, as OpenAI's API)")
     p.add_argument("--default-max-tokens", type=positive_int, default=2048,
                    help="max_tokens of requests that give none (default 2048, less if the context is shorter)")
+    p.add_argument("--prefix-pool", type=non_negative_int, default=4, metavar="N",
+                   help="conversation states kept between requests, so that a prompt extending one prefills only "
+                        "the rest (docs/prefix-reuse.md; default 4, 0 = no reuse)")
+    p.add_argument("--prefix-pool-mb", type=non_negative_int, default=256, metavar="MB",
+                   help="memory the pooled states may hold on each side, the edge's and the cloud's (default 256)")
+    p.add_argument("--prefix-pool-ttl", type=float, default=300.0, metavar="S",
+                   help="a pooled state idle this long is closed and the cloud drops its cache (default 300, 0 = no limit)")
     add_edge_options(p)
     p.set_defaults(func=cmd_serve_edge)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from splitlm import SplitLMError
 from splitlm.cli.options import int_at_least, need_edge_shard, positive_int, set_threads
+from splitlm.result_files import default_results_dir
 
 log = logging.getLogger(__name__)
 
 
 def cmd_train_adapter(args) -> int:
-    from pathlib import Path
-
     from splitlm.edge.train_adapter import train_adapter
 
     set_threads(args.threads)
@@ -33,14 +33,14 @@ def cmd_train_head(args) -> int:
 
     need_edge_shard(args)
     report = train_head(args.model, args.edge, warmup=args.warmup, max_tokens=args.max_tokens, minutes=args.minutes,
-                        log=lambda msg: log.info("[train-head] %s", msg))
-    print(json.dumps(report))
+                        log=lambda msg: log.info("[train-head] %s", msg), out=args.out)
+    log.info("[train-head] the report is next to the head (%s) and in %s",
+             Path(report["head"]).with_suffix(".json"), args.out)
+    print(json.dumps({k: v for k, v in report.items() if k != "provenance"}))
     return 0
 
 
 def cmd_warmup(args) -> int:
-    from pathlib import Path
-
     from splitlm.decoding.warmup import WARMUP_FILE, build_warmup
 
     set_threads(args.threads)
@@ -83,6 +83,9 @@ def add_train_head(sub) -> None:
     p.add_argument("--minutes", type=float, default=25.0,
                    help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--out", default=str(default_results_dir()),
+                   help=f"results directory for the training report train-head-<stamp>.json (default "
+                        f"{default_results_dir()}); a copy is always written next to the head")
     p.set_defaults(func=cmd_train_head)
 
 

@@ -157,8 +157,8 @@ class StepBudget:
     def observe_acceptance(self, tree: TokenTree, path: list[int]) -> None:
         accepted = set(path)
         for i in range(1, len(tree)):
-            # only nodes whose parent was accepted were really tested
-            if tree.parents[i] in accepted:
+            # only nodes whose parent was accepted were really tested (a forced node is certain)
+            if tree.parents[i] in accepted and not tree.certain(i):
                 self.calibration.add(tree.scores[i], i in accepted)
 
     def choose(self, tree: TokenTree, extra_tokens: int = 0) -> BudgetChoice:
@@ -170,7 +170,7 @@ class StepBudget:
         child's, so the best k nodes by that product always form a subtree."""
         reach = [1.0] * len(tree)
         for i in range(1, len(tree)):
-            reach[i] = reach[tree.parents[i]] * self.calibration.p(tree.scores[i])
+            reach[i] = reach[tree.parents[i]] * (1.0 if tree.certain(i) else self.calibration.p(tree.scores[i]))
         limit = min(len(tree), self.max_nodes if self.fixed_nodes is None else self.fixed_nodes)
         ranked = sorted(reach[1:], reverse=True)[: limit - 1]
         sizes = [BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)]

@@ -18,7 +18,8 @@ Trained by `splitlm train-head` on the model's own greedy answers (`splitlm.deco
 stored as EDGE_DIR/draft_head.safetensors, and a copy per model under
 `$SPLITLM_CACHE/heads/MODEL_HASH.safetensors`: the head reads only the final hidden state and the LM
 head, so it does not depend on where the model is split, and every later split of the same model
-finds it. Never sent.
+finds it. The bundled model's head ships with the package (`splitlm/data/heads/MODEL_HASH.safetensors`,
+its training report beside it), found last: a head the user trained wins (`find_head`). Never sent.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.linear import Linear
+from splitlm.result_files import note_head
 
 HEAD_FILE = "draft_head.safetensors"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "heads"  # heads shipped with the package
 
 
 class DraftHead(nn.Module):
@@ -46,6 +49,7 @@ class DraftHead(nn.Module):
         self.fc2 = Linear(inner, hidden)
         self.fc1.bf16_blocked = self.fc2.bf16_blocked = True  # a few MB: drafting in bf16 is faster blocked
         self.register_buffer("vocab_ids", vocab_ids.long())  # [S] the draft's vocabulary
+        self.path: Path | None = None  # the file it was loaded from (`load_head`)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """h [B, D] (final-normed hidden state), e [B, D] (embedding of the next token) -> ĥ [B, D]."""
@@ -65,14 +69,36 @@ def cached_head_path(model_hash: str) -> Path:
     return cache_root() / "heads" / f"{model_hash}.safetensors"
 
 
+def shipped_head_path(model_hash: str) -> Path:
+    """Where the package keeps the head it ships for a model (the bundled one's)."""
+    return SHIPPED_DIR / f"{model_hash}.safetensors"
+
+
+def head_report_path(head_path: str | Path) -> Path:
+    """The training report kept next to a head: `X.safetensors` -> `X.json`."""
+    return Path(head_path).with_suffix(".json")
+
+
 def find_head(edge_dir: str | Path, model_hash: str | None = None) -> Path | None:
-    """The edge shard's own trained head, else the one trained for its model on this machine, else None."""
+    """The head an edge drafts with: the shard's own (`train-head --edge`), else the one trained for its
+    model on this machine (the cache), else the one shipped with the package for its model, else None.
+    Every one is keyed by the model's weights (`model_hash`), so a head is never used with another model."""
     own = Path(edge_dir) / HEAD_FILE
     if own.is_file():
         return own
-    if model_hash and (cached := cached_head_path(model_hash)).is_file():
-        return cached
+    for path in (cached_head_path(model_hash), shipped_head_path(model_hash)) if model_hash else ():
+        if path.is_file():
+            return path
     return None
+
+
+def head_origin(path: Path) -> str:
+    """Where a head found by `find_head` comes from, in words (the demo says it)."""
+    if path.parent.resolve() == SHIPPED_DIR:
+        return "shipped with splitlm for this model"
+    if path.name == HEAD_FILE:
+        return "the edge shard's own (splitlm train-head --edge)"
+    return "trained for this model on this machine (splitlm train-head)"
 
 
 def load_head(edge_dir: str | Path, model_hash: str | None = None) -> DraftHead | None:
@@ -86,6 +112,8 @@ def load_head(edge_dir: str | Path, model_hash: str | None = None) -> DraftHead 
     inner, hidden = state["fc2.weight"].shape[1], state["fc2.weight"].shape[0]
     head = DraftHead(hidden, inner, state["vocab_ids"])
     head.load_state_dict(state)
+    head.path = path  # where it came from: the result files record it
+    note_head(path)
     return head.eval()
 
 

@@ -30,9 +30,9 @@ class LocalSession:
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0) -> StepResult:
+                extras: int = 0, allowed: torch.Tensor | None = None) -> StepResult:
         """Like `EdgeSession.forward`: with `extras` = k, the step holds each row's top-k ids and
-        final-normed hidden state."""
+        final-normed hidden state; with `argmax` and `allowed` [R, V], each row's greedy id among its allowed."""
         start = time.perf_counter()
         if keep is not None:
             self.cache.keep(keep)
@@ -45,7 +45,8 @@ class LocalSession:
         h = h if rows is None else h[rows]
         logits = to_host(m.logits(h))  # [R, V]
         compute_s = time.perf_counter() - start
-        step = StepResult(logits.argmax(-1) if argmax else logits, len(ids), 0.0, compute_s)
+        greedy = logits if allowed is None else logits.masked_fill(~allowed, -torch.inf)  # [R, V]
+        step = StepResult(greedy.argmax(-1) if argmax else logits, len(ids), 0.0, compute_s)
         if extras:
             step.topk, step.hidden = logits.topk(extras, -1).indices, to_host(m.norm(h))
         return step

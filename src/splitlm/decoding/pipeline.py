@@ -29,8 +29,9 @@ import torch
 
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.sampling import Sampler, SamplingConfig
-from splitlm.decoding.speculative import SpecStats, build_step, prefill, stop_at
+from splitlm.decoding.speculative import SpecStats, build_step, greedy_ids, prefill, stop_at
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
@@ -140,9 +141,11 @@ class PipelinedRun:
     stands, or is void and every cache rolls back)."""
 
     def __init__(self, session: PipeSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                 sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False):
+                 sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False,
+                 logprobs: LogprobRecorder | None = None):
         self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
         self.sampler, self.limits, self.always_bet = sampler, limits, always_bet
+        self.logprobs = logprobs  # records each emitted token with its logits row (then greedy steps ask for logits)
         self.context = context  # the prompt and the verified tokens
         self.produced = 1  # the prefill's token
         self.cap = session.max_step_tokens
@@ -171,7 +174,8 @@ class PipelinedRun:
         else:
             tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
             mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
-        step.flight = self.session.send(tokens, positions, mask, rows, keep, argmax=self.sampler is None)
+        step.flight = self.session.send(tokens, positions, mask, rows, keep,
+                                        argmax=self.sampler is None and self.logprobs is None)
         self.flight.append(step)
 
     def fill(self) -> None:
@@ -232,10 +236,13 @@ class PipelinedRun:
         if self.sampler:
             path, new = accept_sampled(step.tree, logits, self.sampler, step.ctx)
         else:
-            path, new = accept_greedy(step.tree, logits.tolist())
+            path, new = accept_greedy(step.tree, greedy_ids(logits))
         self.drafter.accepted(new[:-1])
         self.learn(step, info, path)
         fresh, keep, stop = self.cut(step, path, new)
+        if self.logprobs is not None:  # fresh[i] is new[skip + i], chosen at node path[skip + i]
+            skip = len(self.context) - len(step.ctx)
+            self.logprobs.record(fresh, logits[path[skip: skip + len(fresh)]])
         self.last = (step, keep)
         self.resolve_bet(step, path, new, logits, keep, stop)
         self.produced += len(fresh)
@@ -248,9 +255,7 @@ class PipelinedRun:
         if not info.overlapped:
             self.budget.observe_network(info.network_s)
         self.budget.observe_acceptance(step.tree, path)
-        self.stats.steps += 1
-        self.stats.tree_nodes += len(step.tree)
-        self.stats.accepted_drafts += len(path) - 1
+        self.stats.verified(len(step.tree), len(path) - 1)
 
     def cut(self, step: Step, path: list[int], new: list[int]) -> tuple[list[int], list[int], bool]:
         """The tokens `step` adds to the context (a pipelined step's first token was the step before's
@@ -301,7 +306,8 @@ class PipelinedRun:
 
 def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                      drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
-                     sampling: SamplingConfig | None = None, always_bet: bool = False) -> Iterator[list[int]]:
+                     sampling: SamplingConfig | None = None, always_bet: bool = False,
+                     logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
     """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), with up to two
     steps in flight. Yields the new tokens of each verified step.
 
@@ -309,10 +315,10 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
     retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
-    sampler, root, _ = prefill(session, prompt_ids, cached, budget, sampling)
+    sampler, root, _ = prefill(session, prompt_ids, cached, budget, sampling, logprobs=logprobs)
     yield [root]
     run = PipelinedRun(session, drafter, budget, stats, sampler, list(prompt_ids) + [root],
-                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet)
+                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet, logprobs)
     try:
         while (verified := run.next_verified()) is not None:
             fresh, stop = verified

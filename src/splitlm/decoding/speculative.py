@@ -12,6 +12,7 @@ import torch
 
 from splitlm.decoding.budget import BudgetChoice, StepBudget
 from splitlm.decoding.drafters import Drafter, Window
+from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
@@ -20,11 +21,12 @@ from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 class StepSession(Protocol):
     """What the loop needs from a session: one forward of new tokens, returning a `StepResult` whose
     `out` holds the asked rows' logits (with `argmax`: only each row's greedy token), and `settle` to
-    keep only the accepted entries of the last forward's tokens."""
+    keep only the accepted entries of the last forward's tokens. With `argmax` and `allowed` [R, V] bool
+    (a grammar's masks), each row's greedy token is chosen among its allowed ones."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None,
-                argmax: bool = False) -> StepResult: ...
+                argmax: bool = False, allowed: torch.Tensor | None = None) -> StepResult: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
@@ -44,6 +46,21 @@ class SpecStats:
     pipelined: int = 0  # steps sent while the step before was in flight (pipelined mode)
     discarded: int = 0  # of those, steps whose reply was dropped (the bet failed, or it guessed nothing)
     missed: int = 0  # of those, steps dropped because the bet failed
+    drafts: int = 0  # steps whose tree carried at least one drafted token (vLLM's num_drafts)
+    draft_tokens: int = 0  # drafted tokens verified: tree nodes less the roots (lookahead windows excluded)
+    accepted_per_position: list[int] = field(default_factory=list)  # [depth - 1]: steps whose path reached it
+
+    def verified(self, tree_nodes: int, accepted: int) -> None:
+        """Count one verified step: its tree's size (root included) and the drafted tokens accepted."""
+        self.steps += 1
+        self.tree_nodes += tree_nodes
+        self.accepted_drafts += accepted
+        self.drafts += tree_nodes > 1
+        self.draft_tokens += tree_nodes - 1
+        grow = accepted - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(0, grow)
+        for d in range(accepted):
+            self.accepted_per_position[d] += 1
 
     def to_dict(self) -> dict:
         s = max(self.steps, 1)
@@ -52,7 +69,9 @@ class SpecStats:
                 "mean_window_tokens": round(self.window_tokens / s, 2),
                 "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
                 "mean_expected_tokens": round(self.expected_tokens / s, 3),
-                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded, "missed_bets": self.missed}
+                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded, "missed_bets": self.missed,
+                "drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_per_position": list(self.accepted_per_position)}
 
 
 def build_step(tree: TokenTree, window: Window | None, base: int):
@@ -79,18 +98,26 @@ def extras(drafter: Drafter) -> dict:
     return {"extras": drafter.extras} if drafter.extras else {}
 
 
+def greedy_ids(out: torch.Tensor) -> list[int]:
+    """Each row's greedy token from a step's `out`: greedy ids [R] already, or logits [R, V]."""
+    return (out if out.dim() == 1 else out.argmax(-1)).tolist()
+
+
 def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
-            sampling: SamplingConfig | None,
-            drafter: Drafter | None = None) -> tuple[Sampler | None, int, StepResult]:
+            sampling: SamplingConfig | None, drafter: Drafter | None = None,
+            logprobs: LogprobRecorder | None = None) -> tuple[Sampler | None, int, StepResult]:
     """Run the uncached prompt tokens; returns the sampler (None for greedy), the first token and the
-    prefill's step."""
+    prefill's step. With `logprobs` every step asks for logits (greedy too) and the first token's goes there."""
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], argmax=sampler is None,
+    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1],
+                           argmax=sampler is None and logprobs is None,
                            **({} if drafter is None else extras(drafter)))
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(step.network_s)
-    root = sampler.token(step.out[-1], prompt_ids) if sampler else int(step.out[-1])
+    root = sampler.token(step.out[-1], prompt_ids) if sampler else greedy_ids(step.out)[-1]
+    if logprobs is not None:
+        logprobs.record([root], step.out[-1:])
     return sampler, root, step
 
 
@@ -105,7 +132,8 @@ def stop_at(tokens: list[int], produced: int, max_new_tokens: int, eos: set[int]
 
 def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                        drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
-                       sampling: SamplingConfig | None = None) -> Iterator[list[int]]:
+                       sampling: SamplingConfig | None = None,
+                       logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
     """Yield the new tokens of each step (the first chunk comes from the prefill). A drafter that
     `adapts_window` has its lookahead window resized every step to what the measured link and
     compute afford.
@@ -113,8 +141,9 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     `cached`: the first `cached` prompt tokens are already in the session's caches (a later turn of
     a conversation). After every step the session is told which of its entries to keep
     (`settle`; the cloud hears it piggy-backed on the next request), so at any point it holds the
-    context except its last token."""
-    sampler, root, first_step = prefill(session, prompt_ids, cached, budget, sampling, drafter)
+    context except its last token. `logprobs` records each emitted token with the logits row it was
+    chosen from (`splitlm.decoding.logprobs`)."""
+    sampler, root, first_step = prefill(session, prompt_ids, cached, budget, sampling, drafter, logprobs)
     yield [root]
     produced = 1
     context = list(prompt_ids) + [root]
@@ -130,7 +159,8 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         tree, window, choice = plan_step(drafter, budget, session.max_step_tokens)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         sent = time.perf_counter()
-        step = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None, **extras(drafter))
+        step = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None and logprobs is None,
+                               **extras(drafter))
         returned = time.perf_counter()
         path, new, argmax = accept(tree, step, sampler, context)
         drafter.accepted(new[:-1])
@@ -146,6 +176,8 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             new = new[:n]
             keep = path[:n]  # the cache keeps the context up to, not including, the last token
         session.settle(keep)
+        if logprobs is not None:
+            logprobs.record(new, step.out[path[: len(new)]])  # new[i] was chosen at node path[i]
         produced += len(new)
         context.extend(new)
         drafter.extend(new)
@@ -176,16 +208,14 @@ def accept(tree: TokenTree, step: StepResult, sampler: Sampler | None,
         logits = step.out  # [R, V]
         path, new = accept_sampled(tree, logits[: len(tree)], sampler, context)
         return path, new, logits.argmax(-1).tolist()
-    argmax = step.out.tolist()  # [R] greedy steps return tokens
+    argmax = greedy_ids(step.out)  # [R] (greedy steps return tokens, or logits when logprobs are recorded)
     path, new = accept_greedy(tree, argmax[: len(tree)])
     return path, new, argmax
 
 
 def record(stats: SpecStats, tree: TokenTree, window: Window | None, path: list[int], choice: BudgetChoice) -> None:
     """Count one verified step."""
-    stats.steps += 1
-    stats.tree_nodes += len(tree)
+    stats.verified(len(tree), len(path) - 1)
     stats.window_tokens += 0 if window is None else len(window.tokens())
-    stats.accepted_drafts += len(path) - 1
     stats.expected_tokens += choice.expected_tokens
     stats.choices.append(len(tree))

@@ -23,11 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from splitlm import SplitLMError
-from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, save_head
+from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, head_report_path, save_head
 from splitlm.decoding.warmup import find_warmup, read_warmup_records
 from splitlm.model.llama import embed
 from splitlm.model.loading import load_model
 from splitlm.model.shards import load_edge
+from splitlm.result_files import file_digest, provenance, time_stamp, write_json, write_result
+
+REPORT_SCHEMA = "splitlm.train-head/1"
 
 
 @torch.inference_mode()
@@ -105,11 +108,41 @@ def acceptance_by_depth(head, emb, w, batches: Batches, sub_of: torch.Tensor, li
             "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4)}
 
 
+def answer_sequences(records: list[dict], tok, unroll: int) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each warm-up prompt + answer (cut at 384) and where its answer starts; answers
+    shorter than `unroll` + 2 tokens are left out."""
+    seqs, starts = [], []
+    for r in records:
+        p = tok(r["prompt"], add_special_tokens=False).input_ids
+        a = tok(r["text"], add_special_tokens=False).input_ids
+        if len(a) >= unroll + 2:
+            seqs.append((p + a)[:384])
+            starts.append(min(len(p), 383))
+    return seqs, starts
+
+
+def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    """(training answers, held-out answers) by index: every tenth answer is held out; training takes the
+    others in order until `max_tokens` answer tokens, and as many held-out ones as a ninth of them."""
+    held = [i for i in range(len(seqs)) if i % 10 == 0]
+    train = [i for i in range(len(seqs)) if i % 10]
+    budget, chosen = max_tokens, []
+    for i in train:
+        if budget <= 0:
+            break
+        chosen.append(i)
+        budget -= len(seqs[i]) - starts[i]
+    return chosen, held[: max(1, len(chosen) // 9)]
+
+
 def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 1_000_000,
                vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 25.0, batch: int = 256,
-               lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None) -> dict:
-    """Train the head, write EDGE_DIR/draft_head.safetensors, return a report (acceptance by depth on
-    the held-out answers, training time)."""
+               lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None,
+               out: str | Path | None = None) -> dict:
+    """Train the head, write EDGE_DIR/draft_head.safetensors (and the model's copy in the cache), each with
+    its report beside it (`X.json`: acceptance by depth on the held-out answers, data, settings, time,
+    the command to reproduce it), and the report as `out/train-head-<stamp>.json` when `out` is given;
+    return the report."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -128,22 +161,9 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
                                                                       edge.embed_tokens.weight.float().bfloat16().float()):
         raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
-    seqs, starts = [], []
-    for r in records:
-        p = tok(r["prompt"], add_special_tokens=False).input_ids
-        a = tok(r["text"], add_special_tokens=False).input_ids
-        if len(a) >= unroll + 2:
-            seqs.append((p + a)[:384])
-            starts.append(min(len(p), 383))
-    held = [i for i in range(len(seqs)) if i % 10 == 0]
-    train = [i for i in range(len(seqs)) if i % 10]
-    budget, chosen = max_tokens, []
-    for i in train:
-        if budget <= 0:
-            break
-        chosen.append(i)
-        budget -= len(seqs[i]) - starts[i]
-    keep = chosen + held[: max(1, len(chosen) // 9)]
+    seqs, starts = answer_sequences(records, tok, unroll)
+    chosen, held_out = split_answers(seqs, starts, max_tokens)
+    keep = chosen + held_out
     n_tok = sum(len(seqs[i]) for i in keep)
     log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
         f"on {n_tok} tokens")
@@ -188,12 +208,66 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
             bar.update(1)
     head.eval()
     report = acceptance_by_depth(head, emb, w, ho, sub_of)
-    out = edge_dir / HEAD_FILE
-    save_head(head, out)
+    head_out = edge_dir / HEAD_FILE
+    save_head(head, head_out)
     cached = cached_head_path(edge.manifest.model_hash)  # what later splits of this model load
     cached.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out, cached)
-    return {"head": str(out), "cached": str(cached), "warmup": str(path), "train_answers": len(chosen), "train_positions": len(tr.pos),
-            "steps": done, "loss_first": round(loss_first or 0.0, 4), "loss_last": round(loss_ema or 0.0, 4),
-            "vocab": len(vocab_ids), "vocab_coverage": round(coverage, 4),
-            "heldout": report, "features_s": round(feat_s, 1), "seconds": round(time.perf_counter() - start, 1)}
+    shutil.copyfile(head_out, cached)
+    settings = {"max_tokens": max_tokens, "vocab": vocab, "inner": inner, "unroll": unroll, "minutes": minutes,
+                "batch": batch, "lr": lr, "seed": seed}
+    doc = {"schema": REPORT_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "head": str(head_out),
+           "cached": str(cached), "head_sha256": file_digest(head_out), "model": model_spec,
+           "model_hash": edge.manifest.model_hash, "warmup": str(path), "settings": settings,
+           "reproduce": reproduce_command(model_spec, warmup, settings),
+           "train_answers": len(chosen), "train_positions": len(tr.pos),
+           "steps": done, "loss_first": round(loss_first or 0.0, 4), "loss_last": round(loss_ema or 0.0, 4),
+           "vocab": len(vocab_ids), "vocab_coverage": round(coverage, 4),
+           "heldout": report, "features_s": round(feat_s, 1), "seconds": round(time.perf_counter() - start, 1)}
+    doc["provenance"] = provenance([head_out])
+    for head_path in (head_out, cached):  # the report next to each copy of the head
+        write_json(head_report_path(head_path), doc)
+    if out is not None:
+        write_result(out, "train-head", doc, stamp=time_stamp(doc["created"]))
+    return doc
+
+
+def reproduce_command(model_spec: str, warmup: str | Path | None, settings: dict) -> str:
+    """The `splitlm train-head` command line that trains a head like this one (EDGE: any split of the model)."""
+    cmd = f"splitlm train-head --edge EDGE --model {model_spec} --max-tokens {settings['max_tokens']} " \
+          f"--minutes {settings['minutes']:g}"
+    return cmd + (f" --warmup {warmup}" if warmup else "")
+
+
+@torch.inference_mode()
+def evaluate_head(model_spec: str, edge_dir: str | Path, head_path: str | Path, warmup: str | Path | None = None,
+                  max_tokens: int = 1_000_000, unroll: int = 4, log: Callable[[str], None] = lambda _: None) -> dict:
+    """A trained head's acceptance by depth on the answers `train_head` holds out with the same data and
+    `max_tokens` (every tenth answer, as many as a ninth of the training answers): the report's `heldout`
+    figures again, for a head whose report is lost. Runs the full model over the held-out answers only."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    edge_dir = Path(edge_dir)
+    edge = load_edge(edge_dir)
+    path = Path(warmup) if warmup else find_warmup(edge_dir, edge.manifest.model_hash)
+    if path is None:
+        raise SplitLMError(f"no warm-up answers for {edge_dir} (pass the warm-up file the head was trained on)")
+    state = load_file(str(head_path))
+    head = DraftHead(state["fc2.weight"].shape[0], state["fc2.weight"].shape[1], state["vocab_ids"])
+    head.load_state_dict(state)
+    head = head.float().eval()
+    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
+    seqs, starts = answer_sequences(read_warmup_records(path), tok, unroll)
+    _, held_out = split_answers(seqs, starts, max_tokens)
+    log(f"{path}: {len(held_out)} held-out answers; full-model features on {sum(len(seqs[i]) for i in held_out)} tokens")
+    data = features(model, [seqs[i] for i in held_out])
+    ho = Batches(data, [seqs[i] for i in held_out], [starts[i] for i in held_out], unroll)
+    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
+    sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
+    w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[head.vocab_ids]
+    return {"head": str(head_path), "head_sha256": file_digest(head_path), "model": model_spec,
+            "model_hash": edge.manifest.model_hash, "warmup": str(path), "heldout_answers": len(held_out),
+            "heldout": acceptance_by_depth(head, emb, w, ho, sub_of), "seconds": round(time.perf_counter() - start, 1)}

@@ -15,6 +15,17 @@ import torch
 from splitlm.decoding.sampling import Sampler
 
 
+class Certain:
+    """The key of a node a grammar forces (`splitlm.decoding.grammar_tree`): emitted whatever the model
+    says, so accepted whenever its parent is; the step budget counts it with probability 1."""
+
+    def __repr__(self) -> str:
+        return "FORCED"
+
+
+FORCED = Certain()
+
+
 @dataclass
 class TokenTree:
     tokens: list[int]  # [N], tokens[0] is the root
@@ -44,6 +55,10 @@ class TokenTree:
         for p in self.parents:
             d.append(0 if p < 0 else d[p] + 1)
         return d
+
+    def certain(self, node: int) -> bool:
+        """Whether the node is forced (its key is `FORCED`)."""
+        return self.keys[node] is FORCED
 
     def child(self, node: int, token: int) -> int | None:
         return self._children.get((node, token))

@@ -23,7 +23,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -33,8 +34,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitlm import SplitLMError
+from splitlm.decoding.grammar import GrammarError
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge.api_metrics import EdgeMetrics
+from splitlm.edge.api_answer import AnswerBuilder, TokenBytes
+from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector, RequestClock
 from splitlm.edge.api_requests import (
     APIError,
     GenerationRequest,
@@ -43,7 +46,9 @@ from splitlm.edge.api_requests import (
     parse_chat,
     parse_completion,
 )
-from splitlm.edge.api_responses import chunk, completion_body, sse, usage
+from splitlm.edge.api_responses import Chunks, completion_body, sse
+from splitlm.edge.api_tools import template_input
+from splitlm.edge.prefix_pool import PoolLimits, PrefixPool
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
 
@@ -58,6 +63,7 @@ class APIConfig:
     max_concurrent: int = 4  # requests generating at once; more wait
     default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
     default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves
+    prefix_pool: PoolLimits = field(default_factory=PoolLimits)  # conversation states reused (docs/prefix-reuse.md)
 
 
 class EdgeAPI:
@@ -66,9 +72,12 @@ class EdgeAPI:
     def __init__(self, edge: Edge, config: APIConfig | None = None):
         self.edge, self.config = edge, config or APIConfig()
         self.metrics = EdgeMetrics()
+        self.pool = PrefixPool(edge, self.config.prefix_pool)  # before any request (generate reads it)
+        self.metrics.registry.register(PrefixPoolCollector(self.pool))
         self.executor = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="splitlm-generate")
         self.created = int(time.time())
         self.fingerprint = f"splitlm-{edge.model.manifest.fingerprint[:16]}"
+        self.token_bytes = TokenBytes(edge.text)  # each token's bytes, for logprobs
         routes = [Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -81,6 +90,7 @@ class EdgeAPI:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
     # -- errors and auth ---------------------------------------------------------------------------
     async def api_error(self, request: Request, exc: APIError) -> JSONResponse:
@@ -150,7 +160,8 @@ class EdgeAPI:
         req = parse_chat(await self.body(request), self.config.default_temperature)
         self.check_model(req.model)
         try:
-            prompt_ids = await asyncio.to_thread(self.edge.encode_messages, req.messages)
+            messages, tools = template_input(req.turns, req.tools, self.edge.text.template_takes_tools)
+            prompt_ids = await asyncio.to_thread(self.edge.encode_messages, messages, tools)
         except SplitLMError as e:
             raise invalid("messages", str(e)) from None
         return await self.respond("/v1/chat/completions", req, prompt_ids, chat=True)
@@ -181,15 +192,26 @@ class EdgeAPI:
                           "context_length_exceeded")
         return req.max_tokens
 
+    def check_grammar(self, req: GenerationRequest) -> None:
+        """A 400 naming the parameter when the request's grammar (response_format, forced tool calls)
+        does not compile for this model."""
+        if req.grammar is not None:
+            try:
+                self.edge.grammars.compile(req.grammar)
+            except GrammarError as e:
+                raise invalid(req.grammar_param or "response_format", str(e), "invalid_schema") from None
+
     def generate(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int,
-                 cancel: threading.Event, emit) -> GenerationResult | None:
-        """In a worker thread: generate, calling emit(text) per piece; None if cancelled."""
-        if cancel.is_set():
-            return None
-        self.metrics.in_flight.inc()
+                 cancel: threading.Event, emit, clock: RequestClock, logprobs=None) -> GenerationResult | None:
+        """In a worker thread: generate, calling emit(text) per piece; None if cancelled. `logprobs`: the
+        request's `LogprobRecorder`."""
+        self.metrics.started(clock)
         try:
-            stream = self.edge.stream(prompt_ids, max_tokens, spec=self.config.spec, sampling=req.sampling,
-                                      stop=req.stop)
+            if cancel.is_set():
+                return None
+            stream = self.pool.stream(prompt_ids, max_tokens, spec=self.config.spec, sampling=req.sampling,
+                                      stop=req.stop, cache_policy=req.cache_policy, response_format=req.grammar,
+                                      logprobs=logprobs)
             for piece in stream:
                 if cancel.is_set():
                     stream.close()
@@ -197,22 +219,29 @@ class EdgeAPI:
                 emit(piece)
             return stream.result
         finally:
-            self.metrics.in_flight.dec()
+            self.metrics.ended()
 
     async def respond(self, endpoint: str, req: GenerationRequest, prompt_ids: list[int], chat: bool) -> Response:
         max_tokens = self.max_tokens(req, prompt_ids, "messages" if chat else "prompt")
+        if req.cache_policy is not None and not self.edge.cache_policy.allows(req.cache_policy):
+            raise invalid("cache_policy", f"cache_policy {req.cache_policy} is looser than this server's "
+                          f"({self.edge.cache_policy}): a request may only tighten it")
+        await asyncio.to_thread(self.check_grammar, req)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        answer = AnswerBuilder(req, chat, self.token_bytes)
 
         def emit(piece: str) -> None:
             if req.stream:
-                loop.call_soon_threadsafe(queue.put_nowait, piece)
+                loop.call_soon_threadsafe(queue.put_nowait, answer.piece(piece))
 
-        start = time.perf_counter()
-        job = loop.run_in_executor(self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit)
+        clock = self.metrics.arrived()
+        job = loop.run_in_executor(self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit, clock,
+                                   answer.recorder)
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        job.add_done_callback(lambda _: self.metrics.left(clock))
         if not req.stream:
             try:
                 result = await job
@@ -220,30 +249,31 @@ class EdgeAPI:
                 raise cloud_failure(e) from None
             finally:
                 cancel.set()
-            self.metrics.finished(endpoint, result, time.perf_counter() - start)
+            self.metrics.finished(endpoint, result, clock)
+            RequestNote.of(result)
             self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            return JSONResponse(self.completion_body(rid, chat, result))
+            whole = answer.whole(result)
+            return JSONResponse(completion_body(rid, chat, result, self.config.model_name, self.fingerprint, whole,
+                                                answer.logprobs_body(whole.logprobs)))
         first = await queue.get()  # a failure before the first token still gets an error status
         if first is None and isinstance(job.exception(), CloudError | SplitLMError):
             raise cloud_failure(job.exception())
         self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-        return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, start),
+        return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, clock, answer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def completion_body(self, rid: str, chat: bool, result: GenerationResult) -> dict:
-        return completion_body(rid, chat, result, self.config.model_name, self.fingerprint)
-
-    def chunk(self, rid: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False) -> dict:
-        return chunk(rid, chat, text, self.config.model_name, self.fingerprint, finish, role)
-
-    async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, start) -> AsyncIterator[str]:
-        """SSE chunks: the role (chat), the text pieces from `first` on, the finish reason, usage, [DONE]."""
+    async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, clock,
+                     answer: AnswerBuilder) -> AsyncIterator[str]:
+        """SSE chunks: the role (chat), the text pieces from `first` on, the tool calls, the finish
+        reason, usage, [DONE]."""
+        out = Chunks(rid, chat, self.config.model_name, self.fingerprint, answer)
         try:
             if chat:
-                yield sse(self.chunk(rid, chat, None, role=True))
+                yield sse(out.chunk(None, role=True))
             piece = first
             while piece is not None:
-                yield sse(self.chunk(rid, chat, piece))
+                if (c := out.delta(piece)) is not None:
+                    yield sse(c)
                 piece = await queue.get()
             try:
                 result = job.result()
@@ -260,12 +290,10 @@ class EdgeAPI:
                 return
             if result is None:
                 return
-            self.metrics.finished(endpoint, result, time.perf_counter() - start)
-            yield sse(self.chunk(rid, chat, None if chat else "", finish=result.finish_reason))
-            if req.include_usage:
-                last = self.chunk(rid, chat, None)
-                last["choices"], last["usage"], last["splitlm"] = [], usage(result), result.stats.to_dict()
-                yield sse(last)
+            self.metrics.finished(endpoint, result, clock)
+            RequestNote.of(result)
+            for c in out.last(req.include_usage, result):
+                yield sse(c)
             yield sse("[DONE]")
         finally:
             cancel.set()  # the client went away (or we are done): stop generating
@@ -286,8 +314,28 @@ def cloud_health(url: str, tls_ca: str | None = None, timeout_s: float = 3.0) ->
     return {"url": url, "status": "ok" if status == "ok" else status, "fingerprint": fingerprint}
 
 
+@dataclass
+class RequestNote:
+    """What a generation request's log line adds: its prompt tokens and how many were reused."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @staticmethod
+    def of(result: GenerationResult) -> None:
+        """Note a finished request's counts for `RequestLog` (in the request's context)."""
+        if (note := REQUEST_NOTE.get()) is not None:
+            note.prompt_tokens, note.cached_tokens = len(result.prompt_ids), result.stats.cached_tokens
+
+    def __str__(self) -> str:
+        return f", {self.prompt_tokens} prompt tokens, {self.cached_tokens} reused" if self.prompt_tokens else ""
+
+
+REQUEST_NOTE: ContextVar[RequestNote | None] = ContextVar("splitlm_request_note", default=None)
+
+
 class RequestLog:
-    """ASGI middleware: one log line per request (method, route, status, duration; never any text)."""
+    """ASGI middleware: one log line per request (method, route, status, duration, and for a generation
+    its prompt tokens and how many were reused from the prefix pool; never any text)."""
 
     def __init__(self, app):
         self.app = app
@@ -302,12 +350,14 @@ class RequestLog:
                 status[0] = message["status"]
             await send(message)
 
+        note = RequestNote()
+        REQUEST_NOTE.set(note)  # this task's context, and the tasks it starts (a streamed body)
         try:
             await self.app(scope, receive, sending)
         finally:
             quiet = scope["path"] in ("/healthz", "/metrics")  # polled: only with -v
-            (log.debug if quiet else log.info)("%s %s %d %.0f ms", scope["method"], scope["path"], status[0],
-                                               (time.perf_counter() - start) * 1000)
+            (log.debug if quiet else log.info)("%s %s %d %.0f ms%s", scope["method"], scope["path"], status[0],
+                                               (time.perf_counter() - start) * 1000, note)
 
 
 def listen_socket(host: str, port: int):

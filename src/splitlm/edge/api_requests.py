@@ -1,47 +1,37 @@
-"""OpenAI API request bodies -> checked generation requests; OpenAI-style error bodies.
+"""OpenAI API request bodies -> checked generation requests.
 
-Only what the edge can honour is accepted: a parameter it cannot (n > 1, tools, logprobs,
-penalties, images) is refused with a 400 naming it, never silently ignored. Unknown extra fields
-(user, metadata, ...) are ignored, as they change nothing about the output.
+What each OpenAI parameter gets is one table (`splitlm.edge.api_params.PARAMETERS`, docs/api.md
+"Request parameters"): what the edge cannot honour (n > 1, penalties, audio, ...) is refused with a
+400 naming it, never silently ignored; what cannot change the output (user, metadata, ...) is
+ignored. `response_format` and forced tool calls become the request's grammar
+(`splitlm.decoding.grammar`), applied on the edge.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitlm.decoding.grammar import GrammarSpec
+from splitlm.decoding.logprobs import MAX_TOP_LOGPROBS
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.transport.errors import ErrorCode
+from splitlm.edge.api_errors import APIError, cloud_failure, invalid  # noqa: F401 (re-exported)
+from splitlm.edge.api_params import check_params
+from splitlm.edge.api_tools import (
+    FunctionTool,
+    ToolChoice,
+    Turn,
+    call_grammar,
+    check_schema,
+    parse_call_list,
+    parse_tool_choice,
+    parse_tools,
+    plain_messages,
+)
+from splitlm.transport.policy import CachePolicy
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-CAPACITY_RETRY_AFTER_S = 2
-
-
-def cloud_failure(e: Exception) -> APIError:
-    """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, else 502."""
-    if getattr(e, "code", None) == ErrorCode.CAPACITY:
-        return APIError(503, f"the cloud is at capacity: {e}", "server_error", code="cloud_capacity",
-                        headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)})
-    return APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
-
-
-def invalid(param: str, message: str, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's limit)
 
 
 @dataclass
@@ -54,6 +44,24 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk with the usage counts
+    turns: list[Turn] = field(default_factory=list)  # chat: the messages as sent (tool calls and results kept)
+    tools: list[FunctionTool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    grammar: GrammarSpec | None = None  # what the answer must follow: response_format, or a forced tool call
+    grammar_param: str | None = None  # the parameter it comes from (named by a 400 when it does not compile)
+    logprobs: int | None = None  # None: no logprobs; k: each token's and its k likeliest alternatives'
+    cache_policy: CachePolicy | None = None  # extra_body {"cache_policy": ...}; None: the server's (docs/prefix-reuse.md)
+
+    @property
+    def forced_call(self) -> bool:
+        """Whether the answer must be tool calls (`tool_choice` required, or a named function)."""
+        return self.tool_choice.mode in ("required", "function")
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the answer is read for tool calls (any `tool_choice` but none)."""
+        return self.tool_choice.mode != "none"
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float | None) -> float | None:
@@ -101,24 +109,46 @@ def _stop(body: dict) -> list[str]:
     return [s for s in stop if s]
 
 
-def _unsupported(body: dict, name: str, allowed=(None, False, 0, 0.0, [], {})) -> None:
-    value = body.get(name)
-    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
-        raise invalid(name, f"'{name}' = {value!r} is not supported by this server", "unsupported_parameter")
+def response_format(body: dict) -> GrammarSpec | None:
+    """`response_format`: text (None), json_object, or json_schema {name, schema, strict} (a checked schema)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid("response_format", "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema'}",
+                      "invalid_type")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return GrammarSpec.json_object()
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise invalid("response_format.json_schema", "response_format.json_schema must be an object with a 'name'",
+                      "invalid_type")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise invalid("response_format.json_schema.strict", "'strict' must be a boolean", "invalid_type")
+    schema = spec.get("schema", {"type": "object"})
+    check_schema(schema, "response_format.json_schema.schema")
+    return GrammarSpec.json_schema(schema, spec["name"])
 
 
-def _common(body: dict, default_temperature: float) -> GenerationRequest:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprob comes with (None: no logprobs)."""
+    if not chat:
+        return _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top:
+            raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def _common(body: dict, default_temperature: float, chat: bool) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "you must provide a model parameter (a string)", "missing_required_parameter")
-    for name in ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools",
-                 "functions", "echo", "suffix"):
-        _unsupported(body, name)
-    for name in ("n", "best_of"):
-        _unsupported(body, name, (None, 1))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("response_format", "only response_format {'type': 'text'} is supported", "unsupported_parameter")
+    check_params(body, "chat" if chat else "completions")
     temperature = _number(body, "temperature", 0.0, 2.0, default_temperature)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
@@ -136,8 +166,22 @@ def _common(body: dict, default_temperature: float) -> GenerationRequest:
         if not isinstance(options, dict):
             raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     include_usage = stream and bool(options) and _bool(options, "include_usage")
+    grammar = response_format(body)
     return GenerationRequest(model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
-                             include_usage=include_usage)
+                             include_usage=include_usage, grammar=grammar,
+                             grammar_param=None if grammar is None else "response_format",
+                             logprobs=_logprobs(body, chat), cache_policy=_cache_policy(body))
+
+
+def _cache_policy(body: dict) -> CachePolicy | None:
+    """What the request lets the cloud keep (none, session, window:N, sealed); None: not given."""
+    value = body.get("cache_policy")
+    if value is None:
+        return None
+    try:
+        return CachePolicy.parse(value)
+    except ValueError as e:
+        raise invalid("cache_policy", str(e)) from None
 
 
 def _content(message: dict, i: int) -> str:
@@ -156,22 +200,46 @@ def _content(message: dict, i: int) -> str:
                   "invalid_type")
 
 
+def _turn(message, i: int) -> Turn:
+    """One chat message: system / developer / user / assistant (text, or tool calls) / tool (a call's result)."""
+    if not isinstance(message, dict):
+        raise invalid(f"messages[{i}]", f"messages[{i}] must be an object", "invalid_type")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role == "assistant" and message.get("tool_calls"):
+        calls = parse_call_list(message["tool_calls"], f"messages[{i}].tool_calls")
+        return Turn("assistant", "" if message.get("content") is None else _content(message, i), calls)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs a 'tool_call_id'",
+                          "missing_required_parameter")
+        return Turn("tool", _content(message, i), tool_call_id=call_id)
+    return Turn(ROLES[role], _content(message, i))
+
+
+def _tools(body: dict, req: GenerationRequest) -> None:
+    """`tools`, `tool_choice`, `parallel_tool_calls`; a forced call becomes the request's grammar."""
+    req.tools = parse_tools(body)
+    req.tool_choice = parse_tool_choice(body, req.tools)
+    req.parallel_tool_calls = body.get("parallel_tool_calls") is None or _bool(body, "parallel_tool_calls")
+    if req.forced_call:
+        req.grammar = GrammarSpec.lark(call_grammar(req.tools, req.tool_choice, req.parallel_tool_calls))
+        req.grammar_param = "tools"
+
+
 def parse_chat(body, default_temperature: float = 1.0) -> GenerationRequest:
     """A /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    req = _common(body, default_temperature)
+    req = _common(body, default_temperature, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list", "missing_required_parameter")
-    req.messages = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages[{i}]", f"messages[{i}] must be an object", "invalid_type")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        req.messages.append({"role": ROLES[role], "content": _content(message, i)})
+    req.turns = [_turn(message, i) for i, message in enumerate(messages)]
+    _tools(body, req)
+    req.messages = plain_messages(req.turns, req.tools)
     return req
 
 
@@ -179,7 +247,7 @@ def parse_completion(body, vocab_size: int, default_temperature: float = 1.0) ->
     """A /v1/completions body; the prompt is a string, a list of one string, or token ids."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    req = _common(body, default_temperature)
+    req = _common(body, default_temperature, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

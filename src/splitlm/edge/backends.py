@@ -55,6 +55,7 @@ class Block(Protocol):
     rows: list[int] | None  # the R rows whose outputs are asked for (None: all T)
     argmax: bool  # each row's greedy token instead of its logits
     extras: int  # k > 0: also each row's k likeliest ids and final hidden state
+    allowed: torch.Tensor | None  # [R, V] bool: with argmax, each row's greedy token among these (a grammar's)
 
 
 class EdgeBackend(Protocol):
@@ -87,6 +88,19 @@ class EdgeBackend(Protocol):
 
     def finish(self, reply: Result, f: Block, cache: KVCache) -> TailOut:
         """Block `f`'s reply through the rest of the model: the asked rows' outputs."""
+
+
+def row_allowed(rows: torch.Tensor, vocab: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Per-row allowed ids [R, V] (a grammar's) and the edge's vocabulary subset [V] (None: all), on `device`."""
+    rows = to_device(rows, device)
+    return rows if vocab is None else rows & vocab
+
+
+def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Each row's greedy id [R] among its `allowed` [R, V] ids (None: all)."""
+    if allowed is None:
+        return logits.argmax(-1)
+    return logits.masked_fill(~to_device(allowed, logits.device), -torch.inf).argmax(-1)
 
 
 class LocalHead:
@@ -139,7 +153,8 @@ class TorchBackend(LocalHead):
         h, pos, mask = self.tail_inputs(reply, f)
         normed = self.model.tail_normed(h, pos, mask, cache, f.rows)[0]  # [R, D]
         if f.argmax:
-            logits, topk = self.model.greedy_head().candidates(normed, self.allowed, f.extras)
+            allowed = self.allowed if f.allowed is None else row_allowed(f.allowed, self.allowed, self.device)
+            logits, topk = self.model.greedy_head().candidates(normed, allowed, f.extras)
             logits = to_host(logits)
         else:
             logits = self.vocab.mask_logits(to_host(self.model.lm_logits(normed)))  # [R, V]
@@ -156,7 +171,7 @@ class OnnxBackend(LocalHead):
         h, pos, mask = self.tail_inputs(reply, f)
         full = self.vocab.mask_logits(self.model.tail_and_logits(h, pos, mask, cache, f.rows)[0])  # [R, V]
         topk = full.topk(f.extras, -1).indices if f.extras else None
-        return TailOut(full.argmax(-1) if f.argmax else full, None if topk is None else to_host(topk))
+        return TailOut(masked_argmax(full, f.allowed) if f.argmax else full, None if topk is None else to_host(topk))
 
 
 class SplitHeadBackend(LocalHead):
@@ -201,7 +216,7 @@ class SplitHeadBackend(LocalHead):
         logits = self.logits(reply, len(f.ids) if f.rows is None else len(f.rows))  # [R, V]
         cache.begin(len(f.ids))  # the (empty) tail cache stays in step with the head cache
         topk = to_host(logits.topk(f.extras, -1).indices) if f.extras else None
-        return TailOut(to_host(logits.argmax(-1) if f.argmax else logits), topk)
+        return TailOut(to_host(masked_argmax(logits, f.allowed) if f.argmax else logits), topk)
 
 
 def load_model(edge_dir: Path, device: str = "auto", dtype: str | None = "auto",

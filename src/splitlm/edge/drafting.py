@@ -32,25 +32,25 @@ class DraftState:
         self.tokenizer = text.tokenizer
         self._lock = text.lock  # the pools' table, the corpus model, the tokenizer
         self._corpus: NgramModel | None = None
-        self._corpus_ids: list[list[int]] | None = None
-        self._suffix_index: SuffixIndex | None = None
+        self._corpus_ids: dict[bool, list[list[int]]] = {}  # with the warm-up answers (True) or without
+        self._suffix_index: dict[bool, SuffixIndex] = {}
         self._memories: dict[tuple, DraftMemory] = {}
         self._budgets: dict[tuple, Pool[StepBudget]] = {}
 
-    def corpus_documents(self) -> list[str]:
+    def corpus_documents(self, warmup: bool = True) -> list[str]:
         """Local text for the `auto` drafter: Python's pydoc topics and, when there is one for this
-        model, a warm-up file of its own answers (`splitlm warmup`; bundled for the default model)."""
+        model (and `warmup`), a warm-up file of its own answers (`splitlm warmup`; bundled for the default model)."""
         docs = default_corpus_documents()
-        warmup = find_warmup(self.edge_dir, self.model.manifest.model_hash)
-        return docs + (read_warmup(warmup) if warmup is not None else [])
+        found = find_warmup(self.edge_dir, self.model.manifest.model_hash) if warmup else None
+        return docs + (read_warmup(found) if found is not None else [])
 
-    def corpus_ids(self) -> list[list[int]]:
+    def corpus_ids(self, warmup: bool = True) -> list[list[int]]:
         """The local text's documents as token ids (tokenized once; none without a tokenizer)."""
         with self._lock:
-            if self._corpus_ids is None:
-                self._corpus_ids = [] if self.tokenizer is None else \
-                    self.tokenizer(self.corpus_documents(), add_special_tokens=False).input_ids
-            return self._corpus_ids
+            if warmup not in self._corpus_ids:
+                self._corpus_ids[warmup] = [] if self.tokenizer is None else \
+                    self.tokenizer(self.corpus_documents(warmup), add_special_tokens=False).input_ids
+            return self._corpus_ids[warmup]
 
     def corpus_model(self) -> NgramModel | None:
         """The n-gram model of local text the `auto-window` drafter uses (built once, a few s; needs the tokenizer)."""
@@ -66,13 +66,13 @@ class DraftState:
         """What the `recycle`, `suffix`, `head` and `auto` drafters keep across this edge's requests, one per
         speculative configuration: built on first use (the corpus's suffix index and the recycled table's
         seed: a few s), the trained head loaded if the shard has one. Never sent."""
-        docs = self.corpus_ids()
+        docs = self.corpus_ids(spec.warmup)
         with self._lock:
-            if self._suffix_index is None:
-                self._suffix_index = SuffixIndex(docs)
-            key = (spec.mode, spec.max_nodes, spec.cost)
+            if spec.warmup not in self._suffix_index:
+                self._suffix_index[spec.warmup] = SuffixIndex(docs)
+            key = (spec.mode, spec.max_nodes, spec.cost, spec.warmup)
             if key not in self._memories:
-                self._memories[key] = DraftMemory.seeded(self._suffix_index, self.head_runner())
+                self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
             return self._memories[key]
 
     def head_runner(self) -> HeadRunner | None:
@@ -88,7 +88,7 @@ class DraftState:
         """The step budgets of one speculative configuration: what a budget learns (link, compute cost,
         drafters' calibration) carries over between requests; requests running at once each take their own."""
         with self._lock:
-            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost)
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost, spec.warmup)
             if key not in self._budgets:
                 self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
                                                              cost=spec.cost))

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitlm.decoding.logprobs import TokenLogprob
+    from splitlm.decoding.speculative import SpecStats
 
 
 @dataclass
@@ -14,7 +19,8 @@ class GenerationStats:
     new_tokens: int = 0
     round_trips: int = 0  # all cloud round trips, prefill included
     prefill_round_trips: int = 1  # more when the prompt exceeds the cloud's tokens per forward
-    prefill_s: float = 0.0  # prompt in -> first token out (time to first token)
+    setup_s: float = 0.0  # before the prompt goes in: the cloud session opened, the drafter built
+    prefill_s: float = 0.0  # prompt in -> first token out (time to first token, less `setup_s`)
     decode_s: float = 0.0  # after the first token
     bytes_up: int = 0
     bytes_down: int = 0
@@ -25,15 +31,29 @@ class GenerationStats:
     failovers: int = 0  # connections lost (or clouds gone) mid-request, survived by replay (`EdgeSession.failover`)
     failover_s: float = 0.0  # from the fault seen to the replayed requests sent again (reconnect, new session)
     failover_stall_s: float = 0.0  # for each fault: the interrupted step's first send to its reply after the replay
+    preemptions: int = 0  # the cloud had freed the session (PREEMPTED): reopened and replayed (`replay.failover`)
     spec_mode: str = "none"
+    drafter: str = ""  # the drafter's name: `auto(suffix+recycle+head)` says what `auto` merged (the head included)
     spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
+    # vLLM's speculative-decoding counters (`splitlm.decoding.speculative.SpecStats`; zero under `none`)
+    drafts: int = 0  # verified steps that carried drafted tokens
+    draft_tokens: int = 0  # drafted tokens verified (roots and lookahead windows excluded)
+    accepted_tokens: int = 0  # of those, accepted (bonus tokens excluded)
+    accepted_per_position: list[int] = field(default_factory=list)  # [depth - 1]: drafts accepted that deep
+    grammar: dict = field(default_factory=dict)  # constrained decoding (`GrammarStats`): rejected drafts, forced tokens
+
+    def count_drafts(self, spec: SpecStats) -> None:
+        """Take the speculative-decoding counters of the request's loop (`spec`)."""
+        self.drafts, self.draft_tokens, self.accepted_tokens = spec.drafts, spec.draft_tokens, spec.accepted_drafts
+        self.accepted_per_position = list(spec.accepted_per_position)
 
     @property
     def failover_note(self) -> str:
-        """`, 1 failover (0.19 s)` when the request survived faults, else empty (for stats lines)."""
-        if not self.failovers:
-            return ""
-        return f", {self.failovers} failover{'s' if self.failovers > 1 else ''} ({self.failover_s:.2f} s)"
+        """`, 1 failover (0.19 s)` when the request survived faults (`, 2 preemptions` when the cloud
+        freed its session and it replayed), else empty (for stats lines)."""
+        note = f", {self.failovers} failover{'s' if self.failovers > 1 else ''} ({self.failover_s:.2f} s)"
+        preempted = f", {self.preemptions} preemption{'s' if self.preemptions > 1 else ''}"
+        return (note if self.failovers else "") + (preempted if self.preemptions else "")
 
     @property
     def decode_round_trips(self) -> int:
@@ -60,6 +80,7 @@ class GenerationResult:
     stats: GenerationStats
     finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length"
     prompt_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # with a `LogprobRecorder`: one per generated id
 
 
 class Stream:
@@ -91,6 +112,7 @@ class Stream:
 
 def format_stats(s: GenerationStats) -> str:
     """One line: mode, tokens, round trips, tokens per round trip, TTFT, speed, bytes."""
-    return (f"[{s.spec_mode}: {s.new_tokens} tokens, {s.round_trips} round trips, "
+    drafters = s.drafter.partition("(")[2].rstrip(")")  # auto(suffix+recycle+head) -> suffix+recycle+head
+    return (f"[{s.spec_mode}{f' with {drafters}' if drafters else ''}: {s.new_tokens} tokens, {s.round_trips} round trips, "
             f"{s.tokens_per_round_trip:.2f} tokens/round trip, TTFT {s.prefill_s * 1000:.0f} ms, "
             f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB{s.failover_note}]")

@@ -24,6 +24,8 @@ from splitlm import SplitLMError
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.corpus import NgramModel
 from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.grammar import GrammarSpec, grammar_from_format
+from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.modes import SpecConfig, make_drafter, spec_mode
 from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
@@ -31,6 +33,8 @@ from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.edge.backends import load_model, make_backend
 from splitlm.edge.connections import FAILOVER_TIMEOUT_S, ClientSettings, CloudConnections
 from splitlm.edge.drafting import DraftState
+from splitlm.edge.grammars import EdgeGrammars, constrained_steps
+from splitlm.edge.link import StepObserver
 from splitlm.edge.onnx_runtime import parse_onnx_device
 from splitlm.edge.prefill import PrefillCosts
 from splitlm.edge.results import GenerationResult, GenerationStats, Stream, format_stats  # noqa: F401 (re-exported)
@@ -100,6 +104,7 @@ class Edge:
             raise SplitLMError(f"prefill_chunk must be auto or a number of tokens >= 0, not {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self.prefill_costs = PrefillCosts()  # what each stage of a streamed prefill costs, as measured
+        self.observer: StepObserver | None = None  # sees the sessions' forwards and results (`splitlm.bench.trace`)
         self.edge_dir = Path(edge_dir)
         self.onnx = parse_onnx_device(device)  # None, or the precision of the ONNX Runtime graphs
         self.model, self.device = load_model(self.edge_dir, device, dtype, edge_adapter)
@@ -112,6 +117,7 @@ class Edge:
         self.tokenizer = self.text.tokenizer
         self.split_head = self.model.split_head
         self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.grammars = EdgeGrammars(self.text, self.cfg.vocab_size, self.cfg.eos_token_ids)  # constrained decoding
         self.backend = make_backend(self.model, self.vocab, self.device)  # what every session runs on the edge
         self.dtype = self.backend.dtype
         self.drafting = DraftState(self.edge_dir, self.model, self.device, self.text, self.backend.final_hidden)
@@ -159,7 +165,7 @@ class Edge:
     def open_session(self, cache_policy: str | CachePolicy | None = None) -> EdgeSession:
         """A cloud session of its own (a connection from the pool) with the edge's caches for it."""
         setup = SessionSetup(self.backend, self.connections, self.wire_dtype, self.cache_policy,
-                             self.model.manifest.head, self.prefill_chunk, self.prefill_costs)
+                             self.model.manifest.head, self.prefill_chunk, self.prefill_costs, self.observer)
         return EdgeSession(setup, cache_policy)
 
     def conversation(self, system: str | None = None, spec: SpecConfig | str | None = None,
@@ -177,10 +183,11 @@ class Edge:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return self.text.encode(prompt, chat)
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation [{"role": "system"|"user"|"assistant", "content": str}, ...] in the
-        chat template, ending where the assistant's next answer begins."""
-        return self.text.encode_messages(messages)
+        chat template, ending where the assistant's next answer begins; `tools`: function definitions,
+        for a template that lays them out (`TextCodec.template_takes_tools`)."""
+        return self.text.encode_messages(messages, tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.text.decode(ids)
@@ -207,8 +214,9 @@ class Edge:
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
                      spec: SpecConfig | None = None, sampling: SamplingConfig | None = None,
-                     session: EdgeSession | None = None,
-                     cached: int = 0) -> Iterator[tuple[list[int], GenerationStats]]:
+                     session: EdgeSession | None = None, cached: int = 0, *,
+                     logprobs: LogprobRecorder | None = None,
+                     grammar: GrammarSpec | None = None) -> Iterator[tuple[list[int], GenerationStats]]:
         """Decode; yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
         `spec` mode `none` every step is one round trip and one token, other modes verify a drafted
         tree per step. With a temperature > 0 (or a repetition penalty) trees are verified by exact
@@ -217,8 +225,11 @@ class Edge:
         has its own cloud connection.
 
         With `session` (kept open by the caller), the first `cached` prompt tokens are already in
-        its caches; otherwise a session is opened and closed for this request."""
+        its caches; otherwise a session is opened and closed for this request. `logprobs` records
+        each emitted token's log-probability (`splitlm.decoding.logprobs`; greedy steps then bring
+        logits back instead of the screened head's tokens). `grammar`: the output matches it (`edge.grammars`)."""
         spec = self._request_spec(len(prompt_ids), max_new_tokens, spec)
+        state = None if grammar is None else self.grammars.start(grammar)  # compiled before anything is sent
         sampling = sampling or SamplingConfig()
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
         # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
@@ -226,6 +237,7 @@ class Edge:
         budgets = self.drafting.budgets(spec)
         budget, _ = budgets.take()
         own = session is None
+        called = time.perf_counter()
         if own:
             session = self.open_session()
         session.stats = s = GenerationStats()
@@ -234,16 +246,22 @@ class Edge:
         spec_stats = SpecStats()
         try:
             drafter, memory = self._drafter(spec)  # built once, before the clock
+            s.drafter = drafter.name
             produced: list[int] = []
             start = time.perf_counter()
-            if spec.mode == "none" and not sampling.plain_greedy:
-                steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached)
+            s.setup_s = start - called
+            if state is not None:
+                steps = constrained_steps(session, prompt_ids, max_new_tokens, eos, drafter, budget, spec, spec_stats,
+                                          state, s, cached, sampling, logprobs)
+            elif spec.mode == "none" and not sampling.plain_greedy:
+                steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached,
+                                      logprobs=logprobs)
             elif spec.pipeline and spec.mode != "none" and session.pipelines:
                 steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter,
-                                         budget, spec_stats, cached=cached, sampling=sampling)
+                                         budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)
             else:
                 steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, drafter,
-                                           budget, spec_stats, cached=cached, sampling=sampling)
+                                           budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)
             for new in steps:
                 produced += new
                 if s.new_tokens == 0:
@@ -255,6 +273,7 @@ class Edge:
                               "compute_c0_s": round(budget.compute.c0, 5),
                               "compute_c1_s": round(budget.compute.c1, 6),
                               "overhead_s": round(budget.overhead_s, 5)}
+                    s.count_drafts(spec_stats)
                 yield new, s
             if memory is not None:
                 memory.past.add(produced)  # the edge's own outputs, for later requests' retrieval
@@ -265,25 +284,35 @@ class Edge:
 
     def run_ids(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, spec: SpecConfig,
                 sampling: SamplingConfig | None = None, stop: str | list[str] | None = None,
-                session: EdgeSession | None = None, cached: int = 0) -> Iterator[tuple[str, GenerationResult | None]]:
+                session: EdgeSession | None = None, cached: int = 0, *,
+                logprobs: LogprobRecorder | None = None,
+                grammar: GrammarSpec | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
         """Yields (new text, None) while decoding, then (last text, result). Text that could be the
         start of a stop string is held back until it is not; at a stop string the text is cut
         (`splitlm.edge.text.text_pieces`)."""
-        steps = self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached)
-        return text_pieces(steps, self.decode, prompt_ids, stop, set(self.cfg.eos_token_ids) if stop_at_eos else set())
+        steps = self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached,
+                                  logprobs=logprobs, grammar=grammar)
+        return text_pieces(steps, self.decode, prompt_ids, stop, set(self.cfg.eos_token_ids) if stop_at_eos else set(),
+                           logprobs)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
                  stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
-                 sampling: SamplingConfig | None = None, stop: str | list[str] | None = None) -> GenerationResult:
+                 sampling: SamplingConfig | None = None, stop: str | list[str] | None = None, *,
+                 logprobs: LogprobRecorder | None = None, response_format=None) -> GenerationResult:
         """Generate from a prompt (text, or token ids). `stop`: stop strings (the text ends before the
-        first one); `sampling`: temperature / top-p / top-k / seed (default greedy)."""
+        first one); `sampling`: temperature / top-p / top-k / seed (default greedy); `logprobs`: a
+        `LogprobRecorder(top=k)` that receives each token's log-probability (also in `result.logprobs`);
+        `response_format`: a JSON schema, pydantic class or `GrammarSpec` the output matches (`grammar_from_format`)."""
         *_, (_, result) = self.run_ids(self.text.prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, as_spec(spec),
-                                       sampling, stop)
+                                       sampling, stop, logprobs=logprobs, grammar=grammar_from_format(response_format))
         return result
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
                stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
-               sampling: SamplingConfig | None = None, stop: str | list[str] | None = None) -> Stream:
-        """Like `generate`, as text pieces; the pieces join to the text `generate` returns."""
+               sampling: SamplingConfig | None = None, stop: str | list[str] | None = None,
+               session: EdgeSession | None = None, cached: int = 0, *,
+               logprobs: LogprobRecorder | None = None, response_format=None) -> Stream:
+        """Like `generate`, as text pieces (they join to its text); `session`, `cached`: see `generate_ids`."""
         return Stream(self.run_ids(self.text.prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, as_spec(spec),
-                                   sampling, stop))
+                                   sampling, stop, session, cached, logprobs=logprobs,
+                                   grammar=grammar_from_format(response_format)))

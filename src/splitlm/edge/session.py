@@ -20,7 +20,7 @@ from splitlm import SplitLMError
 from splitlm.decoding.step import StepResult
 from splitlm.edge.backends import EdgeBackend
 from splitlm.edge.connections import CloudConnections
-from splitlm.edge.link import CloudLink, Flight
+from splitlm.edge.link import CloudLink, Flight, StepObserver
 from splitlm.edge.prefill import PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
 from splitlm.transport.client import CloudError, lost
@@ -39,6 +39,7 @@ class SessionSetup:
     split: int  # the edge's head layers (the control tuple's `split`)
     prefill_chunk: int | str = "auto"  # how a prompt goes up (`splitlm.edge.stream_prefill.plan_for`)
     prefill_costs: PrefillCosts = field(default_factory=PrefillCosts)  # the edge's, measured by every session
+    observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
 
 
 class EdgeSession:
@@ -54,7 +55,7 @@ class EdgeSession:
         self.backend = setup.backend
         self.prefill_chunk, self.prefill_costs = setup.prefill_chunk, setup.prefill_costs
         self.link = CloudLink(setup.connections, setup.backend, policy, setup.wire_dtype, setup.split,
-                              replay.failover)
+                              replay.failover, setup.observer)
         self.head_cache, self.tail_cache = self.backend.new_caches()
         self.pending: Flight | None = None  # the last forward's block, not yet settled
         self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
@@ -155,12 +156,13 @@ class EdgeSession:
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0) -> StepResult:
+                extras: int = 0, allowed: torch.Tensor | None = None) -> StepResult:
         """Run T new tokens through edge head -> cloud -> edge tail; the step's `out` holds logits
         [len(rows) or T, V] (with `argmax`: each row's greedy token, [len(rows) or T], through the
         screened LM head). With `extras` = k > 0 it also holds each row's k likeliest ids (`topk`,
         [R, k]) and final-normed hidden state (`hidden`, [R, D]; None in the split-head topology):
-        what edge-side drafters learn from. They stay on the edge.
+        what edge-side drafters learn from. They stay on the edge. `allowed` [R, V] bool: with `argmax`,
+        each row's greedy token among its allowed ones (a grammar's mask, `splitlm.decoding.grammar`).
 
         `keep` first retains only those entries of the previous call's new tokens, in both the
         edge's caches and (piggy-backed on this request) the cloud's. A causal run longer than a
@@ -183,7 +185,7 @@ class EdgeSession:
             raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
                                f"({self.policy.window}) or the rows of logits one reply may hold "
                                f"({self.backend.max_logit_rows})")
-        return self._finish(self.send_block(ids, positions, mask, rows, argmax, extras))
+        return self._finish(self.send_block(ids, positions, mask, rows, argmax, extras, allowed))
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
@@ -238,7 +240,8 @@ class EdgeSession:
         self.link.rewind(n, h, pos)  # the re-computed entries go up as context rows with the next request
 
     def send_block(self, ids: list[int], positions: list[int] | None, mask: torch.Tensor | None,
-                   rows: list[int] | None, argmax: bool = False, extras: int = 0) -> Flight:
+                   rows: list[int] | None, argmax: bool = False, extras: int = 0,
+                   allowed: torch.Tensor | None = None) -> Flight:
         """Run the head on a block of new tokens and send it now (no checks, nothing settled; failing
         over if the cloud is gone); its reply is taken with `receive` or `discard`, oldest first."""
         if positions is None:
@@ -246,7 +249,8 @@ class EdgeSession:
         n, c = self.length, self.link.context_rows(self.length)
         t0 = time.perf_counter()
         h = self.backend.head(ids, positions, mask, self.head_cache)  # [T, D]
-        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, extras, edge_s=time.perf_counter() - t0,
+        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, extras, allowed=allowed,
+                   edge_s=time.perf_counter() - t0,
                    overlapped=bool(self.link.flights))
         self.pending = f
         self.link.send(f, c)

@@ -5,6 +5,7 @@ incomplete UTF-8 sequences are held back)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -22,10 +23,10 @@ def load_tokenizer(edge_dir: Path):
     return AutoTokenizer.from_pretrained(edge_dir)
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation ([{"role", "content"}, ...]) in the tokenizer's chat template,
-    ready for the assistant's next turn."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ready for the assistant's next turn; `tools`: function definitions for a template that takes them."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -75,13 +76,19 @@ class TextCodec:
         with self.lock:
             return encode_prompt(self.tokenizer, prompt, chat)
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template lays out function definitions itself (it reads `tools`)."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation [{"role": "system"|"user"|"assistant", "content": str}, ...] in the
-        chat template, ending where the assistant's next answer begins."""
+        chat template, ending where the assistant's next answer begins (`tools`: see `encode_messages`)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise SplitLMError("this model's tokenizer has no chat template")
         with self.lock:
-            return encode_messages(self.tokenizer, messages)
+            return encode_messages(self.tokenizer, messages, tools)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -99,11 +106,11 @@ class TextCodec:
 
 def text_pieces(steps: Generator[tuple[list[int], GenerationStats], None, None], decode: Callable[[list[int]], str],
                 prompt_ids: list[int], stop: str | list[str] | None = None,
-                eos: set[int] | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
+                eos: set[int] | None = None, logprobs=None) -> Iterator[tuple[str, GenerationResult | None]]:
     """The text of a generation's `steps` (new token ids of each step, live stats): yields (new text,
     None) while decoding, then (last text, result). Text that could be the start of a stop string is
     held back until it is not; at a stop string the text is cut (finish reason `stop`, as when the
-    last token is one of `eos`)."""
+    last token is one of `eos`). `logprobs`: the request's `LogprobRecorder`, whose records the result takes."""
     stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
     ids: list[int] = []
     text, sent = "", 0  # decoded text; how much of it was yielded
@@ -126,4 +133,5 @@ def text_pieces(steps: Generator[tuple[list[int], GenerationStats], None, None],
         steps.close()
     if finish != "stop" and ids and ids[-1] in (eos or set()):
         finish = "stop"
-    yield text[sent:], GenerationResult(text, ids, stats, finish, prompt_ids)
+    yield text[sent:], GenerationResult(text, ids, stats, finish, prompt_ids,
+                                        None if logprobs is None else list(logprobs.tokens))
