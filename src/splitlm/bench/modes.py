@@ -215,6 +215,8 @@ spec_mode("auto-zerocost", "auto with the cloud's per-token cost emulated as zer
 spec_mode("auto-nowarmup", "auto without the bundled warm-up answers: retrieval and the recycled table's seed read "
           "only the pydoc topics, the context and past outputs (what retrieval of the model's own answers adds)",
           mode="auto", warmup=False)
+spec_mode("auto-pipelined", "auto, pipelined: the next step is drafted and sent while one is in flight",
+          mode="auto", pipeline=True)
 spec_mode("recycle", "speculative: recycled top-k successor trees only", mode="recycle")
 spec_mode("suffix", "speculative: suffix-automaton / suffix-array retrieval only (context, corpus, past outputs)",
           mode="suffix")

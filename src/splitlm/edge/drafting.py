@@ -70,7 +70,9 @@ class DraftState:
         with self._lock:
             if spec.warmup not in self._suffix_index:
                 self._suffix_index[spec.warmup] = SuffixIndex(docs)
-            key = (spec.mode, spec.max_nodes, spec.cost, spec.warmup)
+            # the pipeline flag too: two configurations never share past outputs (a bench's modes would
+            # otherwise retrieve another mode's answer to the same prompt)
+            key = (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup)
             if key not in self._memories:
                 self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
             return self._memories[key]

@@ -1,0 +1,12 @@
+from splitlm.decoding.modes import SpecConfig
+from splitlm.edge import Edge
+
+
+def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_server):
+    """Past outputs never leak between configurations: `auto` and `auto` pipelined are two memories, so a
+    bench's pipelined mode cannot retrieve the answer the plain mode gave to the same prompt."""
+    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+        plain = edge.draft_memory(SpecConfig("auto"))
+        assert edge.draft_memory(SpecConfig("auto")) is plain
+        assert edge.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
+        assert edge.draft_memory(SpecConfig("auto", warmup=False)) is not plain
