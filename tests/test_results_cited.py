@@ -31,7 +31,7 @@ def kept_runs() -> dict[str, list[Path]]:
     runs: dict[str, list[Path]] = {}
     for d in RESULT_DIRS:
         for f in sorted((ROOT / d).glob("*")):
-            if f.is_file():
+            if f.is_file() and f.name != "results.json":  # bench's copy of its latest run (git-ignored)
                 m = re.match(STAMPED, f.name)
                 runs.setdefault(m.group(0) if m else f"{d}/{f.name}", []).append(f)
     for d in RUN_DIRS:
