@@ -5,16 +5,13 @@ tokenizer: its choices are noise, so the grammar alone makes the answers valid."
 
 import contextlib
 import json
-import threading
-import time
 from typing import Literal
 
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import CHAT_TEMPLATE, make_tiny_llama
-from splitlm.cloud.local import free_port
+from conftest import CHAT_TEMPLATE, make_tiny_llama, serving
 from splitlm.cloud.server import BackgroundServer
 from splitlm.edge import Edge
 from splitlm.edge.api import APIConfig, EdgeAPI
@@ -58,19 +55,9 @@ def save_tokenizer(path):
 
 
 @contextlib.contextmanager
-def serving(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+def serving_v1(app):
+    with serving(app) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +72,7 @@ def api_url(tmp_path_factory):
             Edge(split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="auto", default_temperature=0.0))
         try:
-            with serving(api.app) as url:
+            with serving_v1(api.app) as url:
                 yield url
         finally:
             api.close()

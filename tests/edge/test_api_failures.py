@@ -1,37 +1,18 @@
 """The API over a tiny model (token-id prompts) when the cloud goes away: 502 with an OpenAI-style
 error body, streamed or not, and the server keeps serving once the cloud is back."""
 
-import contextlib
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from splitlm.cloud.local import free_port
+from conftest import serving
 from splitlm.cloud.server import BackgroundServer
 from splitlm.edge import Edge
 from splitlm.edge.api import APIConfig, EdgeAPI
 
 uvicorn = pytest.importorskip("uvicorn")
-
-
-@contextlib.contextmanager
-def serving(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def post(url, body):

@@ -2,9 +2,7 @@
 time), and real requests over a tiny model moving the token and speculative-decoding counters
 consistently with what the responses say."""
 
-import contextlib
 import json
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client import generate_latest
 
-from conftest import scrape_metrics
-from splitlm.cloud.local import free_port
+from conftest import scrape_metrics, serving
 from splitlm.decoding.speculative import SpecStats
 from splitlm.edge import Edge
 from splitlm.edge.api import APIConfig, EdgeAPI
@@ -50,22 +47,6 @@ def test_spec_stats_count_drafts_by_position():
         s.verified(nodes, accepted)
     assert (s.steps, s.drafts, s.draft_tokens, s.accepted_drafts) == (4, 3, 12, 4)
     assert s.accepted_per_position == [2, 1, 1]
-
-
-@contextlib.contextmanager
-def serving(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def complete(url: str, body: dict) -> dict:

@@ -4,15 +4,13 @@ in the usage, `extra_body` cache policies, a cancelled stream and its retry, met
 
 import contextlib
 import logging
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from conftest import scrape_metrics
+from conftest import scrape_metrics, serving
 from splitlm.bench.wan import WanConfig, WanEmulator
-from splitlm.cloud.local import free_port
 from splitlm.edge import Edge
 from splitlm.edge.api import APIConfig, EdgeAPI, RequestLog
 from splitlm.edge.prefix_pool import PoolLimits
@@ -25,19 +23,10 @@ TURNS = ["abc abc abc", "cab cab", "a b c a b c", "ccc bbb aaa"]
 
 
 @contextlib.contextmanager
-def serving(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(RequestLog(app), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+def serving_client(app):
+    """The API behind `RequestLog` on a free port; an `openai` client of it."""
+    with serving(RequestLog(app)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +44,7 @@ def clients(tiny_chat_split, cloud):
         apis = [EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(ttl_s=0))),
                 EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(sessions=0)))]
         try:
-            with serving(apis[0].app) as warm, serving(apis[1].app) as cold:
+            with serving_client(apis[0].app) as warm, serving_client(apis[1].app) as cold:
                 yield warm, cold, apis[0]
         finally:
             for api in apis:
@@ -136,7 +125,7 @@ def test_a_request_may_not_loosen_the_server_policy(tiny_chat_split, cloud):
               cache_policy="none") as edge:
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram"))
         try:
-            with serving(api.app) as client:
+            with serving_client(api.app) as client:
                 messages = [{"role": "user", "content": "abc"}]
                 for _ in range(2):
                     assert chat(client, messages)[1].prompt_tokens_details.cached_tokens == 0
@@ -157,7 +146,7 @@ def test_a_cancelled_stream_then_a_retry(tiny_chat_split, cloud):
         messages = [{"role": "user", "content": "count: a b c d e f g h"}]
         ids = edge.encode_messages(messages)
         try:
-            with serving(api.app) as client:
+            with serving_client(api.app) as client:
                 stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                                         max_tokens=400, stream=True)
                 for _, _chunk in zip(range(4), stream, strict=False):
