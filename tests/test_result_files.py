@@ -97,6 +97,15 @@ def test_a_result_records_commit_heads_machine_load_and_command(tmp_path):
     assert result_files.provenance()["draft_heads"] == []
 
 
+def test_a_result_records_the_code_as_its_run_started(monkeypatch):
+    """A tree edited (or a commit made) while a long run goes on does not change what the run records."""
+    state = {"commit": "a" * 40, "dirty": False, "dirty_files": [], "version": "0"}
+    monkeypatch.setattr(result_files, "code_state", lambda: dict(state))
+    begin_run(["splitlm", "bench"])
+    state.update(commit="b" * 40, dirty=True, dirty_files=["src/splitlm/x.py"])
+    assert result_files.provenance()["code"] == {"commit": "a" * 40, "dirty": False, "dirty_files": [], "version": "0"}
+
+
 def git(repo, *args):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
                    capture_output=True)

@@ -45,11 +45,13 @@ def default_results_dir() -> Path:
 
 @dataclass
 class RunStart:
-    """The run as it started: when, the machine's load average then, and the command."""
+    """The run as it started: when, the machine's load average then, the command, and the code (its
+    commit and dirty files then: a tree edited while a long run goes on does not change what it ran)."""
 
     time: float
     load_avg: list[float]
     argv: list[str]
+    code: dict = field(default_factory=dict)
 
 
 _run: dict = {"start": None, "heads": {}}  # this process's run: its RunStart and the draft heads it loaded
@@ -66,7 +68,7 @@ def load_average() -> list[float] | None:
 def begin_run(argv: list[str] | None = None) -> RunStart:
     """Note the start of a run (its time, the load average now, the command: `argv`, else sys.argv);
     `provenance()` reports it. Forgets the heads noted by an earlier run in this process."""
-    _run["start"] = RunStart(time.time(), load_average() or [], list(sys.argv if argv is None else argv))
+    _run["start"] = RunStart(time.time(), load_average() or [], list(sys.argv if argv is None else argv), code_state())
     _run["heads"] = {}
     return _run["start"]
 
@@ -132,7 +134,7 @@ def torch_threads() -> int | None:
 
 
 def provenance(heads: list[str | Path] | None = None) -> dict:
-    """What produced a result: code (commit, dirty), draft heads (`heads` and those noted by the loader),
+    """What produced a result: code (commit, dirty; as the run started), draft heads (`heads` and those noted by the loader),
     machine, torch threads, load average at the start (`begin_run`; None if no start was noted) and now,
     and the command."""
     start: RunStart | None = _run["start"]
@@ -140,7 +142,7 @@ def provenance(heads: list[str | Path] | None = None) -> dict:
     paths = {**_run["heads"], **{str(Path(h).resolve()): Path(h).resolve() for h in heads or []}}
     return {
         "schema": PROVENANCE_SCHEMA,
-        "code": code_state(),
+        "code": start.code if start and start.code else code_state(),
         "draft_heads": [head_entry(p) for p in paths.values()],
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},

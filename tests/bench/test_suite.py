@@ -293,3 +293,26 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
     (edge / "draft_head.safetensors").write_bytes(b"")  # a head is there: nothing to train
     ensure_head(BenchConfig(), tmp_path, edge, manifest, ["head"])
     assert trained == [edge]
+
+
+@pytest.mark.slow
+def test_unconstrained_auto_compared_at_the_constrained_answers_length(bundled_dir, tmp_path, capsys):
+    """`auto-json-length` decodes unconstrained `auto` up to the length of the constrained answer to the
+    same prompt; the structured summary gives the ratios against it; listed without a `+json` mode
+    before it, the bench says what is missing."""
+    argv = ["bench", "--prompts", str(ROOT / "benchmarks" / "prompts-json.json"), "--limit", "2",
+            "--max-new-tokens", "40", "--rtt-ms", "0", "--wire-dtype", "fp32", "--out", str(tmp_path), "--no-plots",
+            "--no-memory"]
+    assert main([*argv, "--modes", "auto-json-length,auto+json"]) == 1
+    assert "list a +json mode before it" in capsys.readouterr().err
+    assert main([*argv, "--modes", "none+json,auto-json-length,auto+json"]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    runs = {(r["mode"], r["prompt_id"]): r for r in doc["runs"]}
+    for pid in {r["prompt_id"] for r in doc["runs"]}:
+        constrained = runs["auto+json", pid]
+        assert constrained["token_ids"] == runs["none+json", pid]["token_ids"]
+        assert len(runs["auto-json-length", pid]["token_ids"]) <= len(constrained["token_ids"])
+    row = doc["structured"]["rtts"][0]
+    assert set(row["modes"]) == {"auto+json", "auto-json-length", "none+json"}
+    assert row["vs_auto_same_length"]["tau"] == pytest.approx(
+        row["modes"]["auto+json"]["tokens_per_round_trip"] / row["modes"]["auto-json-length"]["tokens_per_round_trip"])

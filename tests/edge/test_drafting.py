@@ -10,3 +10,4 @@ def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_se
         assert edge.draft_memory(SpecConfig("auto")) is plain
         assert edge.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
         assert edge.draft_memory(SpecConfig("auto", warmup=False)) is not plain
+        assert edge.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain  # a bench mode of its own

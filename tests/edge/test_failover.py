@@ -329,19 +329,32 @@ def test_a_half_open_link_is_found_by_the_pings(tiny_chat_split, clouds, monkeyp
     assert took < 15
 
 
-def test_twenty_generations_cut_at_random_points_all_match(tiny_chat_split, clouds):
-    """The WAN emulator cuts the link once in each of 20 consecutive generations, at a random byte of
-    its traffic (sequential and pipelined speculation, greedy and seeded sampling): all 20 outputs
-    equal the undisturbed ones."""
-    from splitlm.bench.failover import cut_runs
+def test_generations_with_a_link_cut_or_a_cloud_killed_at_random_all_match(tiny_chat_split, tmp_path):
+    """The failover bench on two clouds behind emulated WANs: 16 consecutive generations, each with its
+    link cut or its cloud SIGKILLed at a random moment (sequential and pipelined speculation, greedy
+    and seeded sampling): every output equals the undisturbed one; cuts and kills are counted apart."""
+    from splitlm.bench.failover import Rig, cases_for, fault_runs
     from splitlm.bench.wan import WanConfig, WanEmulator
+    from splitlm.cloud.local import LocalCloud
 
-    clouds.up()
-    with WanEmulator(("127.0.0.1", clouds.ports[0]), WanConfig(rtt_ms=2)) as wan, \
-            edge_for(tiny_chat_split, [wan.url_for("ws")]) as edge:
-        report = cut_runs(edge, wan, PROMPT, 20, max_new_tokens=24, repeats=1, seed=3)
-    assert report["identical"] == report["total"] == 20, report["runs"]
-    assert report["failovers"] >= 15  # a cut may also fall on a session's CLOSE (nothing to replay)
+    clouds = [LocalCloud(tiny_chat_split / "cloud", tmp_path / f"cloud{i}.log", "cpu", "fp32") for i in range(2)]
+    try:
+        for cloud in clouds:
+            cloud.start()
+        with WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=2)) as wan0, \
+                WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=2)) as wan1:
+            rig = Rig(clouds, [wan0, wan1])
+            with edge_for(tiny_chat_split, rig.urls) as edge:
+                report = fault_runs(edge, rig, PROMPT, cuts=12, kills=4, cases=cases_for("ngram"),
+                                    max_new_tokens=24, repeats=1, seed=3)
+    finally:
+        for cloud in clouds:
+            cloud.stop()
+    assert report["identical"] == report["total"] == 16, report["runs"]
+    assert report["cut"]["total"] == 12 and report["kill"]["total"] == 4
+    assert sum(c.kills for c in clouds) == 4
+    assert report["kill"]["failovers"] >= 4
+    assert report["cut"]["failovers"] >= 9  # a cut may also fall on a session's CLOSE (nothing to replay)
 
 
 def cut_once(edge, wan, prompt, spec, sampling=None, at: float = 0.7, n: int = 24):

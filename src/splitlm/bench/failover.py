@@ -1,14 +1,16 @@
-"""Failover under injected link cuts: consecutive generations through the WAN emulator, each one's
-link cut once at a random byte of its traffic; every output is compared with the undisturbed run,
-and the time each cut cost is measured.
+"""Failover under injected faults: consecutive generations from one edge to two clouds, each behind its
+own WAN emulator; each generation meets one fault at a random moment, its link cut (a reset in the
+middle of the next message) or its cloud SIGKILLed, and its output is compared with the undisturbed run; the time each
+fault cost is measured. Cuts and kills are counted apart.
 
-    python -m splitlm.bench.failover --rtt-ms 50 --runs 20 --out benchmarks/results/failover.json
+    python -m splitlm.bench.failover --rtt-ms 80 --cuts 20 --kills 20 --out benchmarks/results/failover.json
 
 `time lost` per failover: the interrupted step's stall (its first send to its reply after the
-replay: the time until the cut was seen, the reconnect, the new session and the replayed context)
+replay: the time until the fault was seen, the reconnect, the new session and the replayed context)
 less the mean time of the run's other steps (what the step would have taken anyway). It is
 measured inside one run, so it holds on a busy machine where whole runs' wall times vary by
-seconds. `failover_s` is the part from the fault seen to the replayed requests sent."""
+seconds. `failover_s` is the part from the fault seen to the replayed requests sent. A killed cloud
+is started again (on its port) after its run, outside the timing."""
 
 from __future__ import annotations
 
@@ -17,30 +19,37 @@ import json
 import logging
 import random
 import statistics
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from splitlm.bench.wan import WanConfig, WanEmulator
+from splitlm.cloud.local import LocalCloud
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
+from splitlm.progress import track
 from splitlm.result_files import begin_run, write_result
 
 log = logging.getLogger(__name__)
 
-# (name, spec, sampling): sequential and pipelined speculation, greedy and seeded sampling
-CASES = [
-    ("greedy ngram", SpecConfig("ngram"), None),
-    ("greedy ngram pipelined", SpecConfig("ngram", pipeline=True), None),
-    ("seeded ngram", SpecConfig("ngram"), SamplingConfig(temperature=0.8, seed=11)),
-    ("seeded none", SpecConfig("none"), SamplingConfig(temperature=0.8, seed=11)),
-]
+FAULTS = ("cut", "kill")
+SEEDED = SamplingConfig(temperature=0.8, seed=11)
+
+
+def cases_for(spec: str) -> list[tuple[str, SpecConfig, SamplingConfig | None]]:
+    """(name, spec, sampling): greedy and seeded sampling with `spec`, and `spec` pipelined."""
+    return [(f"greedy {spec}", SpecConfig(spec), None),
+            (f"seeded {spec}", SpecConfig(spec), SEEDED),
+            (f"greedy {spec} pipelined", SpecConfig(spec, pipeline=True), None)]
 
 
 @dataclass
-class CutRun:
+class FaultRun:
+    fault: str  # "cut": the link reset; "kill": the cloud SIGKILLed
     case: str
-    cut_after_bytes: int
+    at: float  # seconds into the run
     identical: bool
     failovers: int
     failover_s: float
@@ -49,76 +58,126 @@ class CutRun:
     lost_s: float  # stall_s less the run's mean step time
 
 
-def cut_runs(edge, wan: WanEmulator, prompt: str | list[int], runs: int, max_new_tokens: int = 32,
-             cases=CASES, repeats: int = 3, seed: int = 0, chat: bool = False) -> dict:
-    """`runs` generations through `wan` (which `edge` connects to), cycling through `cases`; each
-    cut once at a random byte of the undisturbed traffic of its case. Returns a report."""
-    rng = random.Random(seed)
-    edge.generate(prompt, 4, chat=chat)  # warm-up (first-call costs stay out of the references)
-    ref: dict[str, tuple[list[int], float, int]] = {}
-    for name, spec, sampling in cases:
-        walls, ids, size = [], None, 0
-        for _ in range(repeats):
-            before = wan.bytes_up + wan.bytes_down
-            t0 = time.perf_counter()
-            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
-            walls.append(time.perf_counter() - t0)
-            size = min(size or 2**62, wan.bytes_up + wan.bytes_down - before)  # trees vary with the timing
-            if ids is not None and r.token_ids != ids:
-                raise RuntimeError(f"case {name}: two undisturbed runs differ; cannot judge the cut runs")
-            ids = r.token_ids
-        ref[name] = (ids, statistics.median(walls), size)
-        log.info("undisturbed %s: %.3f s, %d bytes", name, ref[name][1], size)
-    out: list[CutRun] = []
-    for i in range(runs):
-        name, spec, sampling = cases[i % len(cases)]
-        ids, wall_ref, size = ref[name]
-        cut = rng.randrange(1, int(size * 0.95))  # within the traffic of the case's runs
-        while True:  # a run whose trees came out smaller may end before the cut: run it again, cut earlier
-            cuts = wan.cuts
-            wan.cut_after(cut)
-            t0 = time.perf_counter()
-            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
-            wall = time.perf_counter() - t0
-            wan.cut_after(None)
-            if wan.cuts > cuts:
-                break
-            log.info("run %d ended before its cut at %d bytes; again, cut at half of that", i, cut)
-            if r.token_ids != ids:
-                raise RuntimeError(f"run {i}: an uncut run differs from the undisturbed one")
-            cut = max(1, cut // 2)
-        s = r.stats
-        step = (wall - s.failover_stall_s) / max(1, s.round_trips - s.failovers)  # the other steps' mean
-        lost = s.failover_stall_s - s.failovers * step
-        out.append(CutRun(name, cut, r.token_ids == ids, s.failovers, round(s.failover_s, 4),
-                          round(s.failover_stall_s, 4), round(wall, 4), round(lost, 4)))
-        log.info("run %d (%s): cut after %d bytes, %s, %.3f s lost (undisturbed run %.2f s, this one %.2f s)", i,
-                 name, cut, "identical" if out[-1].identical else "DIFFERENT", lost, wall_ref, wall)
-    lost = [r.lost_s for r in out if r.failovers]
-    spent = [r.failover_s for r in out if r.failovers]
+class Rig:
+    """Clouds of one shard, each behind its own emulated WAN: the edge is given all their URLs."""
+
+    def __init__(self, clouds: list[LocalCloud], wans: list[WanEmulator]):
+        self.clouds, self.wans = clouds, wans
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url_for("ws") for w in self.wans]
+
+    def traffic(self) -> list[int]:
+        return [w.bytes_up + w.bytes_down for w in self.wans]
+
+    def faults(self, fault: str) -> int:
+        """The faults of this kind so far: links cut, or clouds killed."""
+        return sum(w.cuts for w in self.wans) if fault == "cut" else sum(c.kills for c in self.clouds)
+
+    def strike(self, fault: str, since: list[int]) -> None:
+        """Cut the link (at its next byte) or kill the cloud that carried the most bytes `since`."""
+        moved = [b - a for a, b in zip(since, self.traffic(), strict=True)]
+        i = moved.index(max(moved))
+        if fault == "cut":
+            self.wans[i].cut_after(1)
+        else:
+            self.clouds[i].kill()
+
+    def disarm(self) -> None:
+        for w in self.wans:
+            w.cut_after(None)
+
+    def heal(self) -> None:
+        """Every cloud serving again (a killed one restarted on its port)."""
+        for cloud in self.clouds:
+            cloud.start()
+
+
+def _summary(runs: list[FaultRun]) -> dict:
+    lost = [r.lost_s for r in runs if r.failovers]
+    spent = [r.failover_s for r in runs if r.failovers]
     return {
-        "runs": [asdict(r) for r in out],
-        "identical": sum(r.identical for r in out),
-        "total": len(out),
-        "failovers": sum(r.failovers for r in out),
+        "identical": sum(r.identical for r in runs),
+        "total": len(runs),
+        "failovers": sum(r.failovers for r in runs),
         "median_lost_s": round(statistics.median(lost), 4) if lost else None,
         "max_lost_s": round(max(lost), 4) if lost else None,
         "median_failover_s": round(statistics.median(spent), 4) if spent else None,
         "max_failover_s": round(max(spent), 4) if spent else None,
-        "undisturbed": {name: {"wall_s": round(w, 4), "bytes": b, "tokens": len(ids)}
-                        for name, (ids, w, b) in ref.items()},
+    }
+
+
+def fault_runs(edge, rig: Rig, prompt: str | list[int], cuts: int, kills: int, cases, max_new_tokens: int = 32,
+               repeats: int = 2, seed: int = 0, chat: bool = False) -> dict:
+    """`cuts` runs with a link cut and `kills` runs with the cloud killed, cycling through `cases`
+    (name, spec, sampling), each against `repeats` undisturbed runs of its case. Returns a report."""
+    rng = random.Random(seed)
+    edge.generate(prompt, 4, chat=chat)  # warm-up (first-call costs stay out of the references)
+    ref: dict[str, tuple[list[int], float]] = {}
+    for name, spec, sampling in cases:
+        walls, ids = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
+            walls.append(time.perf_counter() - t0)
+            if ids is not None and r.token_ids != ids:
+                raise RuntimeError(f"case {name}: two undisturbed runs differ; cannot judge the faulty runs")
+            ids = r.token_ids
+        ref[name] = (ids, min(walls))
+        log.info("undisturbed %s: %.3f s", name, ref[name][1])
+    plan = [("cut", i) for i in range(cuts)] + [("kill", i) for i in range(kills)]
+    rng.shuffle(plan)
+    out: list[FaultRun] = []
+    for n, (fault, i) in enumerate(track(plan, "faults", unit="run")):
+        name, spec, sampling = cases[i % len(cases)]
+        ids, wall_ref = ref[name]
+        at = rng.uniform(0.05, 0.9) * wall_ref  # seconds into the run
+        while True:  # a run that came out quicker may end before its fault: run it again, the fault earlier
+            seen = rig.faults(fault)
+            timer = threading.Timer(at, rig.strike, (fault, rig.traffic()))
+            timer.start()
+            t0 = time.perf_counter()
+            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
+            wall = time.perf_counter() - t0
+            timer.cancel()
+            timer.join()
+            rig.disarm()
+            rig.heal()
+            if rig.faults(fault) > seen:
+                break
+            log.info("run %d ended before its %s at %.2f s; again, the fault at half of that", n, fault, at)
+            if r.token_ids != ids:
+                raise RuntimeError(f"run {n}: a run without its fault differs from the undisturbed one")
+            at /= 2
+        s = r.stats
+        step = (wall - s.failover_stall_s) / max(1, s.round_trips - s.failovers)  # the other steps' mean
+        lost = s.failover_stall_s - s.failovers * step
+        out.append(FaultRun(fault, name, round(at, 4), r.token_ids == ids, s.failovers, round(s.failover_s, 4),
+                            round(s.failover_stall_s, 4), round(wall, 4), round(lost, 4)))
+        log.info("run %d (%s, %s at %.2f s): %s, %d failover(s), %.3f s lost (undisturbed %.2f s, this one %.2f s)",
+                 n, name, fault, at, "identical" if out[-1].identical else "DIFFERENT", s.failovers, lost,
+                 wall_ref, wall)
+    return {
+        "runs": [asdict(r) for r in out],
+        **{fault: _summary([r for r in out if r.fault == fault]) for fault in FAULTS},
+        "identical": sum(r.identical for r in out),
+        "total": len(out),
+        "undisturbed": {name: {"wall_s": round(w, 4), "tokens": len(ids)} for name, (ids, w) in ref.items()},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    from splitlm.cloud.local import cloud_process
     from splitlm.edge import Edge
     from splitlm.model.shards import cached_split
 
     p = argparse.ArgumentParser(prog="python -m splitlm.bench.failover", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--rtt-ms", type=float, default=50.0)
-    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--rtt-ms", type=float, default=80.0)
+    p.add_argument("--cuts", type=int, default=20, help="runs whose link is cut")
+    p.add_argument("--kills", type=int, default=20, help="runs whose cloud is killed")
+    p.add_argument("--spec", default="auto", help="the speculation mode of every case (default: auto)")
+    p.add_argument("--wire-dtype", default="auto", help="activations on the wire (default: auto)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="undisturbed runs per case")
     p.add_argument("--prompt", default="List the planets of the solar system, one per line.")
@@ -128,13 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     begin_run(None if argv is None else ["python", "-m", "splitlm.bench.failover", *argv])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     split = cached_split(args.model)
-    with cloud_process(split / "cloud", "cpu", "fp32") as port, \
-            WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=args.rtt_ms, seed=1)) as wan, \
-            Edge(split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", dtype="fp32",
-                 ping_interval_s=args.ping_interval) as edge:
-        report = cut_runs(edge, wan, args.prompt, args.runs, args.max_new_tokens, repeats=args.repeats, chat=True)
-    report.update(model=args.model, rtt_ms=args.rtt_ms, max_new_tokens=args.max_new_tokens,
-                  repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    with tempfile.TemporaryDirectory(prefix="splitlm-failover-") as tmp:
+        clouds = [LocalCloud(split / "cloud", Path(tmp) / f"cloud{i}.log", "cpu") for i in range(2)]
+        try:
+            for cloud in clouds:
+                cloud.start()
+            with WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=args.rtt_ms, seed=1)) as wan0, \
+                    WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=args.rtt_ms, seed=2)) as wan1:
+                rig = Rig(clouds, [wan0, wan1])
+                with Edge(split / "edge", rig.urls, wire_dtype=args.wire_dtype, device="cpu",
+                          ping_interval_s=args.ping_interval) as edge:
+                    report = fault_runs(edge, rig, args.prompt, args.cuts, args.kills, cases_for(args.spec),
+                                        args.max_new_tokens, repeats=args.repeats, chat=True)
+        finally:
+            for cloud in clouds:
+                cloud.stop()
+    report.update(model=args.model, rtt_ms=args.rtt_ms, spec=args.spec, wire_dtype=args.wire_dtype,
+                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     if args.out:  # out/NAME.json, NAME from --out (unstamped: a fixed name the docs cite)
         write_result(args.out.parent, args.out.stem, report)
     log.info("%s", json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))

@@ -104,6 +104,7 @@ class BenchContext:
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
         self.device, self.dtype = device, dtype  # the edge's (the reference model runs on the CPU in fp32)
         self.schemas: dict[tuple[int, ...], dict] = {}  # prompt ids -> the JSON schema its answer must match
+        self.answer_lengths: dict[tuple[int, ...], int] = {}  # prompt ids -> its last constrained answer's length
 
     @cached_property
     def eos_ids(self) -> set[int]:
@@ -203,7 +204,7 @@ def spec_mode(name: str, help: str, **spec) -> None:
     def run(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
         from splitlm.decoding.modes import SpecConfig
 
-        return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec))
+        return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec, memory=name))
 
     mode(name, network=True, help=help)(run)
 
@@ -239,7 +240,9 @@ def json_mode(name: str, help: str, **spec) -> None:
 
         schema = ctx.schemas.get(tuple(prompt_ids))
         grammar = GrammarSpec.json_schema(schema) if schema else GrammarSpec.json_object()
-        return run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec), grammar)
+        run = run_edge(ctx, prompt_ids, max_new_tokens, SpecConfig(**spec, memory=name), grammar)
+        ctx.answer_lengths[tuple(prompt_ids)] = len(run.token_ids)
+        return run
 
     mode(name, network=True, help=help)(run)
 
@@ -248,6 +251,18 @@ json_mode("auto+json", "auto constrained to the prompt's JSON schema: rejected d
           "as certain nodes (docs/structured-outputs.md)", mode="auto")
 json_mode("none+json", "constrained sequential decoding: one token per round trip, the best the prompt's JSON "
           "schema allows", mode="none")
+
+
+@mode("auto-json-length", network=True, help="unconstrained auto stopped at the length of the constrained answer "
+      "to the same prompt (list it after a +json mode): the two compared on the same number of tokens")
+def run_auto_json_length(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
+    from splitlm.decoding.modes import SpecConfig
+
+    length = ctx.answer_lengths.get(tuple(prompt_ids))
+    if length is None:
+        raise SplitLMError("mode auto-json-length stops at the length of a constrained answer: "
+                           "list a +json mode before it in --modes")
+    return run_edge(ctx, prompt_ids, length, SpecConfig("auto", memory="auto-json-length"))
 
 
 @mode("hf-pld", network=False, help="baseline: transformers' prompt lookup decoding on the full model (no network)")

@@ -1,16 +1,19 @@
 """The structured-output benchmark's summary (`splitlm bench --prompts benchmarks/prompts-json.json
---modes auto,auto+json,none+json`): constrained `auto` against unconstrained `auto` and constrained
-sequential decoding, at each RTT, on the same prompts in one run.
+--modes auto+json,auto-json-length,auto,none+json`): constrained `auto` against unconstrained `auto`
+and constrained sequential decoding, at each RTT, on the same prompts in one run. Unconstrained
+`auto` is compared twice: left to run to the token limit, and stopped at the length of the
+constrained answer to the same prompt (`auto-json-length`), so that both decode as many tokens.
 
 Per mode: tokens per round trip, tok/s, the share of answers valid against their prompt's schema,
 the forced tokens, the rejected drafts and the mask's cost per computed mask. Then the issue's
 targets: constrained `auto` τ ≥ 1.3 × unconstrained `auto`, its tok/s ≥ unconstrained `auto`'s,
-every constrained answer valid, and constrained `auto` token-identical to constrained sequential.
+every constrained answer valid, and constrained `auto` token-identical to constrained sequential;
+the two ratios are also given against the length-matched `auto`.
 """
 
 from __future__ import annotations
 
-CONSTRAINED, FREE, SEQUENTIAL = "auto+json", "auto", "none+json"
+CONSTRAINED, FREE, FREE_SAME_LENGTH, SEQUENTIAL = "auto+json", "auto", "auto-json-length", "none+json"
 FIELDS = ("tokens_per_round_trip", "tok_s", "schema_valid", "forced_tokens", "rejected_drafts", "mask_us_per_step",
           "new_tokens", "round_trips")
 
@@ -33,15 +36,17 @@ def structured_summary(doc: dict) -> dict:
     rtts = sorted({rtt for mode, rtt in overall if mode == CONSTRAINED})
     rows = []
     for rtt in rtts:
-        modes = {m: {k: overall[m, rtt].get(k) for k in FIELDS} for m in (CONSTRAINED, FREE, SEQUENTIAL)
-                 if (m, rtt) in overall}
-        c, f = modes[CONSTRAINED], modes.get(FREE, {})
+        modes = {m: {k: overall[m, rtt].get(k) for k in FIELDS}
+                 for m in (CONSTRAINED, FREE, FREE_SAME_LENGTH, SEQUENTIAL) if (m, rtt) in overall}
+        c, f, fl = modes[CONSTRAINED], modes.get(FREE, {}), modes.get(FREE_SAME_LENGTH, {})
         tau_ratio = _ratio(c["tokens_per_round_trip"], f.get("tokens_per_round_trip"))
         tok_s_ratio = _ratio(c["tok_s"], f.get("tok_s"))
+        same_length = {"tau": _ratio(c["tokens_per_round_trip"], fl.get("tokens_per_round_trip")),
+                       "tok_s": _ratio(c["tok_s"], fl.get("tok_s"))} if fl else None
         same = identical(doc["runs"], rtt)
         valid = [modes[m]["schema_valid"] for m in (CONSTRAINED, SEQUENTIAL) if m in modes]
         rows.append({"rtt_ms": rtt, "modes": modes, "tau_vs_auto": tau_ratio, "tok_s_vs_auto": tok_s_ratio,
-                     "identical_to_sequential": same,
+                     "vs_auto_same_length": same_length, "identical_to_sequential": same,
                      "targets": {"tau_at_least_1.3x": tau_ratio is not None and tau_ratio >= 1.3,
                                  "tok_s_at_least_auto": tok_s_ratio is not None and tok_s_ratio >= 1.0,
                                  "all_valid": all(v == 1.0 for v in valid),
@@ -63,6 +68,9 @@ def markdown(section: dict) -> str:
                   f"{_fmt(row['tok_s_vs_auto'])}, identical to constrained sequential "
                   f"{_fmt(row['identical_to_sequential'], '.0%')}; targets: "
                   + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in row["targets"].items()), "",
+                  *([f"Against unconstrained auto stopped at the constrained answer's length (auto-json-length): "
+                     f"τ × {_fmt(row['vs_auto_same_length']['tau'])}, tok/s × "
+                     f"{_fmt(row['vs_auto_same_length']['tok_s'])}", ""] if row.get("vs_auto_same_length") else []),
                   "| mode | tok/RT | tok/s | valid | forced | rejected drafts | mask µs |", "|---|---|---|---|---|---|---|"]
         for m, r in row["modes"].items():
             lines.append(f"| {m} | {_fmt(r['tokens_per_round_trip'])} | {_fmt(r['tok_s'], '.1f')} | "

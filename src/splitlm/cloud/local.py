@@ -36,6 +36,43 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, lo
     raise SplitLMError("the cloud server did not become healthy in time")
 
 
+class LocalCloud:
+    """A `splitlm serve-cloud --threads 1` subprocess on a fixed loopback port (on `device`, computing in
+    `dtype`, with `extra_args`), which can be killed like a crash (SIGKILL) and started again on its port.
+    Its stderr goes to `log`."""
+
+    def __init__(self, shard_dir: str | Path, log: Path, device: str = "auto", dtype: str = "auto",
+                 extra_args: list[str] = (), timeout_s: float = 120.0):
+        self.port = free_port()
+        self.log, self.timeout_s = log, timeout_s
+        self.argv = [sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir), "--port",
+                     str(self.port), "--threads", "1", "--device", device, "--dtype", dtype, *extra_args]
+        self.proc: subprocess.Popen | None = None
+        self.kills = 0
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the server (unless it runs) and wait until it answers `/healthz`."""
+        if not self.running:
+            with open(self.log, "ab") as err:
+                self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
+        wait_healthy(self.port, self.proc, self.timeout_s, log=self.log)
+
+    def kill(self) -> None:
+        """SIGKILL the server: no close frames, no goodbye, as when its machine fails."""
+        if self.running:
+            self.proc.kill()
+            self.proc.wait()
+            self.kills += 1
+
+    def stop(self) -> None:
+        if self.running:
+            stop(self.proc)
+
+
 @contextlib.contextmanager
 def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto",
                   extra_args: list[str] = (), timeout_s: float = 120.0) -> Iterator[int]:
@@ -44,19 +81,13 @@ def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "aut
 
     The server uses the default cloud identity of the config dir (pin it with
     `default_identity("cloud").fingerprint`)."""
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="splitlm-cloud-") as tmp:
-        log = Path(tmp) / "stderr.log"
-        with open(log, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir),
-                                     "--port", str(port), "--threads", "1", "--device", device, "--dtype", dtype,
-                                     *extra_args],
-                                    stdout=subprocess.DEVNULL, stderr=err)
+        cloud = LocalCloud(shard_dir, Path(tmp) / "stderr.log", device, dtype, extra_args, timeout_s)
         try:
-            wait_healthy(port, proc, timeout_s, log=log)
-            yield port
+            cloud.start()
+            yield cloud.port
         finally:
-            stop(proc)
+            cloud.stop()
 
 
 def health(port: int) -> dict[str, str]:

@@ -70,9 +70,9 @@ class DraftState:
         with self._lock:
             if spec.warmup not in self._suffix_index:
                 self._suffix_index[spec.warmup] = SuffixIndex(docs)
-            # the pipeline flag too: two configurations never share past outputs (a bench's modes would
-            # otherwise retrieve another mode's answer to the same prompt)
-            key = (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup)
+            # two configurations never share past outputs (a bench's modes would otherwise retrieve another
+            # mode's answer to the same prompt); `memory` keeps apart what the other fields do not
+            key = (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup, spec.memory)
             if key not in self._memories:
                 self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
             return self._memories[key]
