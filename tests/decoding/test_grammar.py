@@ -184,6 +184,37 @@ def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
     assert choice.reach[1:len(opening) + 1] == [1.0] * len(opening)  # the budget counts them as certain
 
 
+def test_a_small_choice_joins_the_tree_whole(setup):
+    """Where the grammar allows only a few tokens (an enum's start, a boolean, a comma or a bracket) the
+    ones no drafter proposed join the tree with an equal share of the chance, each followed by the chain
+    its choice forces; output stays that of sequential decoding."""
+    import numpy as np
+
+    from splitlm.decoding.grammar import mask_words
+    from splitlm.decoding.grammar_tree import SMALL_CHOICE, small_choice
+
+    model, tok, gt = setup
+    prompt = tok("Go: ").input_ids
+    spec = GrammarSpec.json_schema(SCHEMA)
+    reference, _ = sequential(model, gt, spec, prompt, 60)
+    state = compile_grammar(spec, gt).start()
+    seen = 0
+    for token in reference[:-1]:
+        row = np.zeros(mask_words(gt.vocab_size), dtype=np.int32)
+        if state.fill_mask(row) is None and (few := small_choice(row, SMALL_CHOICE)) and len(few) > 1:
+            walked = constrain(TokenTree.root_only(token), state)
+            kids = [i for i in range(1, len(walked.tree)) if walked.tree.parents[i] == 0]
+            assert sorted(walked.tree.tokens[i] for i in kids) == sorted(few)
+            assert all(walked.tree.scores[i] == 1 / len(few) and walked.tree.keys[i] is None for i in kids)
+            assert walked.choices >= len(few) and walked.rejected == 0
+            seen += 1
+        state.advance(token)
+    assert seen >= 2  # the role's enum and the boolean at least
+    assert small_choice(np.full(mask_words(gt.vocab_size), -1, dtype=np.int32), SMALL_CHOICE) is None
+    out, stats, gstats = speculative(model, gt, spec, prompt, 60, Drafter())
+    assert out == reference and stats.accepted_drafts > 0  # choice nodes accepted without a drafter
+
+
 def test_the_budget_sends_forced_chains_first(setup):
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids

@@ -55,12 +55,13 @@ class GrammarStats:
     rejected_drafts: int = 0  # drafted nodes pruned before they were sent
     forced_tokens: int = 0  # emitted tokens that the grammar forced
     forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
+    choice_nodes: int = 0  # nodes added to trees because their state allowed only a few tokens
     mask_steps: int = 0  # masks computed (one per tree node sent or walked)
     mask_s: float = 0.0  # time spent walking trees and computing masks
 
     def to_dict(self) -> dict:
         return {"rejected_drafts": self.rejected_drafts, "forced_tokens": self.forced_tokens,
-                "forced_free": self.forced_free, "mask_steps": self.mask_steps, "mask_s": round(self.mask_s, 6),
+                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes, "mask_steps": self.mask_steps, "mask_s": round(self.mask_s, 6),
                 "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1)}
 
 
@@ -136,6 +137,7 @@ class ConstrainedRun:
         self.gstats.mask_s += time.perf_counter() - t0
         self.gstats.mask_steps += len(walked.tree)
         self.gstats.rejected_drafts += walked.rejected
+        self.gstats.choice_nodes += walked.choices
         choice = self.budget.choose(walked.tree)
         self.last_nodes = choice.nodes
         cap = self.session.max_step_tokens

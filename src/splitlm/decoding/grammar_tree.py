@@ -10,7 +10,12 @@ allowed after it (a packed mask row, which also goes with the step: verification
   added) as a *certain* node (key `FORCED`, score 1): it will be emitted whatever the model says,
   so the budget counts it with probability 1, and the chain goes on while the grammar keeps forcing
   (`max_forced` nodes per chain). Its own row is still computed: the token after it needs the
-  model's logits at its position, and the cache needs its entry.
+  model's logits at its position, and the cache needs its entry;
+- where the state allows only a few tokens (at most `SMALL_CHOICE`: an enum's or a boolean's first
+  token, a comma or a closing bracket), those the drafter did not propose are added as children
+  with an equal share of the chance (key None: no drafter calibrates them), each followed by the
+  chain its choice forces; at most `MAX_CHOICE_NODES` such nodes per tree, and two such choices in
+  a row at most (and no node the drafter lacks past `MAX_WALK` nodes: each costs a mask). The budget weighs them like any node, so most are cut when they rarely pay.
 """
 
 from __future__ import annotations
@@ -32,10 +37,25 @@ class ConstrainedTree:
     rows: list[np.ndarray] = field(default_factory=list)  # [N] packed masks [W] int32: the tokens allowed after node i
     rejected: int = 0  # drafted nodes pruned (subtrees included)
     forced: int = 0  # forced nodes the drafter had not proposed
+    choices: int = 0  # nodes added because their state allowed only a few tokens
 
     def allowed(self, nodes: list[int], vocab_size: int) -> torch.Tensor:
         """[len(nodes), V] bool: the tokens allowed after each of `nodes`."""
         return unpack_masks(np.stack([self.rows[i] for i in nodes]), vocab_size)
+
+
+SMALL_CHOICE = 4  # the most tokens a state may allow for all of them to join the tree
+MAX_CHOICE_NODES = 24  # choice nodes added to one tree
+MAX_CHOICES_IN_A_ROW = 2
+MAX_WALK = 64  # no node the drafter lacks (forced or choice) is added past this tree size: each costs a mask
+
+
+def small_choice(row: np.ndarray, most: int) -> list[int] | None:
+    """The tokens packed mask `row` allows, when there are at most `most` (else None)."""
+    if np.count_nonzero(row) > most:  # more words with a bit set than tokens asked for
+        return None
+    tokens = np.flatnonzero(np.unpackbits(np.ascontiguousarray(row, dtype="<i4").view(np.uint8), bitorder="little"))
+    return tokens.tolist() if len(tokens) <= most else None
 
 
 def subtree_size(children: dict[int, list[int]], node: int) -> int:
@@ -52,28 +72,38 @@ class Walk:
         for i in range(1, len(tree)):
             self.children.setdefault(tree.parents[i], []).append(i)
         self.words = mask_words(state.vocab_size)
+        self.choice_nodes = MAX_CHOICE_NODES  # left to add
         root_key = FORCED if tree.certain(0) else tree.keys[0]
         self.out = ConstrainedTree(TokenTree([tree.tokens[0]], [-1], [1.0], [root_key]))
 
-    def visit(self, src: int | None, node: int, chain: int) -> None:
-        """Node `node` of the output tree (from `src` of the drafter's, None for a forced node it lacks):
-        record its mask, then keep its allowed children (or its forced one) and visit them. `chain`:
-        forced nodes added in a row up to here."""
+    def visit(self, src: int | None, node: int, chain: int, choices: int = 0) -> None:
+        """Node `node` of the output tree (from `src` of the drafter's, None for a node it lacks): record
+        its mask, then keep its allowed children (or its forced one) and visit them, and add the
+        allowed tokens of a small choice. `chain`: forced nodes added in a row up to here; `choices`:
+        choice nodes on the path since the last drafted one."""
         row = np.zeros(self.words, dtype=np.int32)
         self.out.rows.append(row)
         forced = self.state.fill_mask(row)
         kids = [] if src is None else self.children.get(src, [])
         if forced is not None:
-            self.follow_forced(kids, node, forced, chain)
+            self.follow_forced(kids, node, forced, chain, choices)
             return
+        drafted = set()
         for k in kids:
             tok = self.src.tokens[k]
             if not allows(row, tok):
                 self.out.rejected += subtree_size(self.children, k)
                 continue
+            drafted.add(tok)
             self.descend(k, node, tok, self.src.scores[k], self.src.keys[k], 0)
+        if choices < MAX_CHOICES_IN_A_ROW and self.choice_nodes > 0 and (few := small_choice(row, SMALL_CHOICE)):
+            for tok in few:
+                if tok not in drafted and self.choice_nodes > 0:
+                    self.choice_nodes -= 1
+                    self.out.choices += 1
+                    self.descend(None, node, tok, 1.0 / len(few), None, 0, choices + 1)
 
-    def follow_forced(self, kids: list[int], node: int, forced: int, chain: int) -> None:
+    def follow_forced(self, kids: list[int], node: int, forced: int, chain: int, choices: int) -> None:
         """The state forces `forced`: keep the drafted child holding it, else add it (while the chain is
         short enough); every other child is rejected."""
         match = None
@@ -85,9 +115,12 @@ class Walk:
         if match is None and chain >= self.max_forced:
             return
         self.out.forced += match is None
-        self.descend(match, node, forced, 1.0, FORCED, chain + 1)
+        self.descend(match, node, forced, 1.0, FORCED, chain + 1, choices)
 
-    def descend(self, src: int | None, parent: int, tok: int, score: float, key, chain: int) -> None:
+    def descend(self, src: int | None, parent: int, tok: int, score: float, key, chain: int,
+                choices: int = 0) -> None:
+        if src is None and len(self.out.tree) >= MAX_WALK:
+            return
         node = self.out.tree.add(parent, tok, score, key)
         if tok in self.state.eos:  # nothing follows an end token (its row, never read, allows one more)
             row = np.zeros(self.words, dtype=np.int32)
@@ -96,7 +129,7 @@ class Walk:
             return
         self.state.advance(tok)
         try:
-            self.visit(src, node, chain)
+            self.visit(src, node, chain, choices)
         finally:
             self.state.rollback(1)
 
