@@ -215,39 +215,6 @@ def test_a_small_choice_joins_the_tree_whole(setup):
     assert out == reference and stats.accepted_drafts > 0  # choice nodes accepted without a drafter
 
 
-def test_closers_are_learned_and_tried_at_every_drafted_node(setup):
-    """The tokens the model chose just before the grammar started forcing (a string's closing quote)
-    are counted as the request goes, and join the tree at the root and at drafted nodes, each with
-    the chain it forces."""
-    from collections import Counter
-
-    from splitlm.decoding.grammar_decode import advance_all
-    from splitlm.decoding.grammar_tree import CLOSER_SCORE
-
-    model, tok, gt = setup
-    spec = GrammarSpec.json_schema(SCHEMA)
-    reference, _ = sequential(model, gt, spec, tok("Go: ").input_ids, 60)
-    closers: Counter = Counter()
-    advance_all(compile_grammar(spec, gt).start(), reference, closers)
-    assert closers
-    state = compile_grammar(spec, gt).start()
-    for i, token in enumerate(reference[:-1]):  # find a choice the model made, then a closer
-        state.advance(token)
-        if state.forced() is None and reference[i + 1] in closers:
-            state.advance(reference[i + 1])
-            closes = state.forced() is not None
-            state.rollback(1)
-            if closes:
-                break
-    else:
-        pytest.fail("no closer in the reference")
-    closer = reference[i + 1]
-    walked = constrain(TokenTree.root_only(token), state, closers=[closer])
-    kid = walked.tree.child(0, closer)
-    assert kid is not None and walked.tree.scores[kid] == CLOSER_SCORE
-    assert any(walked.tree.parents[j] == kid and walked.tree.certain(j) for j in range(len(walked.tree)))
-
-
 def test_the_budget_sends_forced_chains_first(setup):
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids

@@ -26,7 +26,6 @@ without a round trip.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
-MAX_CLOSERS = 2  # the request's most frequent closers tried at each drafted node (`grammar_tree`)
 
 
 @dataclass
@@ -73,14 +71,9 @@ def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, c
     return sampler.token(masked, context) if sampler else int(masked.argmax())
 
 
-def advance_all(state: GrammarState, tokens: list[int], closers: Counter | None = None) -> None:
-    """Move `state` over `tokens`; count in `closers` each token the model chose (the state forced
-    nothing) after which the grammar forces the next one."""
+def advance_all(state: GrammarState, tokens: list[int]) -> None:
     for t in tokens:
-        chosen = closers is not None and state.forced() is None
         state.advance(t)
-        if chosen and state.forced() is not None:
-            closers[t] += 1
 
 
 def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
@@ -126,7 +119,6 @@ class ConstrainedRun:
         self.state, self.gstats, self.sampler, self.logprobs = state, gstats, sampler, logprobs
         self.argmax = sampler is None and logprobs is None  # else logits come back and the mask applies here
         self.last_nodes = 16  # the tree size the budget chose last
-        self.closers: Counter = Counter()  # tokens chosen just before the grammar forced (`grammar_tree`)
 
     def plan(self, context: list[int], chain: list[int]) -> tuple[ConstrainedTree, int]:
         """The step's tree: the forced `chain` after the root, then the drafter's tree (drafted on the
@@ -141,7 +133,7 @@ class ConstrainedRun:
         for i in range(1, len(sub)):
             where[i] = tree.add(where[sub.parents[i]], sub.tokens[i], sub.scores[i], sub.keys[i])
         t0 = time.perf_counter()
-        walked = constrain(tree, self.state, MAX_TREE_CHAIN, [t for t, _ in self.closers.most_common(MAX_CLOSERS)])
+        walked = constrain(tree, self.state, MAX_TREE_CHAIN)
         self.gstats.mask_s += time.perf_counter() - t0
         self.gstats.mask_steps += len(walked.tree)
         self.gstats.rejected_drafts += walked.rejected
@@ -238,7 +230,7 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         if logprobs is not None:
             logprobs.record(new, step.out[path[: len(new)]])
         gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1:len(new) + 1])
-        advance_all(state, new, run.closers)
+        advance_all(state, new)
         produced += len(new)
         context.extend(new)
         drafter.extend(new[len(chain):])

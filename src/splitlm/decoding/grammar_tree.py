@@ -47,7 +47,6 @@ class ConstrainedTree:
 SMALL_CHOICE = 4  # the most tokens a state may allow for all of them to join the tree
 MAX_CHOICE_NODES = 24  # choice nodes added to one tree
 MAX_CHOICES_IN_A_ROW = 2
-CLOSER_SCORE = 0.3  # a closer's score before the budget's calibration
 MAX_WALK = 64  # no node the drafter lacks (forced or choice) is added past this tree size: each costs a mask
 
 
@@ -67,8 +66,8 @@ class Walk:
     """One depth-first walk of a drafter's tree through the grammar (the state moves with the walk and
     ends where it began)."""
 
-    def __init__(self, tree: TokenTree, state: GrammarState, max_forced: int, closers: list[int] = ()):
-        self.src, self.state, self.max_forced, self.closers = tree, state, max_forced, closers
+    def __init__(self, tree: TokenTree, state: GrammarState, max_forced: int):
+        self.src, self.state, self.max_forced = tree, state, max_forced
         self.children: dict[int, list[int]] = {}
         for i in range(1, len(tree)):
             self.children.setdefault(tree.parents[i], []).append(i)
@@ -89,22 +88,20 @@ class Walk:
         if forced is not None:
             self.follow_forced(kids, node, forced, chain, choices)
             return
-        drafted = {self.src.tokens[k] for k in kids}
-        if choices < MAX_CHOICES_IN_A_ROW and self.choice_nodes > 0:
-            few = small_choice(row, SMALL_CHOICE)
-            extra = ([(t, 1.0 / len(few)) for t in few] if few else
-                     [(t, CLOSER_SCORE) for t in self.closers if src is not None and allows(row, t)])
-            for tok, score in extra:
-                if tok not in drafted and self.choice_nodes > 0:
-                    self.choice_nodes -= 1
-                    self.out.choices += 1
-                    self.descend(None, node, tok, score, None, 0, choices + 1)
+        drafted = set()
         for k in kids:
             tok = self.src.tokens[k]
             if not allows(row, tok):
                 self.out.rejected += subtree_size(self.children, k)
                 continue
+            drafted.add(tok)
             self.descend(k, node, tok, self.src.scores[k], self.src.keys[k], 0)
+        if choices < MAX_CHOICES_IN_A_ROW and self.choice_nodes > 0 and (few := small_choice(row, SMALL_CHOICE)):
+            for tok in few:
+                if tok not in drafted and self.choice_nodes > 0:
+                    self.choice_nodes -= 1
+                    self.out.choices += 1
+                    self.descend(None, node, tok, 1.0 / len(few), None, 0, choices + 1)
 
     def follow_forced(self, kids: list[int], node: int, forced: int, chain: int, choices: int) -> None:
         """The state forces `forced`: keep the drafted child holding it, else add it (while the chain is
@@ -137,10 +134,9 @@ class Walk:
             self.state.rollback(1)
 
 
-def constrain(tree: TokenTree, state: GrammarState, max_forced: int = 16, closers: list[int] = ()) -> ConstrainedTree:
+def constrain(tree: TokenTree, state: GrammarState, max_forced: int = 16) -> ConstrainedTree:
     """`tree` (rooted at the last emitted token; `state`: the grammar after it) less the nodes the
-    grammar rejects, plus the nodes it forces, the small choices and the `closers` it allows; with
-    every node's mask row."""
-    walk = Walk(tree, state, max_forced, closers)
+    grammar rejects, plus the nodes it forces; with every node's mask row."""
+    walk = Walk(tree, state, max_forced)
     walk.visit(0, 0, 0)
     return walk.out
