@@ -139,7 +139,7 @@ def provenance(heads: list[str | Path] | None = None) -> dict:
     and the command."""
     start: RunStart | None = _run["start"]
     argv = start.argv if start else list(sys.argv)
-    paths = {**_run["heads"], **{str(Path(h).resolve()): Path(h).resolve() for h in heads or []}}
+    paths = {**{str(Path(h).resolve()): Path(h).resolve() for h in heads or []}, **_run["heads"]}  # `heads` first
     return {
         "schema": PROVENANCE_SCHEMA,
         "code": start.code if start and start.code else code_state(),
