@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import logging
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,10 +34,10 @@ from statistics import median
 import torch
 
 from splitlm.bench.wan import WanConfig, WanEmulator
-from splitlm.cloud.local import cloud_process, free_port
+from splitlm.cloud.local import cloud_process
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
-from splitlm.edge.api import APIConfig, EdgeAPI
+from splitlm.edge.api import APIConfig, EdgeAPI, serving
 from splitlm.edge.prefix_pool import PoolLimits
 from splitlm.model.shards import cached_split
 from splitlm.result_files import begin_run, default_results_dir, time_stamp, write_result
@@ -46,24 +45,6 @@ from splitlm.result_files import begin_run, default_results_dir, time_stamp, wri
 log = logging.getLogger("prefix_reuse")
 TEXT = Path(__file__).with_name("prefix-reuse.json")  # the conversation's turns, the system prompt, the questions
 MODEL = "bench"
-
-
-@contextlib.contextmanager
-def serving(app):
-    """`app` on a loopback port (uvicorn in a thread); yields its base URL."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int) -> dict:

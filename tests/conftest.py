@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -206,25 +203,11 @@ def audit_docs() -> list[str]:
     return default_documents()[:24]
 
 
-@contextlib.contextmanager
 def serving(app):
-    """Serve an ASGI `app` (the edge's API) with uvicorn on a free local port; yields its base URL."""
-    import uvicorn
+    """Serve an ASGI `app` (the edge's API) on a free local port, quietly; yields its base URL."""
+    from splitlm.edge.api import serving as serve_app
 
-    from splitlm.cloud.local import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return serve_app(app, log_level="critical")
 
 
 def scrape_metrics(text: str) -> dict[str, float]:

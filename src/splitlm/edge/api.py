@@ -15,13 +15,14 @@ argmax acceptance, sampled ones by exact speculative sampling (distributed as pl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -377,6 +378,27 @@ def listen_socket(host: str, port: int):
         sock.close()
         raise SplitLMError(f"cannot listen on {host}:{port}: not a port number") from None
     return sock
+
+
+@contextlib.contextmanager
+def serving(app, log_level: str = "warning", timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve an ASGI `app` (an `EdgeAPI`'s, possibly wrapped) with uvicorn in a thread on a free loopback
+    port, for tests and benchmarks; yields its base URL once it has started (or `timeout_s` passed)."""
+    import uvicorn
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
