@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 import splitlm.edge.replay as replay_module
-from splitlm.cloud.local import free_port, wait_healthy
+from splitlm.cloud.local import LocalCloud
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.edge import Edge
@@ -28,52 +26,44 @@ PIPELINED = SpecConfig("ngram", max_nodes=6, pipeline=True)
 
 
 class Clouds:
-    """`splitlm serve-cloud` subprocesses of one shard, each on its own port, to kill and restart."""
+    """`splitlm serve-cloud` subprocesses of one shard (`LocalCloud`s), each on its own port, to kill and restart."""
 
     def __init__(self, shard, n: int, log_dir):
-        self.shard, self.log_dir = shard, log_dir
-        self.ports = [free_port() for _ in range(n)]
-        self.procs: list[subprocess.Popen | None] = [None] * n
-        self.kills = 0
+        self.clouds = [LocalCloud(shard, log_dir / f"cloud{i}.log", "cpu", "fp32", timeout_s=60) for i in range(n)]
+        self.ports = [c.port for c in self.clouds]
+
+    @property
+    def kills(self) -> int:
+        return sum(c.kills for c in self.clouds)
 
     def url(self, i: int) -> str:
         return f"ws://127.0.0.1:{self.ports[i]}"
 
-    def start(self, i: int) -> subprocess.Popen:
-        with open(self.log_dir / f"cloud{i}.log", "ab") as err:
-            self.procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(self.shard), "--port",
-                 str(self.ports[i]), "--threads", "1", "--device", "cpu", "--dtype", "fp32"],
-                stdout=subprocess.DEVNULL, stderr=err)
-        return self.procs[i]
+    def start(self, i: int) -> None:
+        self.clouds[i].launch()
 
     def up(self) -> None:
         """Every cloud serving (restart the killed ones)."""
-        for i, proc in enumerate(self.procs):
-            if proc is None or proc.poll() is not None:
-                proc = self.start(i)
-            wait_healthy(self.ports[i], proc, 60)
+        for cloud in self.clouds:
+            cloud.start()
 
     def index(self, url: str) -> int:
         return self.ports.index(int(url.rsplit(":", 1)[1]))
 
     def freeze(self, url: str) -> None:
-        os.kill(self.procs[self.index(url)].pid, signal.SIGSTOP)  # it answers nothing from now on
+        os.kill(self.clouds[self.index(url)].proc.pid, signal.SIGSTOP)  # it answers nothing from now on
 
     def kill(self, url: str) -> None:
-        proc = self.procs[self.index(url)]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        self.kills += 1
+        self.clouds[self.index(url)].kill()
 
     def terminate(self, url: str) -> None:
-        self.procs[self.index(url)].send_signal(signal.SIGTERM)
+        self.clouds[self.index(url)].proc.send_signal(signal.SIGTERM)
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for cloud in self.clouds:
+            if cloud.running:
+                cloud.proc.kill()
+                cloud.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +186,7 @@ def test_sigterm_makes_the_cloud_tell_its_edges_to_fail_over(tiny_chat_split, cl
     fired = arm(monkeypatch, clouds, "spec", mode="term")
     got, stats = run_generate(tiny_chat_split, urls, NGRAM, None)
     assert fired and got == want and stats.failovers == 1
-    proc = clouds.procs[clouds.index(fired[0]["url"])]
+    proc = clouds.clouds[clouds.index(fired[0]["url"])].proc
     assert proc.wait(30) == 0
     assert stats.failover_s < 10
     assert "going away" in caplog.text

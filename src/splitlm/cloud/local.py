@@ -54,11 +54,15 @@ class LocalCloud:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> None:
-        """Start the server (unless it runs) and wait until it answers `/healthz`."""
+    def launch(self) -> None:
+        """Start the server process (unless it runs), without waiting for it to serve."""
         if not self.running:
             with open(self.log, "ab") as err:
                 self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
+
+    def start(self) -> None:
+        """Start the server (unless it runs) and wait until it answers `/healthz`."""
+        self.launch()
         wait_healthy(self.port, self.proc, self.timeout_s, log=self.log)
 
     def kill(self) -> None:
