@@ -61,7 +61,8 @@ class GrammarStats:
 
     def to_dict(self) -> dict:
         return {"rejected_drafts": self.rejected_drafts, "forced_tokens": self.forced_tokens,
-                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes, "mask_steps": self.mask_steps, "mask_s": round(self.mask_s, 6),
+                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes, "mask_steps": self.mask_steps,
+                "mask_s": round(self.mask_s, 6),
                 "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1)}
 
 

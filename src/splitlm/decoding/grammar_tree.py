@@ -15,7 +15,8 @@ allowed after it (a packed mask row, which also goes with the step: verification
   token, a comma or a closing bracket), those the drafter did not propose are added as children
   with an equal share of the chance (key None: no drafter calibrates them), each followed by the
   chain its choice forces; at most `MAX_CHOICE_NODES` such nodes per tree, and two such choices in
-  a row at most (and no node the drafter lacks past `MAX_WALK` nodes: each costs a mask). The budget weighs them like any node, so most are cut when they rarely pay.
+  a row at most (and no node the drafter lacks past `MAX_WALK` nodes: each costs a mask). The budget
+  weighs them like any node, so most are cut when they rarely pay.
 """
 
 from __future__ import annotations
