@@ -23,6 +23,7 @@ import torch
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import default_corpus_documents
+from splitlm.decoding.grammar import GrammarTokenizer
 from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.modes import SpecConfig, make_drafter
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(ROOT / "prompts.json"))
     ap.add_argument("--limit", type=int)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--no-copy", action="store_true", help="auto without its copies of prompt text")
     ap.add_argument("--profile", action="store_true", help="print where drafting spends its time (cProfile)")
     args = ap.parse_args()
     if args.profile:
@@ -108,6 +110,7 @@ def run(args) -> None:
     head = load_head(edge_dir, model_hash)
     runner = None if head is None else HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
     memory = DraftMemory.seeded(SuffixIndex(tok(docs, add_special_tokens=False).input_ids), runner)
+    text = None if args.no_copy else GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids).ll
     spec = SpecConfig(mode=args.mode, cost=args.cost)
     budget = StepBudget(max_nodes=spec.budget_nodes, cost=spec.cost)
     prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
@@ -115,7 +118,7 @@ def run(args) -> None:
     by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0, 0])  # tokens, steps, draft s, step s, nodes
     for p in prompts:
         ids = encode_prompt(tok, p["prompt"], p.get("chat", False))
-        drafter = TimedDrafter(make_drafter(spec, memory=memory))
+        drafter = TimedDrafter(make_drafter(spec, memory=memory, text=text))
         stats = SpecStats()
         out = []
         for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos, drafter, budget, stats):

@@ -1,4 +1,4 @@
-"""`auto`: retrieval, recycled and head drafts merged into one tree per step.
+"""`auto`: retrieval, recycled, head and copy drafts merged into one tree per step.
 
 Each drafter scores its nodes by its own calibrated acceptance (learned separately per drafter,
 `KeyedCalibration`: the chance a node is accepted once its parent is). Merging gives a node that
@@ -24,13 +24,14 @@ from splitlm.decoding.tree import TokenTree
 class DraftMemory:
     """What the edge's drafters keep across requests (one per speculative mode on an edge; never sent):
     the recycled successor table, the corpus's suffix index, the store of past outputs, the trained
-    head, and the retrieval drafter's calibration."""
+    head, and the retrieval and copy drafters' calibrations."""
 
     recycle: RecycleTable = field(default_factory=RecycleTable)
     corpus: SuffixIndex | None = None
     past: PastOutputs = field(default_factory=PastOutputs)
     head: HeadRunner | None = None
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
+    copy_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
     @classmethod
     def seeded(cls, corpus: SuffixIndex, head: HeadRunner | None = None) -> DraftMemory:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from splitlm.decoding.auto import AutoDrafter, DraftMemory
 from splitlm.decoding.budget import COST_MODELS
+from splitlm.decoding.copy import CopyDrafter, TextTokenizer
 from splitlm.decoding.corpus import CorpusDrafter, NgramModel
 from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter
 from splitlm.decoding.head import HeadDrafter
@@ -54,6 +55,7 @@ class DraftSources:
     spec: SpecConfig
     corpus: NgramModel | None  # the n-gram model of local text (modes that need it; None without a tokenizer)
     memory: DraftMemory  # the state the edge's drafters keep across requests (a fresh one where none is kept)
+    text: TextTokenizer | None = None  # the tokenizer's text view (`auto` copies prompt text with it; None: no copies)
 
 
 @dataclass(frozen=True)
@@ -89,11 +91,14 @@ def head(s: DraftSources) -> Drafter:
 
 
 def auto(s: DraftSources) -> Drafter:
-    """Retrieval, recycled and (when one is trained) head drafts merged; the head last, guided by the
-    others' tree."""
+    """Retrieval, recycled and (when one is trained) head drafts merged, the head guided by the others'
+    tree; then (given the tokenizer's text view) copies of the prompt's text under the merged tree's
+    best nodes."""
     drafters = [suffix(s), RecycledDrafter(s.memory.recycle)]
     if s.memory.head is not None:
         drafters.append(HeadDrafter(s.memory.head))
+    if s.text is not None:
+        drafters.append(CopyDrafter(s.text, s.memory.copy_calibration))
     return AutoDrafter(drafters)
 
 
@@ -107,7 +112,7 @@ SPEC_MODES: dict[str, SpecMode] = {m.name: m for m in (
     SpecMode("suffix", "the longest earlier match in the request, the warm-up corpus and past outputs", suffix,
              needs_memory=True),
     SpecMode("head", "the draft head of `splitlm train-head`", head, needs_memory=True),
-    SpecMode("auto", "suffix, recycle and head merged", auto, needs_memory=True),
+    SpecMode("auto", "suffix, recycle, head and prompt copies merged", auto, needs_memory=True),
     SpecMode("auto-window", "the older combination of ngram, local-text n-grams and a lookahead window", auto_window,
              needs_corpus=True, adapts_window=True),
 )}
@@ -120,11 +125,13 @@ def spec_mode(name: str) -> SpecMode:
     return SPEC_MODES[name]
 
 
-def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, memory: DraftMemory | None = None) -> Drafter:
+def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, memory: DraftMemory | None = None,
+                 text: TextTokenizer | None = None) -> Drafter:
     """The drafter of `cfg.mode`. `corpus`: the local text's n-gram model (`auto-window` drafts from it
     when given); `memory`: the state `recycle`, `suffix`, `head` and `auto` keep across requests (a
-    fresh one if None). The drafter's `adapts_window` is the mode's."""
+    fresh one if None); `text`: the tokenizer's text view (`auto` copies the prompt's text with it).
+    The drafter's `adapts_window` is the mode's."""
     mode = spec_mode(cfg.mode)
-    drafter = mode.build(DraftSources(cfg, corpus, memory or DraftMemory()))
+    drafter = mode.build(DraftSources(cfg, corpus, memory or DraftMemory(), text))
     drafter.adapts_window = mode.adapts_window
     return drafter

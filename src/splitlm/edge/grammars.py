@@ -28,6 +28,7 @@ from splitlm.decoding.speculative import SpecStats, StepSession
 from splitlm.edge.results import GenerationStats
 
 if TYPE_CHECKING:
+    from splitlm.decoding.copy import TextTokenizer
     from splitlm.decoding.logprobs import LogprobRecorder
     from splitlm.edge.text import TextCodec
 
@@ -54,6 +55,12 @@ class EdgeGrammars:
                 with self.text.lock:
                     self._tokenizer = GrammarTokenizer.from_hf(self.text.tokenizer, self.vocab_size, self.eos_ids)
             return self._tokenizer
+
+    def text_view(self) -> TextTokenizer | None:
+        """The tokenizer's text view, for `auto`'s copies of prompt text (None: the edge has no tokenizer)."""
+        if self.text.tokenizer is None:
+            return None
+        return self.tokenizer().ll
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """`spec` compiled (or taken from the ones kept); GrammarError if the engine cannot."""

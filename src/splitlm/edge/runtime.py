@@ -197,8 +197,9 @@ class Edge:
         mode = spec_mode(spec.mode)
         corpus = self.corpus_model() if mode.needs_corpus else None
         memory = self.draft_memory(spec) if mode.needs_memory else None
+        text = self.grammars.text_view() if spec.mode == "auto" else None
         try:
-            return make_drafter(spec, corpus, memory), memory
+            return make_drafter(spec, corpus, memory, text), memory
         except ValueError as e:
             raise SplitLMError(str(e)) from None
 

@@ -1,0 +1,116 @@
+"""Copies of the prompt's text where the output splits it into other tokens.
+
+A JSON string value starts right after a quote, so its first word is written without the space it
+has in the prompt: `"Maria` where the prompt says ` Maria`, `["pen` `icillin` where it says
+` penicillin`. Token-level retrieval (`splitlm.decoding.suffix`) finds no match there, and the
+value costs a round trip per token. This drafter matches *text*: the output's text since its last
+quote, found in the prompt's text at the start of a word, is continued with the tokenizer's own
+split of the prompt's text from there (the split the model writes, as a rule), provided that split
+begins with the tokens the output already has. It drafts at the root and under the first few nodes
+of the other drafters' tree (`guided`: the value's first token is theirs to guess).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.step import StepResult
+from splitlm.decoding.tree import TokenTree
+
+
+class TextTokenizer(Protocol):
+    def tokenize_str(self, text: str) -> list[int]: ...
+
+    def decode_str(self, tokens: list[int]) -> str: ...
+
+
+MAX_PARTIAL = 64  # characters since the quote: a longer value is left to token-level retrieval
+COPY_CHARS = 80  # prompt text tokenized per match
+MAX_MATCHES = 3  # latest occurrences of the partial text continued
+GUIDED_NODES = 6  # the guide's best nodes (by reach) the drafter also continues
+
+
+class CopyDrafter(Drafter):
+    """Drafts the prompt's text after the output's open string, split the way the tokenizer splits it."""
+
+    name = "copy"
+    guided = True
+
+    def __init__(self, tokenizer: TextTokenizer, calibration: KeyedCalibration | None = None, depth: int = 12):
+        self.tok, self.depth = tokenizer, depth
+        self.calibration = calibration or KeyedCalibration()
+        self.pieces: dict[int, str] = {}
+        self.last: TokenTree | None = None
+
+    def piece(self, token: int) -> str:
+        if token not in self.pieces:
+            self.pieces[token] = self.tok.decode_str([token])
+        return self.pieces[token]
+
+    def reset(self, context: list[int]) -> None:
+        """`context`: the prompt and the first generated token."""
+        self.context = list(context)
+        self.prompt_len = len(context) - 1
+        self.prompt_text = self.tok.decode_str(self.context[: self.prompt_len])
+
+    def continuations(self, tokens: list[int]) -> list[list[int]]:
+        """Continuations of output `tokens` (the last ones suffice) copied from the prompt's text."""
+        partial, since = "", 0  # the text since the last quote, in whole tokens
+        for tok in reversed(tokens):
+            piece = self.piece(tok)
+            if '"' in piece:
+                if not piece.endswith('"'):
+                    return []  # the quote's token carries text after it: no token boundary to copy from
+                break
+            partial, since = piece + partial, since + 1
+            if len(partial) > MAX_PARTIAL:
+                return []
+        if not partial.strip():
+            return []
+        have = tokens[len(tokens) - since:]
+        out, seen, end = [], set(), len(self.prompt_text)
+        while len(out) < MAX_MATCHES and (c := self.prompt_text.rfind(partial, 0, end)) >= 0:
+            end = c + len(partial) - 1
+            if c > 0 and self.prompt_text[c - 1].isalnum():
+                continue  # not the start of a word
+            text = self.prompt_text[c: c + len(partial) + COPY_CHARS]
+            if c + len(partial) + COPY_CHARS < len(self.prompt_text) and " " in text[len(partial):]:
+                text = text[: text.rindex(" ")]  # no word cut in two at the end
+            ids = self.tok.tokenize_str(text)
+            cont = ids[since: since + self.depth]
+            if ids[:since] == have and cont and tuple(cont) not in seen:
+                seen.add(tuple(cont))
+                out.append(cont)
+        return out
+
+    def _add(self, tree: TokenTree, node: int, conts: list[list[int]]) -> None:
+        for cont in conts:
+            at = node
+            for d, tok in enumerate(cont, start=1):
+                key = ("copy", min(d, 6), min(len(conts), 2))
+                at = tree.add(at, tok, self.calibration.p(key, 0.75 / len(conts)), key)
+
+    def propose(self, guide: TokenTree | None = None) -> TokenTree:
+        output = self.context[self.prompt_len:]
+        tree = TokenTree.root_only(self.context[-1])
+        self._add(tree, 0, self.continuations(output))
+        if guide is not None and len(guide) > 1:
+            reach = [1.0] * len(guide)
+            for i in range(1, len(guide)):
+                reach[i] = reach[guide.parents[i]] * guide.scores[i]
+            paths = guide.paths()
+            for i in sorted(range(1, len(guide)), key=lambda i: -reach[i])[:GUIDED_NODES]:
+                conts = self.continuations(output + list(paths[i]))
+                if conts:
+                    node = 0
+                    for tok in paths[i]:
+                        node = tree.add(node, tok, 0.0)  # the guide's own node: its score stands (merged by `either`)
+                    self._add(tree, node, conts)
+        self.last = tree
+        return tree
+
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
+        if self.last is not None:
+            self.calibration.learn(self.last, new)
+            self.last = None
