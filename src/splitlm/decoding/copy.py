@@ -28,6 +28,7 @@ class TextTokenizer(Protocol):
 MAX_PARTIAL = 64  # characters since the quote: a longer value is left to token-level retrieval
 COPY_CHARS = 80  # prompt text tokenized per match
 MAX_MATCHES = 3  # latest occurrences of the partial text continued
+MAX_TRIES = 8  # occurrences at a word start split per call (a short partial text occurs often)
 GUIDED_NODES = 6  # the guide's best nodes (by reach) the drafter also continues
 
 
@@ -69,11 +70,12 @@ class CopyDrafter(Drafter):
         if not partial.strip():
             return []
         have = tokens[len(tokens) - since:]
-        out, seen, end = [], set(), len(self.prompt_text)
-        while len(out) < MAX_MATCHES and (c := self.prompt_text.rfind(partial, 0, end)) >= 0:
+        out, seen, end, tries = [], set(), len(self.prompt_text), 0
+        while len(out) < MAX_MATCHES and tries < MAX_TRIES and (c := self.prompt_text.rfind(partial, 0, end)) >= 0:
             end = c + len(partial) - 1
             if c > 0 and self.prompt_text[c - 1].isalnum():
                 continue  # not the start of a word
+            tries += 1
             text = self.prompt_text[c: c + len(partial) + COPY_CHARS]
             if c + len(partial) + COPY_CHARS < len(self.prompt_text) and " " in text[len(partial):]:
                 text = text[: text.rindex(" ")]  # no word cut in two at the end
