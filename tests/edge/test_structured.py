@@ -114,3 +114,19 @@ def test_cli_generate_with_a_json_schema_and_a_regex(served, tmp_path, capsys):
     assert re.fullmatch("[a-c]{2}[0-9]", json.loads(capsys.readouterr().out)["text"])
     assert main([*common, "--prompt", "x", "--json-schema", str(tmp_path / "missing.json")]) == 1
     assert "cannot read the JSON schema" in capsys.readouterr().err
+
+
+def test_auto_drafts_without_copies_where_the_engine_cannot_read_the_tokenizer(monkeypatch, caplog):
+    import threading
+    from types import SimpleNamespace
+
+    import splitlm.edge.grammars as grammars
+
+    def unreadable(*args, **kwargs):
+        raise GrammarError("the grammar engine cannot read this tokenizer: test")
+
+    monkeypatch.setattr(grammars.GrammarTokenizer, "from_hf", unreadable)
+    edge_grammars = grammars.EdgeGrammars(SimpleNamespace(tokenizer=object(), lock=threading.Lock()), 64, [2])
+    assert edge_grammars.text_view() is None and edge_grammars.text_view() is None
+    assert sum("without copies" in r.message for r in caplog.records) == 1  # said once
+    assert grammars.EdgeGrammars(SimpleNamespace(tokenizer=None, lock=threading.Lock()), 64, [2]).text_view() is None

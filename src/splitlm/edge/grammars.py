@@ -43,6 +43,7 @@ class EdgeGrammars:
     def __init__(self, text: TextCodec, vocab_size: int, eos_ids: list[int]):
         self.text, self.vocab_size, self.eos_ids = text, vocab_size, list(eos_ids)
         self._tokenizer: GrammarTokenizer | None = None
+        self._unreadable = False  # the engine could not read the tokenizer (said once)
         self._compiled: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -57,10 +58,16 @@ class EdgeGrammars:
             return self._tokenizer
 
     def text_view(self) -> TextTokenizer | None:
-        """The tokenizer's text view, for `auto`'s copies of prompt text (None: the edge has no tokenizer)."""
-        if self.text.tokenizer is None:
+        """The tokenizer's text view, for `auto`'s copies of prompt text (None: the edge has no tokenizer,
+        or one the engine cannot read: `auto` then drafts without copies)."""
+        if self.text.tokenizer is None or self._unreadable:
             return None
-        return self.tokenizer().ll
+        try:
+            return self.tokenizer().ll
+        except GrammarError as e:
+            log.warning("auto drafts without copies of prompt text: %s", e)
+            self._unreadable = True
+            return None
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """`spec` compiled (or taken from the ones kept); GrammarError if the engine cannot."""
