@@ -95,9 +95,9 @@ def main() -> None:
         run(args)
 
 
-def run(args) -> None:
-    torch.set_num_threads(1)
-
+def bundled():
+    """The bundled model, its tokenizer, the warm-up corpus's suffix index and the draft head's runner
+    (None without a trained head): what the edge's `auto` drafts with."""
     model, model_dir = load_model("default")
     from transformers import AutoTokenizer
 
@@ -109,7 +109,13 @@ def run(args) -> None:
         docs += read_warmup(w)
     head = load_head(edge_dir, model_hash)
     runner = None if head is None else HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
-    memory = DraftMemory.seeded(SuffixIndex(tok(docs, add_special_tokens=False).input_ids), runner)
+    return model, tok, SuffixIndex(tok(docs, add_special_tokens=False).input_ids), runner
+
+
+def run(args) -> None:
+    torch.set_num_threads(1)
+    model, tok, corpus, runner = bundled()
+    memory = DraftMemory.seeded(corpus, runner)
     text = None if args.no_copy else GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids).ll
     spec = SpecConfig(mode=args.mode, cost=args.cost)
     budget = StepBudget(max_nodes=spec.budget_nodes, cost=spec.cost)

@@ -19,21 +19,15 @@ from pathlib import Path
 
 import jsonschema
 import torch
-from offline_drafting import ROOT, FixedCostSession, TimedDrafter, compute_s
+from offline_drafting import ROOT, FixedCostSession, TimedDrafter, bundled, compute_s
 
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
-from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.grammar import GrammarSpec, GrammarTokenizer, compile_grammar
 from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
-from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.speculative import SpecStats, speculative_decode
-from splitlm.decoding.suffix import SuffixIndex
-from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.text import encode_prompt
-from splitlm.model.loading import file_sha256, load_model, safetensors_files
-from splitlm.model.shards import cached_split
 
 
 def main() -> None:
@@ -50,18 +44,7 @@ def main() -> None:
 
 
 def run(args) -> None:
-    model, model_dir = load_model("default")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    edge_dir = cached_split("default", 2, 2, "tail-local", None) / "edge"
-    model_hash = file_sha256(safetensors_files(model_dir))[:32]
-    docs = default_corpus_documents()
-    if (w := find_warmup(edge_dir, model_hash)) is not None:
-        docs += read_warmup(w)
-    head = load_head(edge_dir, model_hash)
-    runner = None if head is None else HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
-    corpus = SuffixIndex(tok(docs, add_special_tokens=False).input_ids)
+    model, tok, corpus, runner = bundled()
     memories = {name: DraftMemory.seeded(corpus, runner) for name in ("json", "free")}
     eos = set(model.cfg.eos_token_ids)
     gtok = GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids)

@@ -4,7 +4,7 @@ A JSON string value starts right after a quote, so its first word is written wit
 has in the prompt: `"Maria` where the prompt says ` Maria`, `["pen` `icillin` where it says
 ` penicillin`. Token-level retrieval (`splitlm.decoding.suffix`) finds no match there, and the
 value costs a round trip per token. This drafter matches *text*: the output's text since its last
-quote, found in the prompt's text at the start of a word, is continued with the tokenizer's own
+quote (or since the answer began), found in the prompt's text at the start of a word, is continued with the tokenizer's own
 split of the prompt's text from there (the split the model writes, as a rule), provided that split
 begins with the tokens the output already has. It drafts at the root and under the first few nodes
 of the other drafters' tree (`guided`: the value's first token is theirs to guess).
@@ -57,7 +57,7 @@ class CopyDrafter(Drafter):
 
     def continuations(self, tokens: list[int]) -> list[list[int]]:
         """Continuations of output `tokens` (the last ones suffice) copied from the prompt's text."""
-        partial, since = "", 0  # the text since the last quote, in whole tokens
+        partial, since = "", 0  # the text since the last quote (or the answer's start), in whole tokens
         for tok in reversed(tokens):
             piece = self.piece(tok)
             if '"' in piece:
