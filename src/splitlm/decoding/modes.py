@@ -3,7 +3,7 @@ how the drafter is built.
 
 Everything else that knows the modes reads `SPEC_MODES`: `SpecConfig`'s check, the CLI's `--spec`
 choices and help (`splitlm.cli.options.add_spec_options`), the edge's questions (does this mode
-need the n-gram model of local text? the draft memory?) and the table in docs/speculative.md
+need the n-gram model of local text? the draft memory? the tokenizer's text view?) and the table in docs/speculative.md
 (`tests/decoding/test_modes.py` compares them). A new drafter is its own module and one row here.
 """
 
@@ -67,6 +67,7 @@ class SpecMode:
     build: Callable[[DraftSources], Drafter]
     needs_corpus: bool = False  # its drafter reads the n-gram model of local text (`Edge.corpus_model`)
     needs_memory: bool = False  # its drafter keeps its state in the edge's `DraftMemory` (`Edge.draft_memory`)
+    needs_text: bool = False  # its drafter reads the tokenizer's text view (`EdgeGrammars.text_view`)
     adapts_window: bool = False  # its lookahead window is resized every step to what the link affords
 
 
@@ -112,7 +113,7 @@ SPEC_MODES: dict[str, SpecMode] = {m.name: m for m in (
     SpecMode("suffix", "the longest earlier match in the request, the warm-up corpus and past outputs", suffix,
              needs_memory=True),
     SpecMode("head", "the draft head of `splitlm train-head`", head, needs_memory=True),
-    SpecMode("auto", "suffix, recycle, head and prompt copies merged", auto, needs_memory=True),
+    SpecMode("auto", "suffix, recycle, head and prompt copies merged", auto, needs_memory=True, needs_text=True),
     SpecMode("auto-window", "the older combination of ngram, local-text n-grams and a lookahead window", auto_window,
              needs_corpus=True, adapts_window=True),
 )}

@@ -197,7 +197,7 @@ class Edge:
         mode = spec_mode(spec.mode)
         corpus = self.corpus_model() if mode.needs_corpus else None
         memory = self.draft_memory(spec) if mode.needs_memory else None
-        text = self.grammars.text_view() if spec.mode == "auto" else None
+        text = self.grammars.text_view() if mode.needs_text else None
         try:
             return make_drafter(spec, corpus, memory, text), memory
         except ValueError as e:
