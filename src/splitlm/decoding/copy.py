@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from splitlm.decoding.drafters import Drafter, KeyedCalibration
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.drafters import CalibratedDrafter, KeyedCalibration
 from splitlm.decoding.tree import TokenTree
 
 
@@ -32,7 +31,7 @@ MAX_TRIES = 8  # occurrences at a word start split per call (a short partial tex
 GUIDED_NODES = 6  # the guide's best nodes (by reach) the drafter also continues
 
 
-class CopyDrafter(Drafter):
+class CopyDrafter(CalibratedDrafter):
     """Drafts the prompt's text after the output's open string, split the way the tokenizer splits it."""
 
     name = "copy"
@@ -42,7 +41,6 @@ class CopyDrafter(Drafter):
         self.tok, self.depth = tokenizer, depth
         self.calibration = calibration or KeyedCalibration()
         self.pieces: dict[int, str] = {}
-        self.last: TokenTree | None = None
 
     def piece(self, token: int) -> str:
         if token not in self.pieces:
@@ -111,8 +109,3 @@ class CopyDrafter(Drafter):
                     self._add(tree, node, conts)
         self.last = tree
         return tree
-
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
-        if self.last is not None:
-            self.calibration.learn(self.last, new)
-            self.last = None

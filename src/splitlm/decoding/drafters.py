@@ -80,6 +80,19 @@ class KeyedCalibration:
             self.counts[key] = (hits + (path[-1] == new[d - 1]), total + 1)
 
 
+class CalibratedDrafter(Drafter):
+    """A drafter that scores its nodes by its own `calibration` (keys on the nodes) and, after each pass,
+    learns from the tree it proposed last (`last`, set by `propose`)."""
+
+    calibration: KeyedCalibration
+    last: TokenTree | None = None
+
+    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
+        if self.last is not None:
+            self.calibration.learn(self.last, new)
+            self.last = None
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup as a tree: continuations of earlier occurrences of the context's suffix.
 

@@ -19,8 +19,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from splitlm.decoding.drafters import Drafter, KeyedCalibration
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.drafters import CalibratedDrafter, KeyedCalibration
 from splitlm.decoding.tree import TokenTree
 
 SEP = -1  # between documents: matches nothing, ends every continuation
@@ -172,7 +171,7 @@ class PastOutputs:
             return self._index
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(CalibratedDrafter):
     """Retrieval drafts from the context automaton and suffix indexes (corpus, past outputs)."""
 
     name = "suffix"
@@ -182,7 +181,6 @@ class SuffixDrafter(Drafter):
         self.indexes = [ix for ix in indexes if ix is not None]
         self.calibration = calibration or KeyedCalibration()
         self.max_depth, self.max_matches = max_depth, max_matches
-        self.last: TokenTree | None = None
 
     def reset(self, context: list[int]) -> None:
         self.context = []
@@ -237,8 +235,3 @@ class SuffixDrafter(Drafter):
             self._add(tree, conts, source, m)
         self.last = tree
         return tree
-
-    def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
-        if self.last is not None:
-            self.calibration.learn(self.last, new)
-            self.last = None
