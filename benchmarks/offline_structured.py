@@ -14,15 +14,15 @@ Tune on benchmarks/prompts-json.json only; prompts-json-heldout.json is for the 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
 import jsonschema
 import torch
-from offline_drafting import ROOT, FixedCostSession, TimedDrafter, bundled, compute_s
+from offline_drafting import ROOT, FixedCostBudget, FixedCostSession, TimedDrafter, bundled, compute_s
 
 from splitlm.decoding.auto import DraftMemory
-from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.grammar import GrammarSpec, GrammarTokenizer, compile_grammar
 from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
 from splitlm.decoding.modes import SpecConfig, make_drafter
@@ -45,12 +45,13 @@ def main() -> None:
 
 def run(args) -> None:
     model, tok, corpus, runner = bundled()
-    memories = {name: DraftMemory.seeded(corpus, runner) for name in ("json", "free")}
+    # one memory each, the head's calibration included, as two edges would have
+    memories = {name: DraftMemory.seeded(corpus, copy.deepcopy(runner)) for name in ("json", "free")}
     eos = set(model.cfg.eos_token_ids)
     gtok = GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids)
     text = None if args.no_copy else gtok.ll
     spec = SpecConfig(mode="auto")
-    budgets = {name: StepBudget(max_nodes=spec.budget_nodes, cost=spec.cost) for name in memories}
+    budgets = {name: FixedCostBudget(max_nodes=spec.budget_nodes, cost=spec.cost) for name in memories}
     prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
     total = {"json": [0, 0, 0.0], "free": [0, 0, 0.0]}  # tokens, steps, modelled seconds
     valid = 0
@@ -91,7 +92,8 @@ def run(args) -> None:
             t[2] += edge_s + sum(FixedCostSession.rtt_s + compute_s(k) for k in s.choices)
         tj, tf = (len(out) - 1) / max(stats.steps, 1), (len(free) - 1) / max(free_stats.steps, 1)
         print(f"{p['id']:20s} json tau {tj:5.2f} ({len(out):3d} tok, forced {gstats.forced_tokens:3d}, "
-              f"rejected {gstats.rejected_drafts:4d}, mask {1000 * gstats.mask_s / max(stats.steps, 1):4.1f} ms/step)"
+              f"rejected {gstats.rejected_drafts:4d}, mask {1000 * gstats.mask_s / max(stats.steps, 1):4.1f} ms/step, "
+              f"drafting {1000 * drafter.seconds / max(stats.steps, 1):4.1f} vs {1000 * free_drafter.seconds / max(free_stats.steps, 1):4.1f})"
               f"  free tau {tf:5.2f}  ratio {tj / tf:4.2f}", flush=True)
     tj, tf = total["json"][0] / total["json"][1], total["free"][0] / total["free"][1]
     rj, rf = total["json"][0] / total["json"][2], total["free"][0] / total["free"][2]

@@ -163,6 +163,31 @@ def test_noisy_trees_greedy_and_sampled(setup, seed):
         assert stats.accepted_drafts > 0
 
 
+def test_auto_with_a_head_drafts_after_forced_chains_and_equals_sequential(setup, monkeypatch):
+    """The head drafts after the chain at the root (rolled through it) and after the chains inside the
+    tree (`propose_after`, grafted through the grammar): the tokens stay those of sequential decoding."""
+    from splitlm.decoding.auto import DraftMemory
+    from splitlm.decoding.head import DraftHead, HeadDrafter, HeadRunner
+    from splitlm.decoding.suffix import SuffixIndex
+
+    model, tok, gt = setup
+    example = tok('{"name": "ab", "age": 7, "role": "user", "active": true, "tags": ["a"]}').input_ids
+    torch.manual_seed(0)
+    memory = DraftMemory.seeded(SuffixIndex([example * 3]),
+                                HeadRunner(DraftHead(model.cfg.hidden_size, 32, torch.arange(len(tok))),
+                                           model.embed_tokens.weight, model.embed_tokens.weight))
+    calls = []
+    inner = HeadDrafter.propose_after
+    monkeypatch.setattr(HeadDrafter, "propose_after", lambda self, *a: calls.append(a) or inner(self, *a))
+    spec = GrammarSpec.json_schema(SCHEMA)
+    for text in ("Go: ", "Example: "):
+        prompt = tok(text).input_ids + example + tok(" Now: ").input_ids
+        reference, _ = sequential(model, gt, spec, prompt, 60)
+        out, _, gstats = speculative(model, gt, spec, prompt, 60, make_drafter(SpecConfig("auto"), memory=memory))
+        assert out == reference and gstats.forced_tokens > 0
+    assert calls  # open chain ends inside trees were drafted after
+
+
 def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
     model, tok, gt = setup
     state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()
@@ -182,6 +207,27 @@ def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
     budget = StepBudget()
     choice = budget.choose(walked.tree)
     assert choice.reach[1:len(opening) + 1] == [1.0] * len(opening)  # the budget counts them as certain
+
+
+def test_a_graft_walks_only_the_new_nodes_through_the_grammar(setup):
+    from splitlm.decoding.grammar_tree import graft
+
+    model, tok, gt = setup
+    state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()
+    walked = constrain(TokenTree.root_only(5), state)
+    k = len(state.forced_chain(32))  # the opening chain's end, `{"name":` (a choice of ` ` or ` "` follows)
+    quote, bad, letters = tok(' "').input_ids[0], tok("[").input_ids[0], tok("ab").input_ids[0]
+    have = walked.tree.child(k, quote)
+    before = len(walked.tree)
+    extra = TokenTree.root_only(walked.tree.tokens[k])
+    extra.add(extra.add(0, bad, 0.9), quote, 0.9)  # the grammar rejects `[` here: its subtree goes with it
+    extra.add(extra.add(0, quote, 0.8), letters, 0.7)  # ` "` is in the tree already: only `ab` is new
+    graft(walked, extra, k, state)
+    assert walked.rejected == 2 and walked.tree.child(k, bad) is None
+    assert walked.tree.child(k, quote) == have and walked.tree.scores[have] != 0.8  # left as it was
+    node = walked.tree.child(have, letters)
+    assert node is not None and node >= before and walked.tree.scores[node] == 0.7
+    assert len(walked.rows) == len(walked.tree) and state.consumed == 0  # every node has its mask; state restored
 
 
 def test_a_small_choice_joins_the_tree_whole(setup):

@@ -19,6 +19,7 @@ from splitlm.decoding.local import LocalSession
 from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.recycle import RecycleTable
 from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import ContextAutomaton, SuffixIndex
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.loading import load_model
@@ -241,6 +242,36 @@ def test_head_guided_by_the_merged_tree_goes_deeper_along_the_others_votes(model
     guided = drafter.propose(guide=guide)
     assert max(guided.depths()) > max(unguided.depths())
     assert tuple(chain[: max(guided.depths())]) in guided.paths()
+
+
+def test_after_a_forced_chain_the_head_drafts_from_its_state_rolled_through_the_chain(model):
+    """A pass leaves the hidden state before the bonus token; a grammar's forced chain then extends the
+    context: the head drafts after the chain as if it had read the bonus and the chain."""
+    drafter = head_drafter_at(model)  # reset on [5, 6, 7]: the prompt and the first token
+    d = model.cfg.hidden_size
+    drafter.verified(TokenTree.root_only(6), [0], [7], StepResult(None, 1, hidden=torch.randn(1, d)))  # the prefill
+    tree = TokenTree.root_only(7)
+    tree.add(0, 9, 0.5)
+    h = torch.randn(2, d)
+    drafter.verified(tree, [0, 1], [9, 4], StepResult(None, 2, hidden=h))  # 9 accepted, 4 the bonus
+    drafter.extend([9, 4])
+    drafter.extend([11, 12, 13])  # the forced chain
+    drafted = drafter.propose()
+    _, _, ids = drafter.runner.step(drafter.runner.roll(h[1], [4, 11, 12])[None], [13], 2)
+    children = [drafted.tokens[i] for i in range(1, len(drafted)) if drafted.parents[i] == 0]
+    assert drafted.tokens[0] == 13 and children == ids[0].tolist()
+    drafter.verified(TokenTree.root_only(13), [0], [20], StepResult(None, 1, hidden=h[:1]))
+    drafter.extend([20])
+    assert drafter.known == [] and drafter.rolled() is not None  # nothing to roll after an ordinary pass
+
+
+def test_the_head_drafts_after_paths_inside_the_tree(model):
+    drafter = head_drafter_at(model)
+    after = drafter.propose_after([[8, 9], [8, 10, 11]], [0.9, 0.5])
+    assert (8, 9) in after.paths() and (8, 10, 11) in after.paths()
+    assert any(len(p) > 3 for p in after.paths())  # drafts below the paths' ends
+    _, _, ids = drafter.runner.step(drafter.runner.roll(drafter.hidden, [7, 8])[None], [9], 2)
+    assert (8, 9, ids[0, 0].item()) in after.paths()
 
 
 def test_tree_finds_children_by_index_and_keeps_the_first_of_duplicates():

@@ -50,6 +50,7 @@ class AutoDrafter(DrafterGroup):
         self.drafters = drafters
         self.name = "auto(" + "+".join(d.name for d in drafters) + ")"
         self.extras = max((d.extras for d in drafters), default=0)
+        self.drafts_after = any(d.drafts_after for d in drafters)
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
@@ -58,6 +59,16 @@ class AutoDrafter(DrafterGroup):
             where = {0: 0}
             for i in range(1, len(tree)):
                 where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], combine=either)
+        return merged
+
+    def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
+        merged = TokenTree.root_only(self.context[-1])
+        for d in self.drafters:
+            if d.drafts_after:
+                tree = d.propose_after(paths, reaches)
+                where = {0: 0}
+                for i in range(1, len(tree)):
+                    where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], tree.keys[i], either)
         return merged
 
     def accepted(self, drafted: list[int]) -> None:

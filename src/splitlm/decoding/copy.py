@@ -29,6 +29,7 @@ COPY_CHARS = 80  # prompt text tokenized per match
 MAX_MATCHES = 3  # latest occurrences of the partial text continued
 MAX_TRIES = 8  # occurrences at a word start split per call (a short partial text occurs often)
 GUIDED_NODES = 6  # the guide's best nodes (by reach) the drafter also continues
+VALUE_START = " :,[{"  # JSON punctuation between a quote and a value that is not a string
 
 
 class CopyDrafter(CalibratedDrafter):
@@ -55,34 +56,45 @@ class CopyDrafter(CalibratedDrafter):
 
     def continuations(self, tokens: list[int]) -> list[list[int]]:
         """Continuations of output `tokens` (the last ones suffice) copied from the prompt's text."""
-        partial, since = "", 0  # the text since the last quote (or the answer's start), in whole tokens
+        partial, since = "", 0  # the text since the last quote (or the answer's start); whole tokens in it
         for tok in reversed(tokens):
             piece = self.piece(tok)
             if '"' in piece:
-                if not piece.endswith('"'):
-                    return []  # the quote's token carries text after it: no token boundary to copy from
+                partial = piece[piece.rindex('"') + 1:] + partial  # a token may carry text after its quote
                 break
             partial, since = piece + partial, since + 1
             if len(partial) > MAX_PARTIAL:
                 return []
-        if not partial.strip():
+        probe = partial.lstrip(VALUE_START)  # `: 14` after a key: the number is what the prompt may hold
+        if not probe.strip():
             return []
-        have = tokens[len(tokens) - since:]
+        have = tokens[len(tokens) - since:] if probe == partial else None
         out, seen, end, tries = [], set(), len(self.prompt_text), 0
-        while len(out) < MAX_MATCHES and tries < MAX_TRIES and (c := self.prompt_text.rfind(partial, 0, end)) >= 0:
-            end = c + len(partial) - 1
+        while len(out) < MAX_MATCHES and tries < MAX_TRIES and (c := self.prompt_text.rfind(probe, 0, end)) >= 0:
+            end = c + len(probe) - 1
             if c > 0 and self.prompt_text[c - 1].isalnum():
                 continue  # not the start of a word
             tries += 1
-            text = self.prompt_text[c: c + len(partial) + COPY_CHARS]
-            if c + len(partial) + COPY_CHARS < len(self.prompt_text) and " " in text[len(partial):]:
-                text = text[: text.rindex(" ")]  # no word cut in two at the end
-            ids = self.tok.tokenize_str(text)
-            cont = ids[since: since + self.depth]
-            if ids[:since] == have and cont and tuple(cont) not in seen:
+            cont = self.copy(c, probe, have)
+            if cont and tuple(cont) not in seen:
                 seen.add(tuple(cont))
                 out.append(cont)
         return out
+
+    def copy(self, c: int, probe: str, have: list[int] | None) -> list[int]:
+        """The tokens after `probe`, found at character `c` of the prompt's text: the tokenizer's split of
+        the text from `c` where it begins with the output's tokens `have`, else its split of the text
+        after the probe (the model, having split the word its own way, as a rule goes on as the
+        tokenizer would from there)."""
+        stop = c + len(probe) + COPY_CHARS
+        text = self.prompt_text[c: stop]
+        if stop < len(self.prompt_text) and " " in text[len(probe):]:
+            text = text[: text.rindex(" ")]  # no word cut in two at the end
+        if have is not None:
+            ids = self.tok.tokenize_str(text)
+            if ids[: len(have)] == have:
+                return ids[len(have): len(have) + self.depth]
+        return self.tok.tokenize_str(text[len(probe):])[: self.depth]
 
     def _add(self, tree: TokenTree, node: int, conts: list[list[int]]) -> None:
         for cont in conts:

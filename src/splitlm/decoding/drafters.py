@@ -32,6 +32,7 @@ class Drafter:
     lookahead: LookaheadDrafter | None = None  # the Jacobi window riding along each pass, if it runs one
     window_gain = 0.0  # tokens per step that only the lookahead window's pool proposed (an average)
     adapts_window = False  # the lookahead window is resized every step to what the link affords
+    drafts_after = False  # `propose_after` drafts after paths the step will carry (a grammar's forced chains)
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -41,6 +42,14 @@ class Drafter:
 
     def propose(self) -> TokenTree:
         return TokenTree.root_only(self.context[-1])
+
+    def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
+        """A tree holding `paths` (after the root; each reached with the chance in `reaches`) and drafts
+        after each (only where `drafts_after`)."""
+        tree = TokenTree.root_only(self.context[-1])
+        for path in paths:
+            tree.add_path(path, [1.0] * len(path))
+        return tree
 
     def accepted(self, drafted: list[int]) -> None:
         """The drafted tokens the target accepted in the last step (bonus token excluded)."""

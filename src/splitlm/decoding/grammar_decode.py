@@ -35,7 +35,7 @@ import torch
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import GrammarState
-from splitlm.decoding.grammar_tree import ConstrainedTree, constrain
+from splitlm.decoding.grammar_tree import ConstrainedTree, constrain, graft, small_choice
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.speculative import SpecStats, StepSession, build_step, extras, stop_at
 from splitlm.decoding.step import StepResult
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
+AFTER_ENDS = 3  # open chain ends inside a tree the drafter drafts after
+AFTER_MIN_REACH = 0.05
 
 
 @dataclass
@@ -137,6 +139,8 @@ class ConstrainedRun:
         walked = constrain(tree, self.state, MAX_TREE_CHAIN)
         self.gstats.mask_s += time.perf_counter() - t0
         self.gstats.mask_steps += len(walked.tree)
+        if self.drafter.drafts_after and (ends := self.open_ends(walked, len(chain))):
+            walked = self.draft_after(walked, ends, len(chain))
         self.gstats.rejected_drafts += walked.rejected
         self.gstats.choice_nodes += walked.choices
         choice = self.budget.choose(walked.tree)
@@ -148,6 +152,31 @@ class ConstrainedRun:
         index = {p: i for i, p in enumerate(walked.tree.paths())}
         rows = [walked.rows[index[p]] for p in kept.paths()]
         return ConstrainedTree(kept, rows), choice.expected_tokens
+
+    def open_ends(self, walked: ConstrainedTree, k: int) -> list[tuple[float, int]]:
+        """The likeliest leaves (reach, node) of `walked` past its first `k` nodes (the root's chain)
+        where a chain the grammar forced ends and the model's choice begins: a value's first token."""
+        tree, cal = walked.tree, self.budget.calibration
+        reach = [1.0] * len(tree)
+        inner = set(tree.parents)
+        ends = []
+        for i in range(1, len(tree)):
+            reach[i] = reach[tree.parents[i]] * (1.0 if tree.certain(i) else cal.p(tree.scores[i]))
+            if (i > k and tree.certain(i) and i not in inner and tree.tokens[i] not in self.state.eos
+                    and reach[i] >= AFTER_MIN_REACH and small_choice(walked.rows[i], 1) is None):
+                ends.append((reach[i], i))
+        return sorted(ends, reverse=True)[:AFTER_ENDS]
+
+    def draft_after(self, walked: ConstrainedTree, ends: list[tuple[float, int]], k: int) -> ConstrainedTree:
+        """`walked` with the drafter's drafts after each of its open `ends` (walked through the grammar)."""
+        paths = walked.tree.paths()
+        after = self.drafter.propose_after([list(paths[i][k:]) for _, i in ends], [r for r, _ in ends])
+        before = len(walked.tree)
+        t0 = time.perf_counter()
+        graft(walked, after, k, self.state, MAX_TREE_CHAIN)
+        self.gstats.mask_s += time.perf_counter() - t0
+        self.gstats.mask_steps += len(walked.tree) - before
+        return walked
 
     def verify(self, tree: ConstrainedTree, context: list[int]) -> tuple[list[int], list[int], StepResult]:
         """Send the tree, choose each row's token among its allowed ones, walk the tree: the accepted

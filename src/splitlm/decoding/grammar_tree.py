@@ -67,7 +67,7 @@ class Walk:
     """One depth-first walk of a drafter's tree through the grammar (the state moves with the walk and
     ends where it began)."""
 
-    def __init__(self, tree: TokenTree, state: GrammarState, max_forced: int):
+    def __init__(self, tree: TokenTree, state: GrammarState, max_forced: int, out: ConstrainedTree | None = None):
         self.src, self.state, self.max_forced = tree, state, max_forced
         self.children: dict[int, list[int]] = {}
         for i in range(1, len(tree)):
@@ -75,7 +75,23 @@ class Walk:
         self.words = mask_words(state.vocab_size)
         self.choice_nodes = MAX_CHOICE_NODES  # left to add
         root_key = FORCED if tree.certain(0) else tree.keys[0]
-        self.out = ConstrainedTree(TokenTree([tree.tokens[0]], [-1], [1.0], [root_key]))
+        self.out = out or ConstrainedTree(TokenTree([tree.tokens[0]], [-1], [1.0], [root_key]))
+
+    def merge(self, src: int, node: int) -> None:
+        """The drafter's node `src` is the output's existing `node` (the state is after it): walk the
+        children the output lacks, follow the ones it has."""
+        for k in self.children.get(src, []):
+            tok = self.src.tokens[k]
+            if (have := self.out.tree.child(node, tok)) is not None:
+                self.state.advance(tok)
+                try:
+                    self.merge(k, have)
+                finally:
+                    self.state.rollback(1)
+            elif allows(self.out.rows[node], tok):
+                self.descend(k, node, tok, self.src.scores[k], self.src.keys[k], 0)
+            else:
+                self.out.rejected += subtree_size(self.children, k)
 
     def visit(self, src: int | None, node: int, chain: int, choices: int = 0) -> None:
         """Node `node` of the output tree (from `src` of the drafter's, None for a node it lacks): record
@@ -133,6 +149,19 @@ class Walk:
             self.visit(src, node, chain, choices)
         finally:
             self.state.rollback(1)
+
+
+def graft(walked: ConstrainedTree, tree: TokenTree, at: int, state: GrammarState, max_forced: int = 16) -> ConstrainedTree:
+    """`walked` (from `constrain`, `state` at its root) with the nodes of `tree` (rooted at `walked`'s
+    node `at`) it lacks, walked through the grammar like the rest; `walked` itself is extended."""
+    path = walked.tree.paths()[at]
+    for tok in path:
+        state.advance(tok)
+    try:
+        Walk(tree, state, max_forced, out=walked).merge(0, at)
+    finally:
+        state.rollback(len(path))
+    return walked
 
 
 def constrain(tree: TokenTree, state: GrammarState, max_forced: int = 16) -> ConstrainedTree:

@@ -159,6 +159,23 @@ class HeadRunner:
         probs = torch.softmax(logits, -1).gather(-1, top)  # [B, k]
         return nh, probs, self.ids[top]
 
+    @torch.inference_mode()
+    def advance(self, h: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """h [B, D], next tokens [B] -> ĥ [B, D] (no LM head: nothing is drafted)."""
+        e = (self.embed[torch.tensor(tokens)].float() * self.scale).to(self.dtype)
+        return self.head(h.to(self.dtype), e)
+
+    def roll(self, h: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """h [D] before known `tokens` -> ĥ [D] at the last of them."""
+        h = h[None]
+        for tok in tokens:
+            h = self.advance(h, [tok])
+        return h[0]
+
+
+MAX_ROLL = 32  # known tokens the head rolls through before it drafts (a longer chain: no drafts)
+AFTER_NODES = 16  # nodes `propose_after` drafts in all
+
 
 class HeadDrafter(Drafter):
     """Best-first tree from the head: expand the likeliest paths, `width` at a depth, top `k` each,
@@ -171,31 +188,80 @@ class HeadDrafter(Drafter):
     name = "head"
     extras = 1  # the hidden states (and the top-1 it comes with)
     guided = True
+    drafts_after = True
 
     def __init__(self, runner: HeadRunner, max_depth: int = 8, k: int = 4, width: int = 6, max_nodes: int = 64,
                  min_reach: float = 0.01):
         self.runner, self.max_depth, self.k, self.width, self.max_nodes = runner, max_depth, k, width, max_nodes
         self.min_reach = min_reach
-        self.hidden: torch.Tensor | None = None  # [D] of the node before the root
+        self.hidden: torch.Tensor | None = None  # [D] of the node before the anchor (the last bonus token)
         self.last: TokenTree | None = None
+        self.owed = 0  # tokens of the last pass still to come by `extend` (its accepted ones and the anchor)
+        self.known: list[int] = []  # tokens the context gained after the anchor (a grammar's forced chain)
+        self.fresh = True  # reset, no pass verified since
+
+    def reset(self, context: list[int]) -> None:
+        super().reset(context)
+        self.hidden, self.owed, self.known, self.fresh = None, 0, [], True
+
+    def extend(self, tokens: list[int]) -> None:
+        super().extend(tokens)
+        paid = min(self.owed, len(tokens))
+        self.owed -= paid
+        self.known += tokens[paid:]
+
+    def rolled(self) -> torch.Tensor | None:
+        """The hidden state before the root (context[-1]): the last pass's, rolled through the tokens
+        the context gained after the anchor; None when there is none to draft from."""
+        if self.hidden is None or len(self.known) > MAX_ROLL:
+            return None
+        return self.runner.roll(self.hidden, self.context[-len(self.known) - 1:-1]) if self.known else self.hidden
 
     def propose(self, guide: TokenTree | None = None) -> TokenTree:
         tree = TokenTree.root_only(self.context[-1])
         self.last = tree
-        if self.hidden is None:
+        hidden = self.rolled()
+        if hidden is not None:
+            # (reach, node, hidden state before the node's token, the node in the guide or None)
+            self.grow(tree, [(1.0, 0, hidden, 0 if guide is not None else None)], guide, self.max_nodes)
+        return tree
+
+    def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
+        """A tree holding `paths` (token paths after the root that the step may carry, each reached with
+        the chance in `reaches`) and the head's drafts after each of them."""
+        tree = TokenTree.root_only(self.context[-1])
+        hidden = self.rolled()
+        if hidden is None or not paths:
             return tree
+        nodes = [[0] for _ in paths]  # each path's nodes, root first
+        for path, ns in zip(paths, nodes, strict=True):
+            for tok in path:
+                ns.append(tree.add(ns[-1], tok, 1.0))
+        # the hidden state before each path node's token, a depth at a time (shared prefixes once)
+        before = {0: hidden}
+        for depth in range(1, max(map(len, paths)) + 1):
+            todo = sorted({ns[depth] for ns in nodes if len(ns) > depth and ns[depth] not in before})
+            if todo:
+                parents = [tree.parents[n] for n in todo]
+                hs = self.runner.advance(torch.stack([before[q] for q in parents]), [tree.tokens[q] for q in parents])
+                before.update(zip(todo, hs, strict=True))
+        frontier = [(reach, ns[-1], before[ns[-1]], None) for ns, reach in zip(nodes, reaches, strict=True)]
+        self.grow(tree, frontier, None, len(tree) + AFTER_NODES)
+        return tree
+
+    def grow(self, tree: TokenTree, frontier: list, guide: TokenTree | None, max_nodes: int) -> None:
+        """Best-first: from `frontier` [(reach, node, hidden state before its token, guide node)] add
+        the top `k` of the likeliest `width` nodes a depth at a time, up to `max_nodes`."""
         cal = self.runner.calibration
-        # (reach, node, hidden state before the node's token, the node in the guide or None)
-        frontier = [(1.0, 0, self.hidden, 0 if guide is not None else None)]
         for depth in range(1, self.max_depth + 1):
-            if not frontier or len(tree) >= self.max_nodes:
+            if not frontier or len(tree) >= max_nodes:
                 break
             hs = torch.stack([h for _, _, h, _ in frontier])
             nh, probs, ids = self.runner.step(hs, [tree.tokens[n] for _, n, _, _ in frontier], self.k)
             grown = []
             for (reach, node, _, g), h, ps, ts in zip(frontier, nh, probs.tolist(), ids.tolist(), strict=True):
                 for rank, (p, t) in enumerate(zip(ps, ts, strict=True)):
-                    if len(tree) >= self.max_nodes:
+                    if len(tree) >= max_nodes:
                         break
                     key = (min(depth, 5), rank, min(9, int(p * 10)))
                     q = cal.p(key, p)
@@ -204,11 +270,13 @@ class HeadDrafter(Drafter):
                     merged = q if gc is None else either(q, guide.scores[gc])
                     grown.append((reach * merged, child, h, gc))
             frontier = [x for x in heapq.nlargest(self.width, grown, key=lambda x: x[0]) if x[0] >= self.min_reach]
-        return tree
 
     def verified(self, tree: TokenTree, path: list[int], new: list[int], step: StepResult) -> None:
         hidden = step.hidden
         self.hidden = None if hidden is None else hidden[path[-1]].float()
+        # after the prefill the context already holds the first token; after a pass, `new` is to come
+        self.owed, self.known = (0 if self.fresh else len(new)), []
+        self.fresh = False
         if self.last is not None and len(self.last) > 1:
             self.runner.calibration.learn(self.last, new)
         self.last = None
