@@ -188,6 +188,43 @@ def test_auto_with_a_head_drafts_after_forced_chains_and_equals_sequential(setup
     assert calls  # open chain ends inside trees were drafted after
 
 
+LONG = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}},
+                                         "count": {"type": "integer"}},
+        "required": ["notes", "count"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("limit", [23, 31, 40])
+def test_near_the_length_limit_the_answer_is_closed_the_same_way_by_every_mode(setup, limit):
+    """An answer that would run past `max_new_tokens` is completed in the tokens left (the grammar's
+    closing), identically in sequential and speculative decoding, greedy and sampled."""
+    model, tok, gt = setup
+    spec = GrammarSpec.json_schema(LONG)
+    prompt = tok("Notes: ").input_ids
+    unlimited, _ = sequential(model, gt, spec, prompt, 200)
+    assert len(unlimited) > limit  # without the limit the answer runs on
+    for sampling in (None, SamplingConfig(temperature=0.9, seed=3)):
+        reference, _ = sequential(model, gt, spec, prompt, limit, sampling)
+        assert len(reference) <= limit and reference[-1] != tok.eos_token_id
+        jsonschema.validate(json.loads(decode_text(tok, reference)), LONG)  # complete, and valid
+        for drafter in (Drafter(), make_drafter(SpecConfig("auto"))):
+            out, _, _ = speculative(model, gt, spec, prompt, limit, drafter, sampling)
+            assert out == reference
+    if len(unlimited) > limit + 64:  # far from the limit nothing changes
+        assert sequential(model, gt, spec, prompt, limit + 64)[0][:limit - 8] == unlimited[:limit - 8]
+
+
+def test_closing_is_short_and_leaves_the_state_alone(setup):
+    model, tok, gt = setup
+    state = compile_grammar(GrammarSpec.json_schema(LONG), gt).start()
+    for t in tok('{"notes": ["ab", "c').input_ids:
+        state.advance(t)
+    consumed = state.consumed
+    closing = state.closing(32)
+    assert state.consumed == consumed and state.closing(32) == closing
+    assert tok.decode(closing) == '"], "count": 0}'
+    assert state.closing(len(closing) - 1) is None
+
+
 def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
     model, tok, gt = setup
     state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
 # JSON as json.dumps writes it: fixed separators, no other whitespace (more of it is forced)
+# tried in this order to finish a JSON document in few tokens: close the string, the object, the array;
+# else go on to the next key; an empty or smallest value
+CLOSERS = ('"', "}", "]", ",", "0", "1", "[", "{", "false", "null")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -120,6 +123,7 @@ class GrammarTokenizer:
     ll: Any  # llguidance.LLTokenizer
     vocab_size: int  # V: the model's (token ids >= the tokenizer's size are never allowed)
     eos: tuple[int, ...]  # the end tokens; a complete grammar forces the first
+    closers: tuple[int, ...] = ()  # single tokens of `CLOSERS`, in its order (`GrammarState.closing`)
 
     @classmethod
     def from_hf(cls, tokenizer, vocab_size: int, eos_ids: list[int] | tuple[int, ...]) -> GrammarTokenizer:
@@ -132,7 +136,8 @@ class GrammarTokenizer:
             ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         except (ValueError, RuntimeError) as e:
             raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
-        return cls(ll, vocab_size, tuple(eos_ids))
+        closers = tuple(ids[0] for c in CLOSERS if len(ids := ll.tokenize_str(c)) == 1 and ids[0] < vocab_size)
+        return cls(ll, vocab_size, tuple(eos_ids), closers)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -244,6 +249,34 @@ class GrammarState:
                 break
         self.rollback(len(chain))
         return chain
+
+    def closing(self, limit: int) -> list[int] | None:
+        """A short way to complete the output from here (the end token excluded): the forced token, else
+        the first allowed of the tokenizer's `CLOSERS`, else the lowest allowed token, until the output
+        is a complete match; None if that takes more than `limit` tokens. Deterministic: the same state
+        gives the same closing. The state is left where it was."""
+        closers = self.grammar.tokenizer.closers
+        row = np.zeros(mask_words(self.vocab_size), dtype=np.int32)
+        path: list[int] = []
+        try:
+            while not self.accepting:
+                if len(path) >= limit:
+                    return None
+                forced = self.fill_mask(row)
+                tok = forced if forced is not None else next((c for c in closers if allows(row, c)), None)
+                if tok is None:
+                    words = np.flatnonzero(row)
+                    if not len(words):
+                        return None
+                    bits = int(row[words[0]]) & 0xFFFFFFFF
+                    tok = 32 * int(words[0]) + (bits & -bits).bit_length() - 1
+                if tok in self.eos:
+                    return None
+                self.advance(tok)
+                path.append(tok)
+            return path
+        finally:
+            self.rollback(len(path))
 
     def advance(self, token: int) -> None:
         """Consume `token`; GrammarError if the grammar does not allow it. An end token is taken where

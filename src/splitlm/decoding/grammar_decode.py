@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
+CLOSE_WINDOW = 64  # tokens before the length limit from which every token is checked for room to close
 AFTER_ENDS = 3  # open chain ends inside a tree the drafter drafts after
 AFTER_MIN_REACH = 0.05
 
@@ -79,6 +80,32 @@ def advance_all(state: GrammarState, tokens: list[int]) -> None:
         state.advance(t)
 
 
+def close_at(state: GrammarState, tokens: list[int], produced: int, max_new_tokens: int) -> tuple[int, list[int]] | None:
+    """Whether the output must close inside `tokens` (the next ones to emit, after `produced` emitted) to
+    end complete within `max_new_tokens`: (i, closing) to emit `tokens[:i]` and then the grammar's
+    `closing` instead of the rest; None to emit them all. Near the limit (the last `CLOSE_WINDOW`
+    tokens) a token is emitted only if the output can still be completed after it in the tokens left,
+    else the closing from before it is. Sequential and speculative decoding apply it to every token,
+    so they stay token-identical. The state is left where it was."""
+    done = 0
+    try:
+        for i, tok in enumerate(tokens):
+            left = max_new_tokens - produced - i  # tokens still allowed, this one's included
+            if tok in state.eos:
+                return None
+            if left <= CLOSE_WINDOW and not state.accepting:
+                state.advance(tok)
+                fits = state.accepting or state.closing(left - 1) is not None
+                state.rollback(1)
+                if not fits and (closing := state.closing(left)) is not None:
+                    return i, closing
+            state.advance(tok)
+            done += 1
+        return None
+    finally:
+        state.rollback(done)
+
+
 def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                            state: GrammarState, gstats: GrammarStats, cached: int = 0,
                            sampling: SamplingConfig | None = None,
@@ -103,6 +130,10 @@ def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_
             token = pick(logits[-1], allowed, sampler, context)
             if logprobs is not None:
                 logprobs.record([token], logits[-1:])
+        if logprobs is None and (cut := close_at(state, [token], produced - 1, max_new_tokens)) is not None:
+            advance_all(state, cut[1])
+            yield cut[1]  # no room left after this token to complete the output: complete it instead
+            return
         state.advance(token)
         context.append(token)
         yield [token]
@@ -205,14 +236,13 @@ class ConstrainedRun:
 
 
 def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun) -> tuple[int, StepResult]:
-    """Run the prompt: the first token (the best allowed one) and the prefill's step."""
+    """Run the prompt: the first token (the best allowed one; the state is not advanced) and the prefill's step."""
     step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], **extras(run.drafter))
     run.budget.observe_network(step.network_s)
     root = pick(step.out[-1], run.state.allowed(), run.sampler, list(prompt_ids))
     if run.logprobs is not None:
         run.logprobs.record([root], step.out[-1:])
     run.gstats.forced_tokens += run.state.forced() is not None
-    run.state.advance(root)
     return root, step
 
 
@@ -227,6 +257,11 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
     run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
     root, first = constrained_prefill(session, prompt_ids, cached, run)
+    if logprobs is None and (cut := close_at(state, [root], 0, max_new_tokens)) is not None:
+        advance_all(state, cut[1])
+        yield cut[1]
+        return
+    state.advance(root)
     yield [root]
     produced, context = 1, list(prompt_ids) + [root]
     drafter.reset(context)
@@ -256,10 +291,17 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         keep = path
         if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
             new, keep = new[:n], path[:n]  # the cache keeps the context up to, not including, the last token
+        closing = None
+        if logprobs is None and (cut := close_at(state, new, produced, max_new_tokens)) is not None:
+            new, keep, closing = new[:cut[0]], path[:max(cut[0], 1)], cut[1]
         session.settle(keep)
         if logprobs is not None:
             logprobs.record(new, step.out[path[: len(new)]])
         gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1:len(new) + 1])
+        if closing is not None:  # no room to complete the output after new[len(new)]: complete it now
+            advance_all(state, new + closing)
+            yield new + closing
+            return
         advance_all(state, new)
         produced += len(new)
         context.extend(new)
