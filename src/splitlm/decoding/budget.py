@@ -161,6 +161,13 @@ class StepBudget:
             if tree.parents[i] in accepted and not tree.certain(i):
                 self.calibration.add(tree.scores[i], i in accepted)
 
+    def reach(self, tree: TokenTree) -> list[float]:
+        """[N] each node's calibrated chance to be reached and accepted (a forced node's is its parent's)."""
+        reach = [1.0] * len(tree)
+        for i in range(1, len(tree)):
+            reach[i] = reach[tree.parents[i]] * (1.0 if tree.certain(i) else self.calibration.p(tree.scores[i]))
+        return reach
+
     def choose(self, tree: TokenTree, extra_tokens: int = 0) -> BudgetChoice:
         """The tree size (and which nodes) to send: the largest within `lean` of the best expected
         tokens per second.
@@ -168,9 +175,7 @@ class StepBudget:
         Calibrated scores are acceptance chances given the parent was accepted, so a node's chance
         to be reached and accepted is the product along its path; a parent's is never below its
         child's, so the best k nodes by that product always form a subtree."""
-        reach = [1.0] * len(tree)
-        for i in range(1, len(tree)):
-            reach[i] = reach[tree.parents[i]] * (1.0 if tree.certain(i) else self.calibration.p(tree.scores[i]))
+        reach = self.reach(tree)
         limit = min(len(tree), self.max_nodes if self.fixed_nodes is None else self.fixed_nodes)
         ranked = sorted(reach[1:], reverse=True)[: limit - 1]
         sizes = [BudgetChoice(1, 1.0, self.step_time(1 + extra_tokens), reach)]

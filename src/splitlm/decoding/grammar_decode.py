@@ -187,12 +187,10 @@ class ConstrainedRun:
     def open_ends(self, walked: ConstrainedTree, k: int) -> list[tuple[float, int]]:
         """The likeliest leaves (reach, node) of `walked` past its first `k` nodes (the root's chain)
         where a chain the grammar forced ends and the model's choice begins: a value's first token."""
-        tree, cal = walked.tree, self.budget.calibration
-        reach = [1.0] * len(tree)
+        tree, reach = walked.tree, self.budget.reach(walked.tree)
         inner = set(tree.parents)
         ends = []
         for i in range(1, len(tree)):
-            reach[i] = reach[tree.parents[i]] * (1.0 if tree.certain(i) else cal.p(tree.scores[i]))
             if (i > k and tree.certain(i) and i not in inner and tree.tokens[i] not in self.state.eos
                     and reach[i] >= AFTER_MIN_REACH and small_choice(walked.rows[i], 1) is None):
                 ends.append((reach[i], i))
