@@ -87,6 +87,21 @@ def test_guided_it_continues_the_guides_best_nodes_and_leaves_their_scores_alone
     assert guide.scores[maria] == 0.6
 
 
+def test_after_a_chain_it_continues_the_others_first_token_guesses_but_not_the_chain_itself():
+    d, out = drafter_after('{"')
+    chain = [TOK.ids["name"], TOK.ids['":'], TOK.ids[' "']]  # a forced chain opening a string value
+    guide = TokenTree.root_only(out[-1])
+    end = guide.add_path(chain, [1.0] * 3)
+    guide.add(end, TOK.ids["Maria"], 0.5)  # the head's guess at the value's first token
+    guide.add(end, TOK.ids["aria"], 0.4)  # inside a word in the prompt: no copy
+    assert d.drafts_after and d.continues_after
+    tree = d.propose_after([chain], [0.9], guide=guide)
+    paths = {tuple(TOK.pieces[t] for t in p) for p in tree.paths()}
+    assert ("name", '":', ' "', "Maria", " O", "ka", "for") in paths
+    assert not any(len(p) > 4 and p[3] == "aria" for p in paths)
+    assert d.propose_after([chain], [0.9]).paths()[-1] == tuple(chain)  # no guess: nothing after ' "'
+
+
 def test_its_calibration_learns_which_copies_the_target_took():
     d, _ = drafter_after('{"name": "Maria')
     tree = d.propose()

@@ -178,7 +178,7 @@ def test_auto_with_a_head_drafts_after_forced_chains_and_equals_sequential(setup
                                            model.embed_tokens.weight, model.embed_tokens.weight))
     calls = []
     inner = HeadDrafter.propose_after
-    monkeypatch.setattr(HeadDrafter, "propose_after", lambda self, *a: calls.append(a) or inner(self, *a))
+    monkeypatch.setattr(HeadDrafter, "propose_after", lambda self, *a, **k: calls.append(a) or inner(self, *a, **k))
     spec = GrammarSpec.json_schema(SCHEMA)
     for text in ("Go: ", "Example: "):
         prompt = tok(text).input_ids + example + tok(" Now: ").input_ids

@@ -63,12 +63,12 @@ class AutoDrafter(DrafterGroup):
 
     def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
-        for d in self.drafters:
-            if d.drafts_after:
-                tree = d.propose_after(paths, reaches)
-                where = {0: 0}
-                for i in range(1, len(tree)):
-                    where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], tree.keys[i], either)
+        # those that continue the others' drafts (copies of the prompt after a guessed first token) last
+        for d in sorted((d for d in self.drafters if d.drafts_after), key=lambda d: d.continues_after):
+            tree = d.propose_after(paths, reaches, guide=merged)
+            where = {0: 0}
+            for i in range(1, len(tree)):
+                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], tree.keys[i], either)
         return merged
 
     def accepted(self, drafted: list[int]) -> None:

@@ -37,6 +37,8 @@ class CopyDrafter(CalibratedDrafter):
 
     name = "copy"
     guided = True
+    drafts_after = True
+    continues_after = True
 
     def __init__(self, tokenizer: TextTokenizer, calibration: KeyedCalibration | None = None, depth: int = 12):
         self.tok, self.depth = tokenizer, depth
@@ -107,17 +109,40 @@ class CopyDrafter(CalibratedDrafter):
         output = self.context[self.prompt_len:]
         tree = TokenTree.root_only(self.context[-1])
         self._add(tree, 0, self.continuations(output))
-        if guide is not None and len(guide) > 1:
-            reach = [1.0] * len(guide)
-            for i in range(1, len(guide)):
-                reach[i] = reach[guide.parents[i]] * guide.scores[i]
-            paths = guide.paths()
-            for i in sorted(range(1, len(guide)), key=lambda i: -reach[i])[:GUIDED_NODES]:
-                conts = self.continuations(output + list(paths[i]))
-                if conts:
-                    node = 0
-                    for tok in paths[i]:
-                        node = tree.add(node, tok, 0.0)  # the guide's own node: its score stands (merged by `either`)
-                    self._add(tree, node, conts)
+        if guide is not None:
+            self.follow(tree, guide, output)
         self.last = tree
         return tree
+
+    def propose_after(self, paths: list[list[int]], reaches: list[float], guide: TokenTree | None = None) -> TokenTree:
+        """Copies after `paths` and after the best nodes `guide` drafted beyond them: where a forced
+        chain opens a value, the head guesses its first token and the prompt may hold the rest."""
+        output = self.context[self.prompt_len:]
+        tree = TokenTree.root_only(self.context[-1])
+        for path in paths:
+            node = tree.add_path(path, [1.0] * len(path))
+            self._add(tree, node, self.continuations(output + path))
+        if guide is not None:
+            on_paths = {0}
+            for path in paths:
+                node: int | None = 0
+                for tok in path:
+                    node = guide.child(node, tok) if node is not None else None
+                    on_paths.add(node)
+            self.follow(tree, guide, output, skip=on_paths)
+        return tree
+
+    def follow(self, tree: TokenTree, guide: TokenTree, output: list[int], skip: set | None = None) -> None:
+        """Copies under the `GUIDED_NODES` nodes of `guide` likeliest to be reached (but those in `skip`)."""
+        reach = [1.0] * len(guide)
+        for i in range(1, len(guide)):
+            reach[i] = reach[guide.parents[i]] * guide.scores[i]
+        paths = guide.paths()
+        nodes = [i for i in range(1, len(guide)) if skip is None or i not in skip]
+        for i in sorted(nodes, key=lambda i: -reach[i])[:GUIDED_NODES]:
+            conts = self.continuations(output + list(paths[i]))
+            if conts:
+                node = 0
+                for tok in paths[i]:
+                    node = tree.add(node, tok, 0.0)  # the guide's own node: its score stands (merged by `either`)
+                self._add(tree, node, conts)

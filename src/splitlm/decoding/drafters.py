@@ -33,6 +33,7 @@ class Drafter:
     window_gain = 0.0  # tokens per step that only the lookahead window's pool proposed (an average)
     adapts_window = False  # the lookahead window is resized every step to what the link affords
     drafts_after = False  # `propose_after` drafts after paths the step will carry (a grammar's forced chains)
+    continues_after = False  # `propose_after(..., guide=tree)` continues what the others drafted after them
 
     def reset(self, context: list[int]) -> None:
         self.context = list(context)
@@ -43,9 +44,9 @@ class Drafter:
     def propose(self) -> TokenTree:
         return TokenTree.root_only(self.context[-1])
 
-    def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
+    def propose_after(self, paths: list[list[int]], reaches: list[float], guide: TokenTree | None = None) -> TokenTree:
         """A tree holding `paths` (after the root; each reached with the chance in `reaches`) and drafts
-        after each (only where `drafts_after`)."""
+        after each (only where `drafts_after`; where `continues_after`, also after `guide`'s nodes)."""
         tree = TokenTree.root_only(self.context[-1])
         for path in paths:
             tree.add_path(path, [1.0] * len(path))

@@ -226,7 +226,7 @@ class HeadDrafter(Drafter):
             self.grow(tree, [(1.0, 0, hidden, 0 if guide is not None else None)], guide, self.max_nodes)
         return tree
 
-    def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
+    def propose_after(self, paths: list[list[int]], reaches: list[float], guide: TokenTree | None = None) -> TokenTree:
         """A tree holding `paths` (token paths after the root that the step may carry, each reached with
         the chance in `reaches`) and the head's drafts after each of them."""
         tree = TokenTree.root_only(self.context[-1])

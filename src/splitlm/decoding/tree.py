@@ -88,10 +88,12 @@ class TokenTree:
             out.append(() if p < 0 else out[p] + (self.tokens[i],))
         return out
 
-    def add_path(self, tokens: list[int], scores: list[float]) -> None:
+    def add_path(self, tokens: list[int], scores: list[float]) -> int:
+        """Add `tokens` as a path from the root; return its last node."""
         node = 0
         for tok, s in zip(tokens, scores, strict=True):
             node = self.add(node, tok, s)
+        return node
 
     def mask(self) -> torch.Tensor:
         """[N, N] bool: row i sees column j iff j is i or an ancestor of i."""
