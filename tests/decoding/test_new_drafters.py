@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny_llama
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import ComputeFit, StepBudget
-from splitlm.decoding.drafters import Drafter, KeyedCalibration
+from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
 from splitlm.decoding.head import DraftHead, HeadRunner, load_head, native_bf16
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.modes import SpecConfig, make_drafter
@@ -281,3 +281,12 @@ def test_tree_finds_children_by_index_and_keeps_the_first_of_duplicates():
     assert tree.add(0, 2, 0.9) == 1 and tree.scores[1] == 0.9
     pruned = tree.pruned(3, [1.0, 0.9, 0.8, 0.1, 0.05])
     assert pruned.tokens == [1, 2, 3] and pruned.child(1, 3) == 2
+
+
+def test_a_tree_added_under_a_node_shares_its_existing_nodes_and_maps_every_node():
+    tree = TokenTree([1, 2, 3], [-1, 0, 1], [1.0, 0.5, 0.4], [None, "a", "b"])
+    other = TokenTree([7, 3, 4, 5], [-1, 0, 1, 0], [1.0, 0.2, 0.6, 0.3], [None, "x", "y", "z"])
+    where = tree.add_tree(other, at=1, combine=either)
+    assert where == [1, 2, 3, 4]  # its root is node 1, its 3 is node 2 (already there)
+    assert tree.parents[3:] == [2, 1] and tree.tokens[3:] == [4, 5] and tree.keys[3:] == ["y", "z"]
+    assert tree.scores[2] == pytest.approx(either(0.4, 0.2)) and tree.keys[2] == "b"

@@ -55,20 +55,14 @@ class AutoDrafter(DrafterGroup):
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
         for d in self.drafters:  # the head last: it expands where the others' merged tree is strong
-            tree = d.propose(guide=merged) if d.guided else d.propose()
-            where = {0: 0}
-            for i in range(1, len(tree)):
-                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], combine=either)
+            merged.add_tree(d.propose(guide=merged) if d.guided else d.propose(), combine=either)
         return merged
 
     def propose_after(self, paths: list[list[int]], reaches: list[float]) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
         # those that continue the others' drafts (copies of the prompt after a guessed first token) last
         for d in sorted((d for d in self.drafters if d.drafts_after), key=lambda d: d.continues_after):
-            tree = d.propose_after(paths, reaches, guide=merged)
-            where = {0: 0}
-            for i in range(1, len(tree)):
-                where[i] = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i], tree.keys[i], either)
+            merged.add_tree(d.propose_after(paths, reaches, guide=merged), combine=either)
         return merged
 
     def accepted(self, drafted: list[int]) -> None:

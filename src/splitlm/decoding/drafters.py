@@ -274,17 +274,13 @@ class CombinedDrafter(DrafterGroup):
 
     def propose(self) -> TokenTree:
         merged = TokenTree.root_only(self.context[-1])
-        paths: dict[int, tuple] = {0: ()}
         self.window_only: set[tuple] = set()  # paths only the lookahead pool proposed
         for d in self.drafters:
             tree = d.propose()
-            where = {0: 0}
-            for i in range(1, len(tree)):
-                n_before = len(merged)
-                where[i] = node = merged.add(where[tree.parents[i]], tree.tokens[i], tree.scores[i])
-                paths[node] = paths[where[tree.parents[i]]] + (tree.tokens[i],)
-                if d is self.lookahead and node >= n_before:
-                    self.window_only.add(paths[node])
+            before = len(merged)
+            where = merged.add_tree(tree)
+            if d is self.lookahead:  # its nodes the drafters before it lacked
+                self.window_only |= {p for p, node in zip(tree.paths(), where, strict=True) if node >= before}
         return merged
 
     def accepted(self, drafted: list[int]) -> None:

@@ -163,9 +163,7 @@ class ConstrainedRun:
         sub = self.drafter.propose()  # rooted at the chain's end
         # walk about what the budget sent last time, with room for the drafts the grammar will reject
         sub = sub.pruned(min(self.budget.max_nodes, 2 * self.last_nodes + 8))
-        where = {0: len(chain)}
-        for i in range(1, len(sub)):
-            where[i] = tree.add(where[sub.parents[i]], sub.tokens[i], sub.scores[i], sub.keys[i])
+        tree.add_tree(sub, at=len(chain))
         t0 = time.perf_counter()
         walked = constrain(tree, self.state, MAX_TREE_CHAIN)
         self.gstats.mask_s += time.perf_counter() - t0

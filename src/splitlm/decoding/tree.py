@@ -88,6 +88,14 @@ class TokenTree:
             out.append(() if p < 0 else out[p] + (self.tokens[i],))
         return out
 
+    def add_tree(self, other: TokenTree, at: int = 0, combine: Callable[[float, float], float] | None = None) -> list[int]:
+        """Add `other`'s nodes (its root is this tree's node `at`) with their scores and keys, by `add`;
+        return the node each of them is here, [len(other)]."""
+        where = [at]
+        for i in range(1, len(other)):
+            where.append(self.add(where[other.parents[i]], other.tokens[i], other.scores[i], other.keys[i], combine))
+        return where
+
     def add_path(self, tokens: list[int], scores: list[float]) -> int:
         """Add `tokens` as a path from the root; return its last node."""
         node = 0
