@@ -11,3 +11,16 @@ def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_se
         assert edge.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
         assert edge.draft_memory(SpecConfig("auto", warmup=False)) is not plain
         assert edge.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain  # a bench mode of its own
+
+
+def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_server):
+    """A step budget's calibration and cost curve carry over between requests of one configuration only:
+    a bench's modes (their own memories) and constrained requests (drafts the grammar let through are
+    accepted more often at the same score) each learn their own."""
+    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+        plain = edge.drafting.budgets(SpecConfig("auto"))
+        assert edge.drafting.budgets(SpecConfig("auto")) is plain
+        assert edge.drafting.budgets(SpecConfig("auto"), constrained=True) is not plain
+        assert edge.drafting.budgets(SpecConfig("auto", memory="auto+json")) is not plain
+        assert edge.drafting.budgets(SpecConfig("auto", memory="auto+json"), constrained=True) is not \
+            edge.drafting.budgets(SpecConfig("auto", memory="auto+json"))

@@ -86,11 +86,15 @@ class DraftState:
         return HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight,
                           self.model.cfg.embed_scale)
 
-    def budgets(self, spec: SpecConfig) -> Pool[StepBudget]:
+    def budgets(self, spec: SpecConfig, constrained: bool = False) -> Pool[StepBudget]:
         """The step budgets of one speculative configuration: what a budget learns (link, compute cost,
-        drafters' calibration) carries over between requests; requests running at once each take their own."""
+        drafters' calibration) carries over between requests; requests running at once each take their own.
+        Constrained requests keep budgets of their own: the drafts a grammar lets through are accepted
+        more often at the same score, and their steps carry the masks' cost. Two drafting memories
+        (`spec.memory`: a bench's modes) never share a budget either."""
         with self._lock:
-            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost, spec.warmup)
+            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost, spec.warmup, spec.memory,
+                   constrained)
             if key not in self._budgets:
                 self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
                                                              cost=spec.cost))

@@ -235,7 +235,7 @@ class Edge:
         eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
         # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
         # requests running at the same time each take their own
-        budgets = self.drafting.budgets(spec)
+        budgets = self.drafting.budgets(spec, constrained=grammar is not None)
         budget, _ = budgets.take()
         own = session is None
         called = time.perf_counter()
