@@ -21,6 +21,11 @@ from splitlm.edge.text import TextCodec
 from splitlm.model.shards import EdgeModel
 
 
+def memory_key(spec: SpecConfig) -> tuple:
+    """The fields that keep two speculative configurations' drafting memories apart (their budgets too)."""
+    return (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup, spec.memory)
+
+
 class DraftState:
     """The drafting state of the edge whose shard is in `edge_dir`, its `model` on `device`. `text`: its
     tokenizer (none: no local text), whose lock also guards the tables here; `with_head`: whether the
@@ -72,7 +77,7 @@ class DraftState:
                 self._suffix_index[spec.warmup] = SuffixIndex(docs)
             # two configurations never share past outputs (a bench's modes would otherwise retrieve another
             # mode's answer to the same prompt); `memory` keeps apart what the other fields do not
-            key = (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup, spec.memory)
+            key = memory_key(spec)
             if key not in self._memories:
                 self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
             return self._memories[key]
@@ -93,8 +98,7 @@ class DraftState:
         more often at the same score, and their steps carry the masks' cost. Two drafting memories
         (`spec.memory`: a bench's modes) never share a budget either."""
         with self._lock:
-            key = (spec.mode, spec.max_nodes, spec.window, spec.pipeline, spec.cost, spec.warmup, spec.memory,
-                   constrained)
+            key = (*memory_key(spec), spec.window, constrained)
             if key not in self._budgets:
                 self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
                                                              cost=spec.cost))
