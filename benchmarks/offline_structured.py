@@ -3,7 +3,7 @@
 curve of `offline_drafting.py`), so that grammar-aware drafting settings compare without the
 machine's noise.
 
-    .venv/bin/python benchmarks/offline_structured.py [--prompts FILE] [--limit N] [--steps]
+    .venv/bin/python benchmarks/offline_structured.py [--prompts FILE] [--limit N] [--steps] [--cost zero]
 
 Both runs use the same `auto` (with its copies of prompt text unless `--no-copy`). A third run,
 "same text", is unconstrained `auto` scripted to write the constrained answer itself
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="print each round trip of the constrained run")
     ap.add_argument("--no-check", action="store_true", help="skip the sequential reference (faster)")
     ap.add_argument("--no-copy", action="store_true", help="auto without its copies of prompt text")
+    ap.add_argument("--cost", default="measured", choices=("measured", "zero"),
+                    help="the budget's cost model (zero: a GPU cloud's, extra nodes free)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     run(args)
@@ -84,7 +86,7 @@ def run(args) -> None:
     eos = set(model.cfg.eos_token_ids)
     gtok = GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids)
     text = None if args.no_copy else gtok.ll
-    spec = SpecConfig(mode="auto")
+    spec = SpecConfig(mode="auto", cost=args.cost)
     budgets = {name: FixedCostBudget(max_nodes=spec.budget_nodes, cost=spec.cost) for name in memories}
     prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
     total = {name: [0, 0, 0.0, 0] for name in memories}  # tokens, steps, modelled seconds, nodes sent
