@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from splitlm.edge.api_params import PARAMETERS
-from splitlm.edge.api_requests import APIError, parse_chat, parse_completion
+from splitlm.edge.api_requests import MAX_DEPTH, APIError, parse_chat, parse_completion
+from splitlm.edge.api_tools import FunctionTool, read_calls
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 ROW = re.compile(r"^\| `(\w+)` \| (chat|completions|both) \| (supported|limited|refused|ignored) \|")
@@ -24,6 +25,14 @@ OPENAI_CHAT = {"model", "messages", "audio", "frequency_penalty", "function_call
 OPENAI_COMPLETIONS = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
                       "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
                       "temperature", "top_p", "user"}
+
+
+def nested(depth: int) -> list:
+    """A list `depth` levels deep."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def doc_table() -> dict[str, tuple[str, str]]:
@@ -95,6 +104,17 @@ def test_tools_and_formats_parse_into_grammars():
     assert parse("completions", logprobs=2).logprobs == 2
 
 
+def test_calls_naming_no_string_are_not_calls():
+    text = '<tool_call>\n{"name": ["f"], "arguments": {}}\n</tool_call>'
+    assert read_calls(text, [FunctionTool("f")]) == (text, [])
+
+
+def test_a_nested_body_within_the_limit_is_taken_and_mixed_prompts_are_not_many():
+    parse("chat", user=nested(MAX_DEPTH - 1))  # in the body: MAX_DEPTH levels
+    err = rejects("completions", "prompt", prompt=[1, "a"])
+    assert "one prompt per request" not in err.message  # one prompt, of the wrong type
+
+
 def test_tool_turns_render_into_the_prompt():
     messages = [{"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": None, "tool_calls": [
@@ -122,6 +142,20 @@ def test_tool_turns_render_into_the_prompt():
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0]"),
+    # what used to be 500s (unhashable values, a `$schema` jsonschema cannot look up, a window msgpack cannot send)
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$schema": 5}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": ["x"]}}}]},
+     "tools[0].function.parameters"),
+    ({"cache_policy": "window:99999999999999999999"}, "cache_policy"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    # text no tokenizer takes, and nesting deep enough to recurse past Python's limit later
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+    ({"stop": ["\udfff"]}, "stop"),
+    ({"user": nested(MAX_DEPTH)}, "user"),
 ])
 def test_bad_requests_name_the_parameter(fields, param):
     rejects("chat", param, **fields)

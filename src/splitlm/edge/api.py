@@ -126,6 +126,8 @@ class EdgeAPI:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:

@@ -31,6 +31,7 @@ from splitlm.transport.policy import CachePolicy
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
+MAX_DEPTH = 64  # objects and lists in a request body, one inside the next (OpenAI's schemas nest 10): more is a 400
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's limit)
 
 
@@ -64,6 +65,29 @@ class GenerationRequest:
         return self.tool_choice.mode != "none"
 
 
+def check_json(body) -> None:
+    """A 400 for a JSON body nested deeper than `MAX_DEPTH` or holding a lone UTF-16 surrogate
+    (`"\\ud800"`, which no tokenizer or encoder takes), naming the top-level field it is in; checked
+    without recursion, so that nothing later recurses past Python's limit."""
+    items = list(body.items()) if isinstance(body, dict) else [(None, body)]
+    stack = [(name, value, 1) for name, value in items]  # (top-level field, value, objects and lists around it)
+    while stack:
+        name, value, depth = stack.pop()
+        if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+            raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", param=name,
+                           code="invalid_json")
+        if isinstance(value, dict):
+            stack += [(name, k, depth + 1) for k in value] + [(name, v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(name, v, depth + 1) for v in value]
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise APIError(400, "the request body holds a lone UTF-16 surrogate, which is not text", param=name,
+                               code="invalid_json") from None
+
+
 def _number(body: dict, name: str, lo: float, hi: float, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
@@ -87,12 +111,14 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, param: str | None = None) -> bool:
+    """`body[name]` as a boolean (absent or null: false); a 400 names `param` (default `name`)."""
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"'{name}' must be a boolean, got {type(value).__name__}", "invalid_type")
+        param = param or name
+        raise invalid(param, f"'{param}' must be a boolean, got {type(value).__name__}", "invalid_type")
     return value
 
 
@@ -145,6 +171,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _common(body: dict, default_temperature: float, chat: bool) -> GenerationRequest:
+    check_json(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "you must provide a model parameter (a string)", "missing_required_parameter")
@@ -165,7 +192,7 @@ def _common(body: dict, default_temperature: float, chat: bool) -> GenerationReq
             raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
         if not isinstance(options, dict):
             raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
-    include_usage = stream and bool(options) and _bool(options, "include_usage")
+    include_usage = stream and bool(options) and _bool(options, "include_usage", "stream_options.include_usage")
     grammar = response_format(body)
     return GenerationRequest(model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
                              include_usage=include_usage, grammar=grammar,
@@ -205,7 +232,7 @@ def _turn(message, i: int) -> Turn:
     if not isinstance(message, dict):
         raise invalid(f"messages[{i}]", f"messages[{i}] must be an object", "invalid_type")
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise invalid(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
     if role == "assistant" and message.get("tool_calls"):
         calls = parse_call_list(message["tool_calls"], f"messages[{i}].tool_calls")
@@ -254,7 +281,7 @@ def parse_completion(body, vocab_size: int, default_temperature: float = 1.0) ->
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if not all(0 <= t < vocab_size for t in prompt):
             raise invalid("prompt", f"token ids must be in [0, {vocab_size})")
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
         raise invalid("prompt", "only one prompt per request is supported", "unsupported_parameter")
     elif not isinstance(prompt, str) or not prompt:
         raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids",

@@ -60,6 +60,8 @@ def check_schema(schema, param: str) -> None:
 
     if not isinstance(schema, dict):
         raise invalid(param, f"'{param}' must be a JSON Schema object", "invalid_type")
+    if not isinstance(schema.get("$schema", ""), str):  # jsonschema looks its metaschema up by this string
+        raise invalid(param, f"'{param}' is not a valid JSON Schema: '$schema' must be a URI string", "invalid_schema")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -111,7 +113,7 @@ def parse_tool_choice(body: dict, tools: list[FunctionTool]) -> ToolChoice:
         mode, name = choice, None
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         mode, name = "function", choice["function"].get("name")
-        if name not in {t.name for t in tools}:
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise invalid("tool_choice", f"tool_choice names the function {name!r}, which is not in 'tools'")
     else:
         raise invalid("tool_choice", "'tool_choice' must be none, auto, required or "
@@ -265,7 +267,8 @@ def read_calls(text: str, tools: list[FunctionTool], parallel: bool = True) -> t
             call = json.loads(match.group(1))
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in names \
+                or not isinstance(call.get("arguments"), dict):
             return text, []
         calls.append(ToolCall(call["name"], json.dumps(call["arguments"])))
     content = CALL.sub("", text).strip()

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("session", "window", "sealed", "none")
+MAX_WINDOW = 2**63 - 1  # window:N's largest N: the wire's (msgpack's) signed 64-bit integers
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class CachePolicy:
             raise ValueError(f"unknown cache policy {self.mode!r} (choose from none, session, window:N, sealed)")
         if (self.mode == "window") != (self.window is not None):
             raise ValueError("window:N needs N, and only window takes one")
-        if self.window is not None and (type(self.window) is not int or self.window < 1):
-            raise ValueError(f"window:N needs an integer N >= 1, got {self.window!r}")
+        if self.window is not None and (type(self.window) is not int or not 1 <= self.window <= MAX_WINDOW):
+            raise ValueError(f"window:N needs an integer N >= 1 (at most 2**63 - 1), got {self.window!r}")
 
     @classmethod
     def parse(cls, text: str | CachePolicy) -> CachePolicy:
