@@ -104,6 +104,15 @@ def test_tools_and_formats_parse_into_grammars():
     assert parse("completions", logprobs=2).logprobs == 2
 
 
+def test_tool_parameters_are_an_object_schema():
+    """Untyped parameters are taken as an object's (a forced call's arguments are one, and `tool_calls`
+    only reads object arguments back)."""
+    req = parse("chat", tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}}}], tool_choice="required")
+    assert req.tools[0].parameters == {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    assert '"arguments": {"type": "object"' in req.grammar.source
+
+
 def test_calls_naming_no_string_are_not_calls():
     text = '<tool_call>\n{"name": ["f"], "arguments": {}}\n</tool_call>'
     assert read_calls(text, [FunctionTool("f")]) == (text, [])
@@ -151,6 +160,9 @@ def test_tool_turns_render_into_the_prompt():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": ["x"]}}}]},
      "tools[0].function.parameters"),
     ({"cache_policy": "window:99999999999999999999"}, "cache_policy"),
+    # a forced call's arguments must be a JSON object: a schema of another type could never be one
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     # text no tokenizer takes, and nesting deep enough to recurse past Python's limit later
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),

@@ -84,7 +84,10 @@ def _tool(item, i: int) -> FunctionTool:
     if parameters is None:
         return FunctionTool(name, description)
     check_schema(parameters, f"{where}.function.parameters")
-    return FunctionTool(name, description, parameters)
+    if parameters.get("type", "object") != "object":  # a call's arguments are a JSON object
+        raise invalid(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON Schema of "
+                      f"type 'object', got type {parameters['type']!r}", "invalid_schema")
+    return FunctionTool(name, description, {"type": "object", **parameters})
 
 
 def parse_tools(body: dict) -> list[FunctionTool]:
