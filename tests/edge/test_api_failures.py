@@ -1,13 +1,18 @@
 """The API over a tiny model (token-id prompts) when the cloud goes away: 502 with an OpenAI-style
-error body, streamed or not, and the server keeps serving once the cloud is back."""
+error body, streamed or not, and the server keeps serving once the cloud is back; when the client
+goes away: its generation stops, the request is logged as 499, nothing is an internal error; and a
+body nested past Python's recursion limit is a 400."""
 
 import json
+import socket
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
 
-from conftest import serving
+from conftest import scrape_metrics, serving
 from splitlm.cloud.server import BackgroundServer
 from splitlm.edge import Edge
 from splitlm.edge.api import APIConfig, EdgeAPI
@@ -54,3 +59,103 @@ def test_cloud_failures_are_502_and_the_api_recovers(tiny_split):
         api.close()
         edge.close()
         cloud.__exit__(None, None, None)
+
+
+class SlowStream:
+    """A pool's stream with its pieces 200 ms apart."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __iter__(self):
+        for piece in self.stream:
+            time.sleep(0.2)
+            yield piece
+
+    def close(self) -> None:
+        self.stream.close()
+
+    @property
+    def result(self):
+        return self.stream.result
+
+
+class SlowPool:
+    """The API's prefix pool with slow streams that run to max_tokens (the end token does not stop
+    them): a long generation for a client to walk away from."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def stream(self, *args, **kwargs) -> SlowStream:
+        return SlowStream(self.pool.stream(*args, stop_at_eos=False, **kwargs))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def slow_api(tiny_chat_split):
+    """serve-edge over the tiny model with a tokenizer (a piece of text per token), slowed down."""
+    with BackgroundServer(tiny_chat_split / "cloud") as cloud, \
+            Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
+        api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
+        api.pool = SlowPool(api.pool)
+        try:
+            with serving(api.app) as url:
+                yield url
+        finally:
+            api.close()
+
+
+def metrics(url) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return scrape_metrics(r.read().decode())
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> float:
+    """Seconds until `condition()` held (a failed test if it did not within `timeout_s`)."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def send(url, body: bytes, length: int | None = None) -> socket.socket:
+    """A raw POST /v1/completions that declares `length` bytes (default: the body's) and sends `body`."""
+    where = urllib.parse.urlsplit(url)
+    client = socket.create_connection((where.hostname, where.port))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body)
+    return client
+
+
+def test_a_client_that_goes_away_stops_its_generation_streamed_or_not(slow_api):
+    gone = 'splitlm_edge_requests_total{endpoint="/v1/completions",status="499"}'
+    for stream in (False, True):
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0,
+                           "stream": stream}).encode()
+        client = send(slow_api, body)
+        wait_for(lambda: metrics(slow_api)["splitlm_edge_num_requests_running"] == 1)
+        time.sleep(0.5)  # some pieces out
+        client.close()
+        assert wait_for(lambda: metrics(slow_api)["splitlm_edge_num_requests_running"] == 0) < 5  # 400 tokens: 10 s or more
+    before = metrics(slow_api)[gone]
+    assert before >= 1  # the non-streamed one (the stream had its 200 by then)
+    body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+    client = send(slow_api, body[:10], length=len(body))  # gone halfway through its body
+    time.sleep(0.2)
+    client.close()
+    wait_for(lambda: metrics(slow_api)[gone] == before + 1)
+    assert metrics(slow_api).get('splitlm_edge_errors_total{type="server_error"}', 0) == 0
+    status, text = post(slow_api, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
+
+
+def test_a_body_nested_past_the_recursion_limit_is_a_400(slow_api):
+    req = urllib.request.Request(slow_api + "/v1/completions", data=b"[" * 100_000 + b"]" * 100_000,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == "invalid_json"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -38,6 +38,7 @@ from splitlm import SplitLMError
 from splitlm.decoding.grammar import GrammarError
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge.api_answer import AnswerBuilder, TokenBytes
+from splitlm.edge.api_disconnects import CLIENT_GONE, unless_gone
 from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector, RequestClock
 from splitlm.edge.api_requests import (
     APIError,
@@ -87,6 +88,7 @@ class EdgeAPI:
                   Route("/healthz", self.healthz, methods=["GET"])]
         self.app = Starlette(routes=routes, exception_handlers={APIError: self.api_error,
                                                                 HTTPException: self.http_error,
+                                                                ClientDisconnect: self.client_gone,
                                                                 Exception: self.internal_error})
 
     def close(self) -> None:
@@ -104,6 +106,11 @@ class EdgeAPI:
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
         return await self.api_error(request, APIError(exc.status_code, message, code="not_found"
                                                       if exc.status_code == 404 else None))
+
+    async def client_gone(self, request: Request, exc: ClientDisconnect) -> Response:
+        """The client went away before its answer: nothing to send, a 499 (nginx's) in the log and metrics."""
+        self.metrics.requests.labels(endpoint=request.url.path, status=str(CLIENT_GONE)).inc()
+        return Response(status_code=CLIENT_GONE)
 
     async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
         log.error("internal error on %s", request.url.path, exc_info=exc)
@@ -167,7 +174,7 @@ class EdgeAPI:
             prompt_ids = await asyncio.to_thread(self.edge.encode_messages, messages, tools)
         except SplitLMError as e:
             raise invalid("messages", str(e)) from None
-        return await self.respond("/v1/chat/completions", req, prompt_ids, chat=True)
+        return await self.respond(request, "/v1/chat/completions", req, prompt_ids, chat=True)
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await self.body(request), self.edge.cfg.vocab_size, self.config.default_temperature)
@@ -179,7 +186,7 @@ class EdgeAPI:
                 raise invalid("prompt", str(e)) from None
         else:
             prompt_ids = req.prompt
-        return await self.respond("/v1/completions", req, prompt_ids, chat=False)
+        return await self.respond(request, "/v1/completions", req, prompt_ids, chat=False)
 
     # -- generation --------------------------------------------------------------------------------
     def max_tokens(self, req: GenerationRequest, prompt_ids: list[int], param: str) -> int:
@@ -224,7 +231,8 @@ class EdgeAPI:
         finally:
             self.metrics.ended()
 
-    async def respond(self, endpoint: str, req: GenerationRequest, prompt_ids: list[int], chat: bool) -> Response:
+    async def respond(self, request: Request, endpoint: str, req: GenerationRequest, prompt_ids: list[int],
+                      chat: bool) -> Response:
         max_tokens = self.max_tokens(req, prompt_ids, "messages" if chat else "prompt")
         if req.cache_policy is not None and not self.edge.cache_policy.allows(req.cache_policy):
             raise invalid("cache_policy", f"cache_policy {req.cache_policy} is looser than this server's "
@@ -247,7 +255,7 @@ class EdgeAPI:
         job.add_done_callback(lambda _: self.metrics.left(clock))
         if not req.stream:
             try:
-                result = await job
+                result = await unless_gone(request, job)  # a client that goes away stops its generation
             except (CloudError, SplitLMError) as e:
                 raise cloud_failure(e) from None
             finally:
@@ -258,7 +266,12 @@ class EdgeAPI:
             whole = answer.whole(result)
             return JSONResponse(completion_body(rid, chat, result, self.config.model_name, self.fingerprint, whole,
                                                 answer.logprobs_body(whole.logprobs)))
-        first = await queue.get()  # a failure before the first token still gets an error status
+        try:  # a failure before the first token still gets an error status
+            first = await unless_gone(request, asyncio.ensure_future(queue.get()))
+        except ClientDisconnect:
+            cancel.set()
+            job.cancel()
+            raise
         if first is None and isinstance(job.exception(), CloudError | SplitLMError):
             raise cloud_failure(job.exception())
         self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
