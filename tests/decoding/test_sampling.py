@@ -18,6 +18,16 @@ def test_greedy_is_argmax_and_ignores_the_generator():
     assert token_distribution(LOGITS, cfg).tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-300, 5e-324])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    """Logits / 1e-300 overflow float32 (inf - inf = NaN in the softmax): below vLLM's 1e-5 it is argmax."""
+    cfg = SamplingConfig(temperature=temperature)
+    assert cfg.greedy
+    assert token_distribution(LOGITS * 40, cfg).tolist() == [1.0, 0, 0, 0, 0, 0]
+    assert sample_token(LOGITS * 40, cfg, cfg.generator()) == 0
+    assert not SamplingConfig(temperature=1e-4).greedy
+
+
 def test_temperature_scales_the_softmax():
     probs = token_distribution(LOGITS, SamplingConfig(temperature=2.0))
     assert torch.allclose(probs, torch.softmax(LOGITS / 2.0, -1))

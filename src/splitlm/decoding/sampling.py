@@ -3,7 +3,9 @@ per-request seeded generator.
 
 `token_distribution` is the filtered distribution itself (what exact speculative sampling needs as
 the target), `sample_token` draws from it. Both are pure: same logits, context, config and generator
-state, same token. Temperature 0 means greedy (argmax, after the repetition penalty).
+state, same token. Temperature 0 means greedy (argmax, after the repetition penalty), and so does any
+below `GREEDY_BELOW` (vLLM's threshold): the limit such temperatures tend to, where dividing the
+logits by them could overflow float32 into NaNs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy: the limit it tends to, and no overflow on the way
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def plain_greedy(self) -> bool:
