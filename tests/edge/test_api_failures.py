@@ -159,3 +159,15 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(slow_api):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == "invalid_json"
+
+
+def test_a_prompt_no_context_holds_is_refused_before_it_is_tokenized(slow_api):
+    """Tokenizing 20 MB would hold the tokenizer's lock, and every other request, for seconds."""
+    status, text = post(slow_api, {"model": "tiny", "prompt": "a" * 1000, "max_tokens": 2})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and "the prompt has 1000 and" in err["message"]
+    start = time.monotonic()
+    status, text = post(slow_api, {"model": "tiny", "prompt": "a" * 20_000_000, "max_tokens": 2})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "20000000 characters" in err["message"] and time.monotonic() - start < 2

@@ -43,6 +43,7 @@ from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector, RequestCl
 from splitlm.edge.api_requests import (
     APIError,
     GenerationRequest,
+    check_length,
     cloud_failure,
     invalid,
     parse_chat,
@@ -169,6 +170,7 @@ class EdgeAPI:
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat(await self.body(request), self.config.default_temperature)
         self.check_model(req.model)
+        check_length(sum(len(t.content) for t in req.turns), "messages", self.edge.text, self.edge.context_length)
         try:
             messages, tools = template_input(req.turns, req.tools, self.edge.text.template_takes_tools)
             prompt_ids = await asyncio.to_thread(self.edge.encode_messages, messages, tools)
@@ -180,6 +182,7 @@ class EdgeAPI:
         req = parse_completion(await self.body(request), self.edge.cfg.vocab_size, self.config.default_temperature)
         self.check_model(req.model)
         if isinstance(req.prompt, str):
+            check_length(len(req.prompt), "prompt", self.edge.text, self.edge.context_length)
             try:
                 prompt_ids = await asyncio.to_thread(self.edge.encode, req.prompt)
             except SplitLMError as e:

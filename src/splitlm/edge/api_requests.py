@@ -27,10 +27,12 @@ from splitlm.edge.api_tools import (
     parse_tools,
     plain_messages,
 )
+from splitlm.edge.text import TextCodec
 from splitlm.transport.policy import CachePolicy
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOP = 4
+LENGTH_MARGIN = 4  # a text may have this many times the characters its tokens could decode to (NFKC shrinks text)
 MAX_DEPTH = 64  # objects and lists in a request body, one inside the next (OpenAI's schemas nest 10): more is a 400
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's limit)
 
@@ -86,6 +88,15 @@ def check_json(body) -> None:
             except UnicodeEncodeError:
                 raise APIError(400, "the request body holds a lone UTF-16 surrogate, which is not text", param=name,
                                code="invalid_json") from None
+
+
+def check_length(chars: int, param: str, text: TextCodec, context_length: int) -> None:
+    """A 400 before tokenizing a prompt of `chars` characters too long for the context whatever its
+    tokens: tokenizing it would hold the tokenizer's lock, and so every other request, for seconds."""
+    limit = LENGTH_MARGIN * text.longest_token * context_length
+    if text.longest_token and chars > limit:
+        raise invalid(param, f"the prompt has {chars} characters; the context holds {context_length} tokens, "
+                      f"at most {limit} characters", "context_length_exceeded")
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float | None) -> float | None:

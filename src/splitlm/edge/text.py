@@ -5,6 +5,7 @@ incomplete UTF-8 sequences are held back)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -75,6 +76,14 @@ class TextCodec:
             raise SplitLMError("this model's tokenizer has no chat template; drop --chat")
         with self.lock:
             return encode_prompt(self.tokenizer, prompt, chat)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest vocabulary entry (0 without a tokenizer): no token decodes to more."""
+        if self.tokenizer is None:
+            return 0
+        with self.lock:
+            return max(map(len, self.tokenizer.get_vocab()), default=0)
 
     @property
     def template_takes_tools(self) -> bool:
