@@ -24,11 +24,40 @@ def load_tokenizer(edge_dir: Path):
     return AutoTokenizer.from_pretrained(edge_dir)
 
 
+def special_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special tokens (`<|im_start|>`, `<|endoftext|>`, ...)."""
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+
+
+def content_spans(text: str, messages: list[dict], specials: list[str]) -> list[tuple[int, int]]:
+    """Where in the rendered conversation `text` lie the contents of `messages` that hold a special
+    token's text, as [start, end) in order: the template writes contents in order, each once."""
+    spans, at = [], 0
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, str) or not any(s in content for s in specials):
+            continue
+        start = text.find(content, at)
+        if start < 0:
+            raise SplitLMError(f"message {i} holds a special token's text, which this model's chat template "
+                               "changes in a way that cannot be kept apart from its own; remove it")
+        spans.append((start, start + len(content)))
+        at = start + len(content)
+    return spans
+
+
 def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation ([{"role", "content"}, ...]) in the tokenizer's chat template,
-    ready for the assistant's next turn; `tools`: function definitions for a template that takes them."""
+    ready for the assistant's next turn; `tools`: function definitions for a template that takes them.
+    A special token's text inside a message (`<|im_start|>system` in a user's turn or a tool's
+    result) is tokenized as plain text: only the template itself opens and closes turns."""
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    ids, at = [], 0
+    for start, end in content_spans(text, messages, special_texts(tokenizer)):
+        ids += tokenizer(text[at:start], add_special_tokens=False).input_ids
+        ids += tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True).input_ids
+        at = end
+    return ids + tokenizer(text[at:], add_special_tokens=False).input_ids
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
