@@ -170,6 +170,10 @@ def test_unknown_model_wrong_key_bad_json_and_unknown_route(api, client):
     with pytest.raises(openai.AuthenticationError) as e:
         intruder.models.list()
     assert error_body(e.value)["code"] == "invalid_api_key"
+    basic = urllib.request.Request(api + "/v1/models", headers={"Authorization": "Basic dTpw"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(basic, timeout=10)
+    assert e.value.code == 401 and "must read 'Bearer KEY', not 'Basic'" in json.loads(e.value.read())["error"]["message"]
     for path, data, status in [("/v1/chat/completions", b"{not json", 400), ("/v1/nothing", b"{}", 404),
                                ("/v1/completions", b'{"model": "smol", "prompt": 3}', 400)]:
         req = urllib.request.Request(api + path, data=data, headers={"Authorization": f"Bearer {KEY}"})

@@ -142,6 +142,7 @@ def test_tool_turns_render_into_the_prompt():
      "tools[0].function.parameters"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
      "response_format.json_schema.schema"),

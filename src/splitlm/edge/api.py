@@ -122,9 +122,12 @@ class EdgeAPI:
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        if not scheme:
             raise APIError(401, "no API key given: send 'Authorization: Bearer KEY'", "invalid_request_error",
                            code="invalid_api_key")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, f"the Authorization header must read 'Bearer KEY', not {scheme!r}",
+                           "invalid_request_error", code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key", "invalid_request_error", code="invalid_api_key")
 

@@ -116,6 +116,9 @@ def parse_tool_choice(body: dict, tools: list[FunctionTool]) -> ToolChoice:
         mode, name = choice, None
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         mode, name = "function", choice["function"].get("name")
+        if name is None:
+            raise invalid("tool_choice.function.name", "tool_choice names no function: add 'function': {'name': ...}",
+                          "missing_required_parameter")
         if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise invalid("tool_choice", f"tool_choice names the function {name!r}, which is not in 'tools'")
     else:
