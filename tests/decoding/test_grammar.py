@@ -19,6 +19,7 @@ from splitlm.decoding.grammar import (
     GrammarError,
     GrammarSpec,
     GrammarTokenizer,
+    closed_objects,
     compile_grammar,
     grammar_from_format,
 )
@@ -334,3 +335,35 @@ def test_compile_errors_and_response_formats(setup):
     assert grammar_from_format(Person).schema["required"] == ["name", "age"]
     with pytest.raises(GrammarError):
         grammar_from_format(3)
+
+
+def test_objects_that_list_their_properties_take_no_other_keys(setup):
+    _, _, gt = setup
+    person = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def takes_another_key(schema) -> bool:
+        state = compile_grammar(GrammarSpec.json_schema(schema), gt).start()
+        for token in gt.ll.tokenize_str('{"a": 1'):
+            state.advance(token)
+        return bool(state.allowed()[gt.ll.tokenize_str(",")[0]])
+
+    assert not takes_another_key(person)
+    assert takes_another_key({**person, "additionalProperties": True})
+    assert takes_another_key({**person, "additionalProperties": {"type": "string"}})
+
+
+def test_closed_objects_keeps_what_a_schema_says_about_other_keys():
+    inner = {"type": "object", "properties": {"x": {"type": "string"}}}
+    closed = {**inner, "additionalProperties": False}
+    schema = {"type": "object", "$defs": {"Inner": inner},
+              "properties": {"ref": {"$ref": "#/$defs/Inner"}, "maybe": {"anyOf": [inner, {"type": "null"}]},
+                             "many": {"type": "array", "items": inner}, "open": {**inner, "additionalProperties": True},
+                             "both": {"allOf": [inner, {"properties": {"y": {"type": "integer"}}}]},
+                             "named": {**inner, "patternProperties": {"^z": {}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and out["$defs"]["Inner"] == closed
+    props = out["properties"]
+    assert props["maybe"]["anyOf"][0] == closed and props["many"]["items"] == closed
+    assert props["open"]["additionalProperties"] is True and "additionalProperties" not in props["named"]
+    assert props["both"] == schema["properties"]["both"]  # closing one branch would refuse the other's keys
+    assert "additionalProperties" not in schema  # the caller's schema is not changed

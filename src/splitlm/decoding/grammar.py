@@ -140,13 +140,46 @@ class GrammarTokenizer:
         return cls(ll, vocab_size, tuple(eos_ids), closers)
 
 
+# keywords whose value is a subschema, a list of them, or a map of names to them
+_ONE_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                  "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# an object schema with any of these says more about which keys it takes than its `properties` do
+_OPENS_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf",
+               "oneOf", "$ref", "if", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """`schema` with every object that lists its `properties`, and says nothing else about which keys
+    it takes, closed to other keys (`additionalProperties: false`), as xgrammar (vLLM's default) and
+    OpenAI's strict mode have it: a model left free to add keys invents them until the length limit.
+    An answer to the closed schema validates against `schema`; `allOf` branches are left as they are
+    (closing one would refuse its siblings' keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in schema for k in _OPENS_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar for `spec` (not yet checked)."""
     from llguidance import LLMatcher
 
     if spec.kind in ("json_object", "json_schema"):
         try:
-            return LLMatcher.grammar_from_json_schema(spec.schema, overrides=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(closed_objects(spec.schema), overrides=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(f"cannot compile the JSON schema: {e}") from None
     if spec.kind == "regex":

@@ -17,7 +17,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from splitlm.decoding.grammar import JSON_OPTIONS
+from splitlm.decoding.grammar import JSON_OPTIONS, closed_objects
 from splitlm.edge.api_errors import invalid
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -236,7 +236,7 @@ def call_schema(tools: list[FunctionTool]) -> dict:
     defs: dict = {}
     options = []
     for t in tools:
-        params = dict(t.parameters)
+        params = closed_objects(t.parameters)
         own = params.pop("$defs", None) or {}
         renames = {k: f"{t.name}.{k}" for k, v in own.items() if k in defs and defs[k] != v}
         params = _renamed_refs(params, renames)
