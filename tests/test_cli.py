@@ -74,6 +74,9 @@ def test_bad_arguments(tmp_path):
 def test_generate_without_a_server(tiny_split):
     proc = run_cli("generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--prompt", "hi")
     assert_clean_failure(proc, "cannot reach the cloud")
+    proc = run_cli("generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--prompt", "hi",
+                   "--json-schema", str(tiny_split / "nope.json"))
+    assert_clean_failure(proc, "cannot read the JSON schema")  # before the cloud is dialled
 
 
 def test_generate_with_a_mismatched_split(tiny_llama, tiny_server, tmp_path):

@@ -72,7 +72,7 @@ def test_response_format_speculates_exactly(served):
         regex = edge.generate("Code: ", 24, spec="auto", response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
         assert regex.token_ids == edge.generate("Code: ", 24, response_format=GrammarSpec.regex(
             r"[A-Z]{3}-[0-9]{2,4}")).token_ids
-        with pytest.raises(GrammarError, match="cannot compile the regex"):
+        with pytest.raises(GrammarError, match="cannot compile the regular expression"):
             edge.generate("x", 4, response_format=GrammarSpec.regex("(unclosed"))
 
 

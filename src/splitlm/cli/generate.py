@@ -29,11 +29,12 @@ def cmd_generate(args) -> int:
     set_threads(args.threads)
     sampling = sampling_config(args)
     prompt = read_prompt(args)
+    grammar = grammar_arg(args)  # a missing or unreadable file is reported before the cloud is dialled
     with open_edge(args) as edge:
         stop_at_eos = not args.ignore_eos
         chat = args.chat if args.chat is not None else edge.has_chat_template
         options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop,
-                       response_format=grammar_arg(args))
+                       response_format=grammar)
         if args.json:
             result = edge.generate(prompt, args.max_new_tokens, **options)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),

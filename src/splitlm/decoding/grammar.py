@@ -31,6 +31,8 @@ from splitlm import SplitLMError
 log = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+KIND_NAMES = {"json_object": "JSON object grammar", "json_schema": "JSON schema", "regex": "regular expression",
+              "lark": "Lark grammar"}
 # JSON as json.dumps writes it: fixed separators, no other whitespace (more of it is forced)
 # tried in this order to finish a JSON document in few tokens: close the string, the object, the array;
 # else go on to the next key; an empty or smallest value
@@ -205,7 +207,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> Grammar:
 
     text = grammar_text(spec)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer.ll)
-    what = spec.kind.replace("_", " ") + (f" {spec.name!r}" if spec.name else "")
+    what = KIND_NAMES[spec.kind] + (f" {spec.name!r}" if spec.name else "")
     if is_error:
         raise GrammarError(f"cannot compile the {what}: {messages[0] if messages else 'invalid grammar'}")
     for m in messages:
