@@ -63,6 +63,8 @@ def test_second_turns_follow_their_first_with_its_answer(tmp_path):
     assert all(p.chat for p in prompts)
 
     class Tokenizer:  # a chat template that spells the messages out
+        added_tokens_decoder: dict = {}  # no special tokens
+
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(f"w{i}" for i in ids)
 
