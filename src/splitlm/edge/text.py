@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 import threading
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -29,21 +30,33 @@ def special_texts(tokenizer) -> list[str]:
     return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
 
-def content_spans(text: str, messages: list[dict], specials: list[str]) -> list[tuple[int, int]]:
-    """Where in the rendered conversation `text` lie the contents of `messages` that hold a special
-    token's text, as [start, end) in order: the template writes contents in order, each once."""
-    spans, at = [], 0
-    for i, m in enumerate(messages):
+def render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def content_pieces(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, from a message) pieces, in order, where the contents of
+    messages that hold a special token's text are pieces of their own: found by rendering each as a
+    unique mark, which must come out once and unchanged, and the whole must equal the real rendering."""
+    specials = special_texts(tokenizer)
+    marks: dict[str, str] = {}  # mark -> the content it stands for
+    marked = []
+    for m in messages:
         content = m.get("content")
-        if not isinstance(content, str) or not any(s in content for s in specials):
-            continue
-        start = text.find(content, at)
-        if start < 0:
-            raise SplitLMError(f"message {i} holds a special token's text, which this model's chat template "
-                               "changes in a way that cannot be kept apart from its own; remove it")
-        spans.append((start, start + len(content)))
-        at = start + len(content)
-    return spans
+        if isinstance(content, str) and any(s in content for s in specials):
+            mark = f"splitlm{secrets.token_hex(12)}"
+            marks[mark] = content
+            m = {**m, "content": mark}
+        marked.append(m)
+    text = render(tokenizer, messages, tools)
+    if not marks:
+        return [(text, False)]
+    parts = re.split(f"({'|'.join(marks)})", render(tokenizer, marked, tools))
+    pieces = [(marks.get(part, part), part in marks) for part in parts if part]
+    if sorted(p for p in parts if p in marks) != sorted(marks) or "".join(p for p, _ in pieces) != text:
+        raise SplitLMError("a message holds a special token's text, which this model's chat template "
+                           "changes in a way that cannot be kept apart from its own; remove it")
+    return pieces
 
 
 def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -51,13 +64,11 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     ready for the assistant's next turn; `tools`: function definitions for a template that takes them.
     A special token's text inside a message (`<|im_start|>system` in a user's turn or a tool's
     result) is tokenized as plain text: only the template itself opens and closes turns."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    ids, at = [], 0
-    for start, end in content_spans(text, messages, special_texts(tokenizer)):
-        ids += tokenizer(text[at:start], add_special_tokens=False).input_ids
-        ids += tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True).input_ids
-        at = end
-    return ids + tokenizer(text[at:], add_special_tokens=False).input_ids
+    ids = []
+    for text, from_message in content_pieces(tokenizer, messages, tools):
+        plain = {"split_special_tokens": True} if from_message else {}
+        ids += tokenizer(text, add_special_tokens=False, **plain).input_ids
+    return ids
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
