@@ -30,9 +30,10 @@ from splitlm import SplitLMError
 
 log = logging.getLogger(__name__)
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "lark")
+# the kinds of grammar, and how messages name them
 KIND_NAMES = {"json_object": "JSON object grammar", "json_schema": "JSON schema", "regex": "regular expression",
               "lark": "Lark grammar"}
+GRAMMAR_KINDS = tuple(KIND_NAMES)
 # JSON as json.dumps writes it: fixed separators, no other whitespace (more of it is forced)
 # tried in this order to finish a JSON document in few tokens: close the string, the object, the array;
 # else go on to the next key; an empty or smallest value
