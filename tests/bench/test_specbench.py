@@ -71,7 +71,7 @@ def test_second_turns_follow_their_first_with_its_answer(tmp_path):
         def apply_chat_template(self, messages, **kwargs):
             return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
 
-        def __call__(self, text, add_special_tokens=False):
+        def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
             class Encoded:
                 input_ids = [ord(c) for c in text]
             return Encoded()

@@ -66,8 +66,7 @@ def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     result) is tokenized as plain text: only the template itself opens and closes turns."""
     ids = []
     for text, from_message in content_pieces(tokenizer, messages, tools):
-        plain = {"split_special_tokens": True} if from_message else {}
-        ids += tokenizer(text, add_special_tokens=False, **plain).input_ids
+        ids += tokenizer(text, add_special_tokens=False, split_special_tokens=from_message).input_ids
     return ids
 
 
