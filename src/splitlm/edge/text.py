@@ -6,6 +6,7 @@ incomplete UTF-8 sequences are held back)."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import secrets
 import threading
@@ -35,35 +36,66 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
 
 
 def content_pieces(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, from a message) pieces, in order, where the contents of
-    messages that hold a special token's text are pieces of their own: found by rendering each as a
-    unique mark, which must come out once and unchanged, and the whole must equal the real rendering."""
+    """The rendered conversation as (text, from a message) pieces, in order, where every string of the
+    messages and tools that holds a special token's text (a content, a call's argument, a tool's
+    description) is a piece of its own. Such strings are found by rendering each as a unique mark;
+    the real rendering must then be the marked one with each mark replaced by its string, as written
+    or JSON-escaped (a template's `tojson`)."""
     specials = special_texts(tokenizer)
-    marks: dict[str, str] = {}  # mark -> the content it stands for
-    marked = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str) and any(s in content for s in specials):
+    marks: dict[str, str] = {}  # mark -> the string it stands for
+
+    def marked(node):
+        if isinstance(node, str):
+            if not any(s in node for s in specials):
+                return node
             mark = f"splitlm{secrets.token_hex(12)}"
-            marks[mark] = content
-            m = {**m, "content": mark}
-        marked.append(m)
+            marks[mark] = node
+            return mark
+        if isinstance(node, dict):
+            return {marked(k): marked(v) for k, v in node.items()}
+        if isinstance(node, list | tuple):
+            return [marked(v) for v in node]
+        return node
+
+    marked_messages, marked_tools = marked(messages), marked(tools)
     text = render(tokenizer, messages, tools)
     if not marks:
         return [(text, False)]
-    parts = re.split(f"({'|'.join(marks)})", render(tokenizer, marked, tools))
-    pieces = [(marks.get(part, part), part in marks) for part in parts if part]
-    if sorted(p for p in parts if p in marks) != sorted(marks) or "".join(p for p, _ in pieces) != text:
+    parts = re.split(f"({'|'.join(marks)})", render(tokenizer, marked_messages, marked_tools))
+    pieces = _aligned(text, parts, marks)
+    if pieces is None:
         raise SplitLMError("a message holds a special token's text, which this model's chat template "
                            "changes in a way that cannot be kept apart from its own; remove it")
     return pieces
+
+
+def _aligned(text: str, parts: list[str], marks: dict[str, str]) -> list[tuple[str, bool]] | None:
+    """`text` cut as `parts` (the template's text and marks, alternating) cut the marked rendering,
+    each mark's piece its string in one of the forms a template writes; None where they do not match."""
+    pieces, pos = [], 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:  # the template's own text
+            if not text.startswith(part, pos):
+                return None
+            pieces.append((part, False))
+            pos += len(part)
+            continue
+        string = marks[part]
+        forms = (string, json.dumps(string, ensure_ascii=False)[1:-1], json.dumps(string)[1:-1])
+        form = next((f for f in forms if text.startswith(f, pos) and text.startswith(parts[i + 1], pos + len(f))), None)
+        if form is None:
+            return None
+        pieces.append((form, True))
+        pos += len(form)
+    return [p for p in pieces if p[0]] if pos == len(text) else None
 
 
 def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation ([{"role", "content"}, ...]) in the tokenizer's chat template,
     ready for the assistant's next turn; `tools`: function definitions for a template that takes them.
     A special token's text inside a message (`<|im_start|>system` in a user's turn or a tool's
-    result) is tokenized as plain text: only the template itself opens and closes turns."""
+    result, a call's arguments, a tool's description) is tokenized as plain text: only the template
+    itself opens and closes turns."""
     ids = []
     for text, from_message in content_pieces(tokenizer, messages, tools):
         ids += tokenizer(text, add_special_tokens=False, split_special_tokens=from_message).input_ids
