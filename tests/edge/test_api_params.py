@@ -124,12 +124,13 @@ def test_a_nested_body_within_the_limit_is_taken_and_mixed_prompts_are_not_many(
     assert "one prompt per request" not in err.message  # one prompt, of the wrong type
 
 
+CALLED = [{"role": "user", "content": "Weather in Oslo?"},
+          {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]
+
+
 def test_tool_turns_render_into_the_prompt():
-    messages = [{"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    messages = [*CALLED, {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
     req = parse("chat", messages=messages, tools=[WEATHER])
     assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "user"]
     assert req.messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -150,6 +151,11 @@ def test_tool_turns_render_into_the_prompt():
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    # a tool's result answers a call just before it
+    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "x"}]}, "messages[0]"),
+    ({"messages": [*CALLED, {"role": "user", "content": "and?"}, {"role": "tool", "tool_call_id": "call_1",
+                                                                  "content": "x"}]}, "messages[3]"),
+    ({"messages": [*CALLED, {"role": "tool", "tool_call_id": "call_2", "content": "x"}]}, "messages[2].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0]"),
     # what used to be 500s (unhashable values, a `$schema` jsonschema cannot look up, a window msgpack cannot send)

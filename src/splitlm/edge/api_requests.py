@@ -18,6 +18,7 @@ from splitlm.edge.api_errors import APIError, cloud_failure, invalid  # noqa: F4
 from splitlm.edge.api_params import check_params
 from splitlm.edge.api_tools import (
     FunctionTool,
+    ToolCall,
     ToolChoice,
     Turn,
     call_grammar,
@@ -257,6 +258,23 @@ def _turn(message, i: int) -> Turn:
     return Turn(ROLES[role], _content(message, i))
 
 
+def _check_tool_results(turns: list[Turn]) -> None:
+    """Each `tool` message answers a call of the assistant message just before it (other results
+    between them), as OpenAI requires; a call left unanswered is allowed."""
+    calls: list[ToolCall] = []  # the calls the results that follow may answer
+    for i, turn in enumerate(turns):
+        if turn.role != "tool":
+            calls = turn.tool_calls if turn.role == "assistant" else []
+            continue
+        if not calls:
+            raise invalid(f"messages[{i}]", f"messages[{i}] (role tool) must answer a call of an assistant "
+                          "message with 'tool_calls' before it")
+        ids = {c.id for c in calls}
+        if turn.tool_call_id not in ids and "" not in ids:  # a call sent back without an id: unchecked
+            raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id {turn.tool_call_id!r} is "
+                          f"not one of the calls before it ({', '.join(sorted(map(repr, ids)))})")
+
+
 def _tools(body: dict, req: GenerationRequest) -> None:
     """`tools`, `tool_choice`, `parallel_tool_calls`; a forced call becomes the request's grammar."""
     req.tools = parse_tools(body)
@@ -276,6 +294,7 @@ def parse_chat(body, default_temperature: float = 1.0) -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list", "missing_required_parameter")
     req.turns = [_turn(message, i) for i, message in enumerate(messages)]
+    _check_tool_results(req.turns)
     _tools(body, req)
     req.messages = plain_messages(req.turns, req.tools)
     return req
