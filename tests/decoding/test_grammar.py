@@ -26,6 +26,7 @@ from splitlm.decoding.grammar import (
 from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
 from splitlm.decoding.grammar_tree import constrain
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats
@@ -157,7 +158,7 @@ def test_noisy_trees_greedy_and_sampled(setup, seed):
     prompt = tok(f"Record {seed}: ").input_ids
     for sampling in (None, SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)):
         reference, _ = sequential(model, gt, spec, prompt, 50, sampling)
-        oracle = NoisyOracle(reference, len(prompt) + 1, rng, len(tok))
+        oracle = NoisyOracle(reference, len(prompt), rng, len(tok))
         out, stats, gstats = speculative(model, gt, spec, prompt, 50, oracle, sampling)
         assert out == reference
         assert gstats.rejected_drafts > 0
@@ -311,6 +312,26 @@ def test_the_budget_sends_forced_chains_first(setup):
     assert free == reference and free_stats.steps < stats.steps
     assert gfree.forced_tokens >= 10 and gfree.rejected_drafts == 0  # no drafter: only the grammar's chains
     assert free_stats.steps + gfree.forced_tokens <= len(free)  # every forced token saves a round trip
+
+
+def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
+    """`{"name": "` is forced before the model's first choice: it goes up with the prompt, and the
+    prefill's logits pick the name's first token; each token's logprob is sequential decoding's."""
+    model, tok, gt = setup
+    prompt = tok("Go: ").input_ids
+    spec = GrammarSpec.json_schema(SCHEMA)
+    seq_rec, spec_rec = LogprobRecorder(3), LogprobRecorder(3)
+    reference = [t for new in constrained_sequential(LocalSession(model), prompt, 40, set(),
+                                                     compile_grammar(spec, gt).start(), GrammarStats(),
+                                                     logprobs=seq_rec) for t in new]
+    for rec in (spec_rec, None):
+        steps = list(constrained_decode(LocalSession(model), prompt, 40, set(), Drafter(), StepBudget(), SpecStats(),
+                                        compile_grammar(spec, gt).start(), GrammarStats(), logprobs=rec))
+        assert [t for new in steps for t in new] == reference
+        assert tok.decode(steps[0]).startswith('{"name":') and len(steps[0]) >= 3  # the prefill's, no step
+    assert [t.token for t in spec_rec.tokens] == reference
+    for a, b in zip(spec_rec.tokens, seq_rec.tokens, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in b.top]
 
 
 def test_compile_errors_and_response_formats(setup):

@@ -8,6 +8,8 @@ emitted whatever the model says.
 Grammar-aware speculation (`constrained_decode`, every other mode) gives the same tokens with fewer
 round trips:
 
+- the tokens the grammar forces before the first choice go up with the prompt (`constrained_prefill`):
+  the prefill's logits pick the first token the model chooses;
 - the tokens the grammar forces after the last emitted one (`GrammarState.forced_chain`) are certain:
   the drafter's context is extended by them before it drafts, and the step's tree is that chain
   followed by the drafter's tree (the chain's nodes still ride in the pass: the cache needs their
@@ -231,15 +233,27 @@ class ConstrainedRun:
             self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], view)
 
 
-def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun) -> tuple[int, StepResult]:
-    """Run the prompt: the first token (the best allowed one; the state is not advanced) and the prefill's step."""
-    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1], **extras(run.drafter))
+def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun,
+                        max_new_tokens: int, eos: set[int]) -> tuple[list[int], StepResult]:
+    """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name": "`:
+    they ride in the prefill, so its logits give the first value's token); returns the first tokens,
+    those forced and the best allowed one after them (the state is not advanced), and the prefill's
+    step as the drafter sees it (the last row's)."""
+    chain = run.state.forced_chain(min(MAX_ROOT_CHAIN, max_new_tokens - 1))
+    chain = chain[:next((i for i, t in enumerate(chain) if t in eos), len(chain))]  # the end token: picked
+    last = len(prompt_ids) - cached + len(chain) - 1
+    rows = list(range(last - len(chain), last + 1)) if run.logprobs is not None else [last]
+    step = session.forward(prompt_ids[cached:] + chain, rows=rows, **extras(run.drafter))
     run.budget.observe_network(step.network_s)
-    root = pick(step.out[-1], run.state.allowed(), run.sampler, list(prompt_ids))
+    advance_all(run.state, chain)
+    run.gstats.forced_tokens += len(chain) + (run.state.forced() is not None)
+    root = pick(step.out[-1], run.state.allowed(), run.sampler, list(prompt_ids) + chain)
+    run.state.rollback(len(chain))
     if run.logprobs is not None:
-        run.logprobs.record([root], step.out[-1:])
-    run.gstats.forced_tokens += run.state.forced() is not None
-    return root, step
+        run.logprobs.record(chain + [root], step.out)
+    view = StepResult(step.out[-1:], step.tokens, step.network_s, step.compute_s, step.overlapped,
+                      None if step.topk is None else step.topk[-1:], None if step.hidden is None else step.hidden[-1:])
+    return chain + [root], view
 
 
 def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
@@ -252,16 +266,16 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     eos = eos | set(state.eos)
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
     run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
-    root, first = constrained_prefill(session, prompt_ids, cached, run)
-    if logprobs is None and (cut := close_at(state, [root], 0, max_new_tokens)) is not None:
-        advance_all(state, cut[1])
-        yield cut[1]
+    firsts, first = constrained_prefill(session, prompt_ids, cached, run, max_new_tokens, eos)
+    if logprobs is None and (cut := close_at(state, firsts, 0, max_new_tokens)) is not None:
+        advance_all(state, firsts[:cut[0]] + cut[1])
+        yield firsts[:cut[0]] + cut[1]
         return
-    state.advance(root)
-    yield [root]
-    produced, context = 1, list(prompt_ids) + [root]
+    advance_all(state, firsts)
+    yield firsts
+    root, produced, context = firsts[-1], len(firsts), list(prompt_ids) + firsts
     drafter.reset(context)
-    drafter.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first)
+    drafter.verified(TokenTree.root_only(context[-2]), [0], [root], first)
     cap = session.max_step_tokens
     while produced < max_new_tokens and root not in eos:
         started = time.perf_counter()
