@@ -7,6 +7,7 @@ from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge
 from splitlm.edge.prefix_pool import PoolLimits, PrefixPool, reuse_allowed
+from splitlm.edge.session import Interrupted
 from splitlm.transport.policy import CachePolicy
 
 SPEC = SpecConfig("ngram")
@@ -94,6 +95,28 @@ def test_a_cancelled_stream_leaves_the_prompt_and_a_retry_equals_cold(edge, clou
     finally:
         pool.close()
     assert open_sessions(cloud) == 0
+
+
+def test_an_interrupted_prefill_stops_between_chunks_and_a_retry_equals_cold(tiny_chat_split, cloud):
+    asked = []
+
+    def interrupt() -> bool:
+        asked.append(1)
+        return len(asked) == 3
+
+    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint,
+              prefill_chunk=8) as chunked:
+        pool = PrefixPool(chunked, PoolLimits(ttl_s=0))
+        try:
+            with pytest.raises(Interrupted):
+                run(pool, A, interrupt=interrupt)
+            assert len(asked) == 3  # at the third of the prompt's 9 chunks
+            [entry] = pool.entries
+            assert entry.session.length == len(entry.ids) == 0  # nothing of the request is kept
+            again, _ = run(pool, A, interrupt=lambda: False)
+            assert again.token_ids == cold(chunked, A) and len(asked) == 3
+        finally:
+            pool.close()
 
 
 def test_a_failed_request_is_cropped_back_and_the_next_equals_cold(edge, monkeypatch):

@@ -53,6 +53,7 @@ from splitlm.edge.api_responses import Chunks, completion_body, sse
 from splitlm.edge.api_tools import template_input
 from splitlm.edge.prefix_pool import PoolLimits, PrefixPool
 from splitlm.edge.runtime import Edge, GenerationResult
+from splitlm.edge.session import Interrupted
 from splitlm.transport.client import CloudError
 
 log = logging.getLogger(__name__)
@@ -227,13 +228,15 @@ class EdgeAPI:
                 return None
             stream = self.pool.stream(prompt_ids, max_tokens, spec=self.config.spec, sampling=req.sampling,
                                       stop=req.stop, cache_policy=req.cache_policy, response_format=req.grammar,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, interrupt=cancel.is_set)  # a long prefill stops too
             for piece in stream:
                 if cancel.is_set():
                     stream.close()
                     return None
                 emit(piece)
             return stream.result
+        except Interrupted:
+            return None
         finally:
             self.metrics.ended()
 

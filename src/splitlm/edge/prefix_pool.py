@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from splitlm import SplitLMError
@@ -140,21 +140,24 @@ class PrefixPool:
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
                stop_at_eos: bool = True, spec: SpecConfig | str | None = None, sampling: SamplingConfig | None = None,
                stop: str | list[str] | None = None, *,
-               cache_policy: str | CachePolicy | None = None, **options) -> Stream:
+               cache_policy: str | CachePolicy | None = None, interrupt: Callable[[], bool] | None = None,
+               **options) -> Stream:
         """`Edge.stream` (same arguments; others in `options` go to it as they are) from the longest
         pooled prefix the request's cache policy (default: the edge's) allows; the state goes back to
-        the pool after the request, or, if it was cancelled, cropped back to what was committed."""
+        the pool after the request, or, if it was cancelled, cropped back to what was committed.
+        `interrupt`: asked between a long prefill's chunks; True stops the request there (`Interrupted`)."""
         prompt_ids = self.edge.text.prompt_ids(prompt, chat)
         try:
             policy = CachePolicy.parse(cache_policy) if cache_policy else self.edge.cache_policy
         except ValueError as e:
             raise SplitLMError(str(e)) from None
         options = dict(stop_at_eos=stop_at_eos, spec=spec, sampling=sampling, stop=stop, **options)
-        return Stream(self._run(prompt_ids, max_new_tokens, policy, options))
+        return Stream(self._run(prompt_ids, max_new_tokens, policy, options, interrupt))
 
-    def _run(self, prompt_ids: list[int], max_new_tokens: int, policy: CachePolicy,
-             options: dict) -> Iterator[tuple[str, GenerationResult | None]]:
+    def _run(self, prompt_ids: list[int], max_new_tokens: int, policy: CachePolicy, options: dict,
+             interrupt: Callable[[], bool] | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
         lease = self.checkout(prompt_ids, policy, len(prompt_ids) + max_new_tokens)
+        lease.session.interrupt = interrupt
         try:
             result = yield from self._generate(lease, prompt_ids, max_new_tokens, options)
         except GeneratorExit:  # cancelled: what was committed stays, the half-finished step goes
@@ -182,7 +185,7 @@ class PrefixPool:
                 self.counters.hit_tokens -= lease.cached
             session = self.fresh(lease.session.policy)  # if it fails, the caller closes the lost one (once)
             close_quietly(lease.session)
-            lease.session, lease.cached = session, 0
+            session.interrupt, lease.session, lease.cached = lease.session.interrupt, session, 0
             return (yield from self._pieces(lease, prompt_ids, max_new_tokens, options))
 
     def _pieces(self, lease: Lease, prompt_ids: list[int], max_new_tokens: int, options: dict):
@@ -255,6 +258,7 @@ class PrefixPool:
         """After a request: its session, cropped to `ids` (a prefix of what its caches hold), goes
         back to the pool; a session that cannot be made consistent, or may not be pooled, is closed."""
         session = lease.session
+        session.interrupt = None
         if not lease.poolable or self.closed.is_set():
             close_quietly(session)
             return

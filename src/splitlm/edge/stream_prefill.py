@@ -39,6 +39,8 @@ class PrefillSession(Protocol):
 
     def receive(self, f: Flight) -> StepResult: ...
 
+    def check_interrupt(self) -> None: ...
+
 
 def bytes_per_token(session: PrefillSession) -> tuple[float, float]:
     """Bytes per prompt token up (hidden states and a position) and down (tail-local: hidden states;
@@ -84,6 +86,7 @@ def stream(session: PrefillSession, ids: list[int], want: list[int], p: prefill.
     for a in range(0, len(ids), p.chunk):
         part = [r - a for r in want if a <= r < a + p.chunk]
         session.settle()  # the chunk before stays whole: this request commits it
+        session.check_interrupt()  # the caller (abandoning the session) takes the replies in flight
         up0 = s.bytes_up
         f = session.send_block(ids[a:a + p.chunk], None, None, part, argmax)
         flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
@@ -104,6 +107,7 @@ def chunked(session: PrefillSession, ids: list[int], want: list[int], limit: int
     another; the rows `want` of them all (the step's costs are the last chunk's)."""
     steps = []
     for a in range(0, len(ids), limit):
+        session.check_interrupt()
         part = [r - a for r in want if a <= r < a + limit]
         steps.append(session.receive(session.send_block(ids[a:a + limit], None, None, part, argmax)))
         session.settle()
