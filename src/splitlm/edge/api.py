@@ -53,7 +53,6 @@ from splitlm.edge.api_responses import Chunks, completion_body, sse
 from splitlm.edge.api_tools import template_input
 from splitlm.edge.prefix_pool import PoolLimits, PrefixPool
 from splitlm.edge.runtime import Edge, GenerationResult
-from splitlm.edge.session import Interrupted
 from splitlm.transport.client import CloudError
 
 log = logging.getLogger(__name__)
@@ -234,9 +233,7 @@ class EdgeAPI:
                     stream.close()
                     return None
                 emit(piece)
-            return stream.result
-        except Interrupted:
-            return None
+            return stream.result  # None: interrupted during its prefill
         finally:
             self.metrics.ended()
 

@@ -33,6 +33,7 @@ from splitlm.decoding.sampling import SamplingConfig
 from splitlm.edge.conversation import common_prefix
 from splitlm.edge.results import GenerationResult, Stream
 from splitlm.edge.session import EdgeSession
+from splitlm.edge.stream_prefill import Interrupted
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.policy import CachePolicy
@@ -145,7 +146,7 @@ class PrefixPool:
         """`Edge.stream` (same arguments; others in `options` go to it as they are) from the longest
         pooled prefix the request's cache policy (default: the edge's) allows; the state goes back to
         the pool after the request, or, if it was cancelled, cropped back to what was committed.
-        `interrupt`: asked between a long prefill's chunks; True stops the request there (`Interrupted`)."""
+        `interrupt`: asked between a long prefill's chunks; True ends the request there, without a result."""
         prompt_ids = self.edge.text.prompt_ids(prompt, chat)
         try:
             policy = CachePolicy.parse(cache_policy) if cache_policy else self.edge.cache_policy
@@ -160,6 +161,9 @@ class PrefixPool:
         lease.session.interrupt = interrupt
         try:
             result = yield from self._generate(lease, prompt_ids, max_new_tokens, options)
+        except Interrupted:  # its caller asked it to stop: nothing to report
+            self.release(lease, prompt_ids[:lease.cached])
+            return
         except GeneratorExit:  # cancelled: what was committed stays, the half-finished step goes
             self.release(lease, prompt_ids[:len(prompt_ids) if lease.session.stats.new_tokens else lease.cached])
             raise

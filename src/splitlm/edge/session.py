@@ -43,10 +43,6 @@ class SessionSetup:
     observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
 
 
-class Interrupted(SplitLMError):
-    """A request stopped on its caller's word (`EdgeSession.interrupt`) during a long prefill."""
-
-
 class EdgeSession:
     """One cloud session (`link`: a connection of its own for the session's lifetime, taken from the
     edge's pool, so sessions in different threads never share one) together with the edge's own KV
@@ -66,11 +62,6 @@ class EdgeSession:
         self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
         self.last_prefill: PrefillRun | None = None  # the last streamed prefill
         self.interrupt: Callable[[], bool] | None = None  # asked between a prefill's chunks: True stops it
-
-    def check_interrupt(self) -> None:
-        """Raise `Interrupted` if the session's caller has asked to stop (its client went away)."""
-        if self.interrupt is not None and self.interrupt():
-            raise Interrupted("the request was interrupted")
 
     @property
     def policy(self) -> CachePolicy:

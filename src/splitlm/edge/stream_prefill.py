@@ -7,12 +7,14 @@ to one session, through its public methods (`PrefillSession`: what it needs of a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 import splitlm.edge.prefill as prefill
+from splitlm import SplitLMError
 from splitlm.decoding.step import StepResult
 from splitlm.edge.backends import EdgeBackend
 from splitlm.edge.link import CloudLink, Flight
@@ -28,6 +30,7 @@ class PrefillSession(Protocol):
     prefill_chunk: int | str  # the edge's setting: auto, N tokens, or 0 (one forward)
     prefill_costs: prefill.PrefillCosts  # what each stage of a streamed prefill costs, as the edge measured
     last_prefill: prefill.PrefillRun | None
+    interrupt: Callable[[], bool] | None  # asked between chunks: True stops the prefill (`Interrupted`)
 
     @property
     def length(self) -> int: ...
@@ -39,7 +42,14 @@ class PrefillSession(Protocol):
 
     def receive(self, f: Flight) -> StepResult: ...
 
-    def check_interrupt(self) -> None: ...
+
+class Interrupted(SplitLMError):
+    """A prefill stopped between its chunks on its caller's word (`PrefillSession.interrupt`)."""
+
+
+def check_interrupt(session: PrefillSession) -> None:
+    if session.interrupt is not None and session.interrupt():
+        raise Interrupted("the request was interrupted during its prefill")
 
 
 def bytes_per_token(session: PrefillSession) -> tuple[float, float]:
@@ -86,7 +96,7 @@ def stream(session: PrefillSession, ids: list[int], want: list[int], p: prefill.
     for a in range(0, len(ids), p.chunk):
         part = [r - a for r in want if a <= r < a + p.chunk]
         session.settle()  # the chunk before stays whole: this request commits it
-        session.check_interrupt()  # the caller (abandoning the session) takes the replies in flight
+        check_interrupt(session)  # the caller (abandoning the session) takes the replies in flight
         up0 = s.bytes_up
         f = session.send_block(ids[a:a + p.chunk], None, None, part, argmax)
         flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
@@ -107,7 +117,7 @@ def chunked(session: PrefillSession, ids: list[int], want: list[int], limit: int
     another; the rows `want` of them all (the step's costs are the last chunk's)."""
     steps = []
     for a in range(0, len(ids), limit):
-        session.check_interrupt()
+        check_interrupt(session)
         part = [r - a for r in want if a <= r < a + limit]
         steps.append(session.receive(session.send_block(ids[a:a + limit], None, None, part, argmax)))
         session.settle()
