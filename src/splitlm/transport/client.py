@@ -139,7 +139,8 @@ class CloudClient:
         except ConnectionClosed:  # accepted, then closed before the upgrade went through (a dead cloud behind a proxy)
             raise lost(f"cannot reach the cloud at {url}: the connection closed during the WebSocket upgrade") from None
         except (OSError, WebSocketException, TimeoutError) as e:  # reset, refused, a bad upgrade answer: try another
-            raise lost(f"cannot reach the cloud at {url}: {e or type(e).__name__}") from None
+            cause = f" ({e.__cause__})" if e.__cause__ is not None else ""  # the upgrade's: EOF, a bad status line
+            raise lost(f"cannot reach the cloud at {url}: {e or type(e).__name__}{cause}") from None
         try:
             self.channel: Channel = self._handshake(fingerprint, pinned, known_hosts, rekey)
         except BaseException:
