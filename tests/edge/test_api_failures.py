@@ -153,6 +153,31 @@ def test_a_client_that_goes_away_stops_its_generation_streamed_or_not(slow_api):
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
 
 
+def test_an_internal_error_is_a_500_and_the_connection_stays_open(slow_api, monkeypatch):
+    import http.client
+
+    import splitlm.edge.api as api_module
+
+    real = api_module.parse_completion
+
+    def buggy(body, *args):
+        if body.get("prompt") == "boom":
+            raise RuntimeError("a bug")
+        return real(body, *args)
+
+    monkeypatch.setattr(api_module, "parse_completion", buggy)
+    where = urllib.parse.urlsplit(slow_api)
+    client = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    client.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "boom"}), headers)
+    answer = client.getresponse()
+    assert answer.status == 500 and json.loads(answer.read())["error"]["type"] == "server_error"
+    client.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2}), headers)
+    answer = client.getresponse()  # the same keep-alive connection
+    assert answer.status == 200 and json.loads(answer.read())["usage"]["completion_tokens"] == 2
+    client.close()
+
+
 def test_a_body_nested_past_the_recursion_limit_is_a_400(slow_api):
     req = urllib.request.Request(slow_api + "/v1/completions", data=b"[" * 100_000 + b"]" * 100_000,
                                  headers={"Content-Type": "application/json"})

@@ -39,6 +39,7 @@ from splitlm.decoding.grammar import GrammarError
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge.api_answer import AnswerBuilder, TokenBytes
 from splitlm.edge.api_disconnects import CLIENT_GONE, unless_gone
+from splitlm.edge.api_errors import guarded
 from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector, RequestClock
 from splitlm.edge.api_requests import (
     APIError,
@@ -81,12 +82,10 @@ class EdgeAPI:
         self.created = int(time.time())
         self.fingerprint = f"splitlm-{edge.model.manifest.fingerprint[:16]}"
         self.token_bytes = TokenBytes(edge.text)  # each token's bytes, for logprobs
-        routes = [Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/metrics", self.metrics_text, methods=["GET"]),
-                  Route("/healthz", self.healthz, methods=["GET"])]
+        routes = [Route(path, guarded(endpoint, self.internal_error), methods=[method]) for path, endpoint, method in (
+            ("/v1/models", self.models, "GET"), ("/v1/models/{model:path}", self.model, "GET"),
+            ("/v1/chat/completions", self.chat_completions, "POST"), ("/v1/completions", self.completions, "POST"),
+            ("/metrics", self.metrics_text, "GET"), ("/healthz", self.healthz, "GET"))]
         self.app = Starlette(routes=routes, exception_handlers={APIError: self.api_error,
                                                                 HTTPException: self.http_error,
                                                                 ClientDisconnect: self.client_gone,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
 from splitlm.transport.errors import ErrorCode
 
 CAPACITY_RETRY_AFTER_S = 2
@@ -31,3 +35,17 @@ def cloud_failure(e: Exception) -> APIError:
 def invalid(param: str, message: str, code: str | None = "invalid_value") -> APIError:
     """A 400 that names the request parameter at fault."""
     return APIError(400, message, param=param, code=code)
+
+
+def guarded(endpoint, on_error):
+    """`endpoint` with an unexpected exception answered by `on_error` (a 500) here: Starlette's
+    handler of last resort re-raises it after answering, and the server then drops the keep-alive
+    connection under the client."""
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except (APIError, HTTPException, ClientDisconnect):
+            raise
+        except Exception as exc:
+            return await on_error(request, exc)
+    return run
