@@ -60,11 +60,11 @@ def decode_text(tok, ids: list[int]) -> str:
     return tok.decode([t for t in ids if t != tok.eos_token_id])
 
 
-def sequential(model, gt, spec, prompt, n, sampling=None):
+def sequential(model, gt, spec, prompt, n, sampling=None, logprobs=None):
     gstats = GrammarStats()
     out = []
     for new in constrained_sequential(LocalSession(model), prompt, n, set(), compile_grammar(spec, gt).start(),
-                                      gstats, sampling=sampling):
+                                      gstats, sampling=sampling, logprobs=logprobs):
         out += new
     return out, gstats
 
@@ -321,9 +321,7 @@ def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
     prompt = tok("Go: ").input_ids
     spec = GrammarSpec.json_schema(SCHEMA)
     seq_rec, spec_rec = LogprobRecorder(3), LogprobRecorder(3)
-    reference = [t for new in constrained_sequential(LocalSession(model), prompt, 40, set(),
-                                                     compile_grammar(spec, gt).start(), GrammarStats(),
-                                                     logprobs=seq_rec) for t in new]
+    reference, _ = sequential(model, gt, spec, prompt, 40, logprobs=seq_rec)
     for rec in (spec_rec, None):
         steps = list(constrained_decode(LocalSession(model), prompt, 40, set(), Drafter(), StepBudget(), SpecStats(),
                                         compile_grammar(spec, gt).start(), GrammarStats(), logprobs=rec))

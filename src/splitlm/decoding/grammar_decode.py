@@ -227,10 +227,7 @@ class ConstrainedRun:
         if len(path) > k:
             sub = TokenTree(tree.tokens[k:], [max(p - k, -1) for p in tree.parents[k:]], tree.scores[k:],
                             tree.keys[k:])
-            view = StepResult(step.out[k:], step.tokens, step.network_s, step.compute_s, step.overlapped,
-                              None if step.topk is None else step.topk[k:],
-                              None if step.hidden is None else step.hidden[k:])
-            self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], view)
+            self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], step.rows_from(k))
 
 
 def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun,
@@ -251,9 +248,7 @@ def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int
     run.state.rollback(len(chain))
     if run.logprobs is not None:
         run.logprobs.record(chain + [root], step.out)
-    view = StepResult(step.out[-1:], step.tokens, step.network_s, step.compute_s, step.overlapped,
-                      None if step.topk is None else step.topk[-1:], None if step.hidden is None else step.hidden[-1:])
-    return chain + [root], view
+    return chain + [root], step.rows_from(-1)
 
 
 def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],

@@ -3,7 +3,7 @@ step's cost and extras that the step budget and the drafters learn from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,3 +22,8 @@ class StepResult:
     topk: torch.Tensor | None = None  # [R, k] each row's k likeliest ids (asked for with `extras` = k), else None
     hidden: torch.Tensor | None = None  # [R, D] each row's final-normed hidden state (with `extras`; None in
     # the split-head topology and under ONNX Runtime, whose tail graph ends in the LM head)
+
+    def rows_from(self, k: int) -> StepResult:
+        """The same step with its rows from `k` on (out, topk, hidden): what a part of its tree sees."""
+        return replace(self, out=self.out[k:], topk=None if self.topk is None else self.topk[k:],
+                       hidden=None if self.hidden is None else self.hidden[k:])
