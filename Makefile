@@ -33,12 +33,17 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests
 
-# Wheels that benchmarks/gpu.sh installs on a GPU machine without a registry (carry .gpu-wheels/);
-# GPU_PYTHON: that machine's Python version (default: this one's).
-GPU_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-gpu-wheels:
-	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --dest .gpu-wheels \
-		websockets cryptography gguf pytest pytest-timeout hypothesis psutil prometheus_client msgpack
+# Wheels that benchmarks/gpu.sh installs on a GPU machine without a registry (carry .gpu-wheels/): the
+# packages our runtime needs that its image lacks (it has torch, transformers, pytest, psutil, ...),
+# at the versions installed here, for its Python (GPU_PYTHON, default 3.12) on x86-64 Linux.
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES := websockets cryptography cffi pycparser gguf starlette uvicorn llguidance jsonschema \
+	referencing jsonschema-specifications rpds-py
+gpu-wheels: setup
+	rm -rf .gpu-wheels
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		$(foreach p,manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
+		--dest .gpu-wheels $(shell $(PIP) freeze | grep -i -E '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==' )
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

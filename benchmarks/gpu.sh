@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of splitlm in one prepared run (docs/benchmarks.md, "On a GPU"):
-#   1. the CUDA tests (`pytest -m cuda`; they skip where there is no GPU),
+# The GPU checks of splitlm in one prepared run (docs/devices.md, "On a GPU"):
+#   1. the CUDA tests (`pytest -m cuda` over the files that hold them; they skip where there is no GPU),
 #   2. the cloud's compute per pass for T = 1, 8, 32, 64, 128 new tokens, bf16 and fp32, for the
 #      bundled model's shape and an 8B Llama's (random weights made on the GPU itself),
 #   3. where the bundled model is installed: the WAN bench (80 ms) with the cloud on the GPU, bf16
@@ -8,30 +8,37 @@
 #   4. the capacity curve (`splitlm loadtest --virtual-edges`): 1-64 virtual edges replaying the
 #      bundled model's committed step trace against a cloud of the synthetic 8B Llama shape in bf16,
 #      batched (--max-batch 64) and --max-batch 1.
-# Results go to $OUT (the device tool's return folder) or benchmarks/results/gpu-<stamp>/.
+#   5. where a pass spends its time (benchmarks/gpu_profile.py): wall time against the kernels' busy
+#      time and the kernel launches, one session and 8-64 sessions in one batched pass, 8B shape.
+# Results go to benchmarks/results/ (each file named by its own time stamp, as the docs cite them); on
+# the device tool's machine ($OUT set, which takes back at most 8 files) they are made in /tmp and
+# packed after every step into $OUT/gpu-<stamp>.tgz, beside the log, so that a run stopped at its
+# time limit still returns what it finished.
 #
 #   bash benchmarks/gpu.sh            # on the CUDA machine, from the repository root
 #   GPU_SH_DEVICE=cpu GPU_SH_QUICK=1 bash benchmarks/gpu.sh   # a dry run of the same steps on a CPU
 #
-# Python packages the GPU machine lacks (websockets, cryptography, gguf, pytest, ...) may travel as
-# wheels in .gpu-wheels/ (`make gpu-wheels` fills it; carry it): they are installed into
-# .gpu-site/ first. No step needs a network.
+# Python packages the GPU machine lacks (websockets, cryptography, gguf, llguidance, ...) travel as
+# wheels in .gpu-wheels/ (`make gpu-wheels` fills it for that machine's Python 3.12; carry it): they
+# are installed into .gpu-site/ first. No step needs a network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEVICE=${GPU_SH_DEVICE:-cuda}
 STAMP=$(date +%Y%m%d-%H%M%S)
-DEST=${OUT:-benchmarks/results/gpu-$STAMP}
+if [ -n "${OUT:-}" ]; then DEST=/tmp/gpu-$STAMP; else DEST=benchmarks/results; fi
 mkdir -p "$DEST"
-LOG="$DEST/gpu.log"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$DEST/gpu-$STAMP.log"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -d .gpu-wheels ]; then
-  "$PY" -m pip install -q --no-index --find-links .gpu-wheels --target .gpu-site .gpu-wheels/*.whl >>"$LOG" 2>&1 \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target .gpu-site .gpu-wheels/*.whl >>"$LOG" 2>&1 \
     || echo "gpu.sh: some wheels did not install (see $LOG)"
   export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-site"
 fi
+T0=$(date +%s)
+pack() { [ -n "${OUT:-}" ] && { tar -czf "$OUT/gpu-$STAMP.tgz" -C "$(dirname "$DEST")" "$(basename "$DEST")"; cp "$LOG" "$OUT/"; }; true; }
 status=0
-step() { echo "== $*" | tee -a "$LOG"; }
+step() { pack; echo "== $* (at $(( $(date +%s) - T0 )) s)" | tee -a "$LOG"; }
 
 step "machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
@@ -40,7 +47,7 @@ step "machine"
 
 step "1. CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  "$PY" -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -n 30 | tee "$DEST/pytest-cuda.txt" | tee -a "$LOG"
+  "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "pytest.mark.cuda" tests) 2>&1 | tail -n 30 | tee "$DEST/gpu-$STAMP-pytest-cuda.txt" | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
   echo "pytest is not installed here: skipped (put its wheel in .gpu-wheels)" | tee -a "$LOG"
@@ -74,7 +81,7 @@ step "4. capacity curve: virtual edges against a cloud on $DEVICE (bf16, 80 ms)"
 # The bundled model's recorded steps (benchmarks/traces/, no model needed here) replayed by up to 64
 # virtual edges against a batched and a --max-batch 1 cloud serving a random-weight checkpoint of
 # the 8B Llama shape (made here on the device, split 2 + 2, ~32 GB of disk for checkpoint and split).
-CAP_SHAPE=${GPU_SH_CAPACITY_SHAPE:-llama3-8b}; CAP_SESSIONS=1,2,4,8,16,32,64; CAP_S=10; CAP_WARM=5
+CAP_SHAPE=${GPU_SH_CAPACITY_SHAPE:-llama3-8b}; CAP_SESSIONS=${GPU_SH_SESSIONS:-1,4,16,64}; CAP_S=${GPU_SH_SECONDS:-8}; CAP_WARM=3
 [ -n "${GPU_SH_QUICK:-}" ] && CAP_SHAPE=smollm2-135m CAP_SESSIONS=1,4 CAP_S=3 CAP_WARM=1
 CAP_DTYPE=bf16; [ "$DEVICE" = cpu ] && CAP_DTYPE=fp32
 "$PY" -m splitlm loadtest --virtual-edges --shape "$CAP_SHAPE" --trace benchmarks/traces/smollm2-auto-80ms.json \
@@ -82,5 +89,13 @@ CAP_DTYPE=bf16; [ "$DEVICE" = cpu ] && CAP_DTYPE=fp32
   --seconds "$CAP_S" --warmup-s "$CAP_WARM" --max-batch 64 --out "$DEST" 2>&1 | tail -n 30 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "gpu.sh: results in $DEST (exit $status)" | tee -a "$LOG"
+PROFILE_SHAPE=llama3-8b; PROFILE_CASES=1x1,1x8,1x64,8x23,32x23,64x23
+[ -n "${GPU_SH_QUICK:-}" ] && PROFILE_SHAPE=smollm2-135m PROFILE_CASES=1x8,4x23
+step "5. where a pass spends its time ($PROFILE_SHAPE, $CAP_DTYPE)"
+"$PY" benchmarks/gpu_profile.py --shape "$PROFILE_SHAPE" --device "$DEVICE" --dtype "$CAP_DTYPE" \
+  --cases "$PROFILE_CASES" --out "$DEST" 2>&1 | grep -v USDT | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu.sh: results in $DEST (exit $status, $(( $(date +%s) - T0 )) s)" | tee -a "$LOG"
+pack
 exit $status
