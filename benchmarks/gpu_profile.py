@@ -1,6 +1,7 @@
 """Where a cloud pass spends its time on a GPU: wall time against the time kernels keep the device busy,
 and the kernel launches, for one session's pass and for a batched pass of many sessions
-(`LayerStack.forward_packed`: rows packed for the dense layers, attention per session on its own cache).
+(`LayerStack.forward_packed`: rows packed for the dense layers; attention per session on its own cache,
+or one padded call for all of them, `splitlm.model.padded`; both are timed).
 
     python benchmarks/gpu_profile.py --shape llama3-8b --device cuda --dtype bf16 --out DIR
 
@@ -29,8 +30,10 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def one_case(stack, device: torch.device, sessions: int, rows: int, context: int, reps: int) -> dict:
-    """`sessions` sessions, each with `context` cached rows, send `rows` new rows each in one pass."""
+def one_case(stack, device: torch.device, sessions: int, rows: int, context: int, reps: int, padded: bool) -> dict:
+    """`sessions` sessions, each with `context` cached rows, send `rows` new rows each in one pass
+    (`padded`: one attention call for all of them)."""
+    stack.pad_attention = padded
     d = stack.cfg.hidden_size
     gen = torch.Generator(device).manual_seed(0)
     caches = []
@@ -64,7 +67,8 @@ def one_case(stack, device: torch.device, sessions: int, rows: int, context: int
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
     wall_ms = statistics.median(times) * 1000
-    return {"sessions": sessions, "rows_per_session": rows, "context": context, "wall_ms": round(wall_ms, 2),
+    return {"sessions": sessions, "rows_per_session": rows, "context": context,
+            "attention": "padded" if padded and sessions > 1 else "per sequence", "wall_ms": round(wall_ms, 2),
             "kernel_ms": round(kernel_us / 1000, 2), "device_busy": round(kernel_us / 1000 / wall_ms, 3),
             "kernel_launches": launches, "aten_calls": aten,
             "top": [(e.key[:80], round(e.self_device_time_total / 1000, 2), e.count)
@@ -85,14 +89,15 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     stack = middle_layers(SHAPES[args.shape], device, dtype)
     rows = []
-    print("| sessions × rows | wall ms | kernels busy ms | busy share | launches | aten calls |")
-    print("|---|---|---|---|---|---|")
+    print("| sessions × rows | attention | wall ms | kernels busy ms | busy share | launches | aten calls |")
+    print("|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         s, r = (int(x) for x in case.split("x"))
-        row = one_case(stack, device, s, r, args.context, args.reps)
-        rows.append(row)
-        print(f"| {s} × {r} | {row['wall_ms']} | {row['kernel_ms']} | {row['device_busy']} | "
-              f"{row['kernel_launches']} | {row['aten_calls']} |", flush=True)
+        for padded in (False, True) if s > 1 else (False,):
+            row = one_case(stack, device, s, r, args.context, args.reps, padded)
+            rows.append(row)
+            print(f"| {s} × {r} | {row['attention']} | {row['wall_ms']} | {row['kernel_ms']} | {row['device_busy']} | "
+                  f"{row['kernel_launches']} | {row['aten_calls']} |", flush=True)
     doc = {"schema": "splitlm.gpu-profile/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shape": args.shape,
            "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "dtype": args.dtype, "layers": len(stack.layers), "torch": torch.__version__, "rows": rows}
@@ -101,7 +106,7 @@ def main() -> None:
     path = out / f"gpu-profile-{args.shape}-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     for row in rows:
-        print(row["sessions"], "x", row["rows_per_session"], "top kernels:", row["top"][:4])
+        print(row["sessions"], "x", row["rows_per_session"], row["attention"], "top:", row["top"][:4])
     print(f"wrote {path}")
 
 

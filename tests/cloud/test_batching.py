@@ -30,11 +30,14 @@ PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 
 POLICIES = ["session", "none", "sealed", "session"]
 
 
-def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split):
+@pytest.mark.parametrize("padded", [None, True], ids=["per-session-attention", "padded-attention"])
+def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, padded):
     """8 concurrent greedy sessions, `auto` speculation (one of them pipelined), mixed prompt lengths and
-    cache policies, against one batching cloud: every output equals the session's output alone."""
+    cache policies, against one batching cloud: every output equals the session's output alone; also
+    with one padded attention call per pass (a GPU's default, `splitlm.model.padded`)."""
     batch = BatchConfig(max_batch=8, prefill_chunk=16)
     with BackgroundServer(tiny_split / "cloud", batch=batch) as server:
+        server.server.model.middle.pad_attention = padded
         edges = [Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p) for p in POLICIES]
         try:
             def run(i):

@@ -426,6 +426,7 @@ def test_a_cache_filled_in_inference_mode_changes_outside_it():
         c.retain_last(0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_matches_cpu(model):
     ids, cuda = [5, 6, 7, 8], torch.device("cuda")

@@ -83,6 +83,14 @@ class KVCache:
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the current append's keys/values [B, Hkv, T, hd] to `layer`; return all its entries."""
+        k_slot, v_slot = self.slots(layer, k_new, v_new)
+        k_slot.copy_(k_new)
+        v_slot.copy_(v_new)
+        return self.view(layer)
+
+    def slots(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the current append's keys/values (shaped like `k_new`, `v_new` [B, Hkv, T, hd]) go in
+        `layer`: views of its buffers, grown first if needed; the caller writes them."""
         end = self.length
         t = k_new.shape[2]
         k, v = self.k_buf[layer], self.v_buf[layer]
@@ -90,9 +98,7 @@ class KVCache:
             k, v = self._grow(layer, k_new, v_new, end - t)
         elif k.shape[0] != k_new.shape[0]:
             raise ValueError(f"the cache holds {k.shape[0]} rows, the update has {k_new.shape[0]}")
-        k.narrow(2, end - t, t).copy_(k_new)
-        v.narrow(2, end - t, t).copy_(v_new)
-        return k.narrow(2, 0, end), v.narrow(2, 0, end)
+        return k.narrow(2, end - t, t), v.narrow(2, end - t, t)
 
     def _grow(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
               used: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 from splitlm.model.config import ModelConfig
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.linear import Linear, project
+from splitlm.model.padded import Padding, padding_pays
 
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -107,12 +108,15 @@ class Attention(nn.Module):
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
     def forward(self, x: torch.Tensor, parts: list[Part], layer: int, window: int | None = None,
-                local: bool = False) -> torch.Tensor:
+                local: bool = False, padding: Padding | None = None) -> torch.Tensor:
         """x [B, N, D]: the rows of one or more sequences packed along dim 1 (`parts`, in order).
-        The projections run once over all N rows; rotary embedding, the cache and attention per part.
+        The projections run once over all N rows; rotary embedding, the cache and attention per part,
+        or, with `padding`, once for all of them (`splitlm.model.padded`).
         `layer`: the index in the caches; `window`: the layer's sliding window; `local`: its own rotary base."""
         b = x.shape[0]
         q_all, k_all, v_all = project(x, self.q_proj, self.k_proj, self.v_proj)  # [B, N, H*hd], [B, N, Hkv*hd] x2
+        if padding is not None:
+            return self.o_proj(self.attend_padded(q_all, k_all, v_all, padding, layer, window, local))
         ys, start = [], 0
         for part in parts:
             t = part.t
@@ -134,13 +138,29 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
+        return self.sdpa(q, k, v, mask).transpose(1, 2).reshape(b, t, -1)
+
+    def attend_padded(self, q_all, k_all, v_all, padding: Padding, layer: int, window: int | None,
+                      local: bool) -> torch.Tensor:
+        """Every sequence of a pass at once: q_all [1, N, H*hd], k_all and v_all [1, N, Hkv*hd] -> [1, N, H*hd]."""
+        n = q_all.shape[1]
+        q = q_all.view(1, n, self.n_heads, self.hd).transpose(1, 2)  # [1, H, N, hd]
+        k = k_all.view(1, n, self.n_kv, self.hd).transpose(1, 2)  # [1, Hkv, N, hd]
+        v = v_all.view(1, n, self.n_kv, self.hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = padding.rope[local]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pad, v_pad = padding.write_and_gather(layer, k, v)  # [P, Hkv, S_max, hd] each
+        return padding.unpad(self.sdpa(padding.pad_queries(q), k_pad, v_pad, padding.masks[window]))
+
+    def sdpa(self, q, k, v, mask) -> torch.Tensor:
+        """q [B, H, T, hd], k and v [B, Hkv, S, hd], mask [B or 1, 1, T, S] -> [B, H, T, hd]."""
         if SDPA_GQA:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        else:  # torch < 2.5: repeat the key/value heads
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, T, hd]
-        return y.transpose(1, 2).reshape(b, t, -1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        rep = self.n_heads // self.n_kv  # torch < 2.5: repeat the key/value heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
 
 class MLP(nn.Module):
@@ -177,12 +197,14 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(d, eps, offset)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, parts: list[Part], layer: int, window: int | None = None, local: bool = False) -> torch.Tensor:
+    def forward(self, x, parts: list[Part], layer: int, window: int | None = None, local: bool = False,
+                padding: Padding | None = None) -> torch.Tensor:
         x = x.float()  # [B, N, D]: every part's rows (norms and MLP are row-wise)
+        attn = self.self_attn(self.input_layernorm(x), parts, layer, window, local, padding)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), parts, layer, window, local))
+            x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), parts, layer, window, local)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -225,6 +247,7 @@ class LayerStack(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
         self.local_rope = [cfg.rope_local_theta is not None and w is not None for w in self.windows]
+        self.pad_attention: bool | None = None  # one attention call per pass: None = on a GPU (`pads`)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
@@ -255,9 +278,20 @@ class LayerStack(nn.Module):
             return list(xs)
         parts = [self.plan(x, p, m, c) for x, p, m, c in zip(xs, positions, new_masks, caches, strict=True)]
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [B, N, D]
+        padding = Padding.of(parts, x.device) if self.pads(parts, x) else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, parts, i, self.windows[i], self.local_rope[i])
+            x = layer(x, parts, i, self.windows[i], self.local_rope[i], padding)
         return [x] if len(xs) == 1 else list(x.split([p.t for p in parts], dim=1))
+
+    def pads(self, parts: list[Part], x: torch.Tensor) -> bool:
+        """Whether a pass attends for all its sequences in one padded call (`splitlm.model.padded`): for
+        two or more sequences of one row each, every one with its cache; by default (`pad_attention`
+        None) on a GPU, where launches cost more than padding, unless the pad would be most of the work."""
+        if len(parts) < 2 or x.shape[0] != 1 or any(p.cache is None for p in parts):
+            return False
+        if self.pad_attention is None:
+            return x.is_cuda and padding_pays([(p.t, p.masks[None].shape[-1]) for p in parts])
+        return self.pad_attention
 
     def plan(self, x: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None,
              cache: KVCache | None) -> Part:
