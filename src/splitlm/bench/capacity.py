@@ -244,6 +244,21 @@ class Window:
         return self.after.cpu_s - self.before.cpu_s
 
 
+def warm(cloud: Cloud, target: Target, trace: Trace, n: int, seconds: float) -> None:
+    """N virtual edges against `cloud` for `seconds`, nothing measured: a fresh cloud's first passes
+    (a GPU's kernel selection, its allocator) stay out of the first point."""
+    from splitlm.bench.virtual import Target, join_edges, start_edges
+
+    stop = threading.Event()
+    edges = start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split), trace, n, stop)
+    try:
+        stop.wait(seconds)
+    finally:
+        stop.set()
+        join_edges(edges)
+    log.info(f"[capacity] {cloud.side} cloud warmed by {n} sessions for {seconds:g} s")
+
+
 def run_point(cloud: Cloud, target: Target, trace: Trace, n: int, config: CapacityConfig) -> dict:
     """N virtual edges against one cloud: warm-up, then the measured window."""
     from splitlm.bench.capacity_report import point_figures
@@ -321,6 +336,8 @@ def run_capacity(config: CapacityConfig) -> dict:
     started = time.time()
     try:
         with started_clouds(config, shards) as clouds:
+            for cloud in clouds:
+                warm(cloud, target, trace, max(config.sessions), config.warmup_s)
             cpu0 = run_cpu(clouds)
             curve = [{"sessions": n, **{c.side: run_point(c, target, trace, n, config) for c in clouds}}
                      for n in config.sessions]
