@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -20,13 +19,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from splitlm.bench.passcost import middle_layers
+from splitlm.bench.passcost import median_ms, middle_layers, sync
 from splitlm.model.synthetic import SHAPES
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -50,14 +44,7 @@ def one_case(stack, device: torch.device, sessions: int, rows: int, context: int
             cache.crop(context)
         stack.forward_packed(xs, pos, [None] * sessions, caches)
 
-    times = []
-    for i in range(reps + 2):
-        sync(device)
-        start = time.perf_counter()
-        run()
-        sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+    wall_ms = median_ms(run, device, reps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         run()
@@ -66,7 +53,6 @@ def one_case(stack, device: torch.device, sessions: int, rows: int, context: int
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
-    wall_ms = statistics.median(times) * 1000
     return {"sessions": sessions, "rows_per_session": rows, "context": context,
             "attention": "padded" if padded and sessions > 1 else "per sequence", "wall_ms": round(wall_ms, 2),
             "kernel_ms": round(kernel_us / 1000, 2), "device_busy": round(kernel_us / 1000 / wall_ms, 3),

@@ -15,6 +15,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -61,9 +62,25 @@ def middle_layers(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype,
     return stack.eval()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_ms(run, device: torch.device, reps: int, reset=None) -> float:
+    """The median wall time of `reps` calls of `run()` (after two untimed warm-ups: kernel selection,
+    the allocator), each timed between device synchronisations; `reset()` before each, untimed."""
+    times = []
+    for i in range(reps + 2):
+        if reset is not None:
+            reset()
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
 
 
 @torch.inference_mode()
@@ -80,16 +97,7 @@ def measure(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, token
     for t in tokens:
         x = torch.randn(1, t, cfg.hidden_size, device=device, generator=gen)  # [1, T, D]
         pos = torch.arange(context, context + t, device=device)
-        times = []
-        for i in range(reps + 2):  # two warm-up passes (kernel selection, allocator)
-            cache.crop(context)
-            _sync(device)
-            start = time.perf_counter()
-            stack(x, pos, None, cache)
-            _sync(device)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        ms = statistics.median(times) * 1000
+        ms = median_ms(partial(stack, x, pos, None, cache), device, reps, reset=partial(cache.crop, context))
         rows.append(PassCost(spec.name, str(device), dtype_name(dtype), len(stack.layers), context, t, round(ms, 3),
                              round(ms / t, 4)))
         log.info(f"[bench] pass cost {spec.name} {device} {dtype_name(dtype)}: T={t:<4} {ms:8.2f} ms")
