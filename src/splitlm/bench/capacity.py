@@ -244,18 +244,35 @@ class Window:
         return self.after.cpu_s - self.before.cpu_s
 
 
-def warm(cloud: Cloud, target: Target, trace: Trace, n: int, seconds: float) -> None:
-    """N virtual edges against `cloud` for `seconds`, nothing measured: a fresh cloud's first passes
-    (a GPU's kernel selection, its allocator) stay out of the first point."""
+@dataclass
+class Replay:
+    """Virtual edges running against one cloud until `stop` is set; `stuck`: those that did not end."""
+
+    edges: list
+    stop: threading.Event
+    stuck: int = 0
+
+
+@contextlib.contextmanager
+def replaying(cloud: Cloud, target: Target, trace: Trace, n: int):
+    """N virtual edges replaying `trace` against `cloud` while the block runs; stopped and joined after it."""
     from splitlm.bench.virtual import Target, join_edges, start_edges
 
     stop = threading.Event()
-    edges = start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split), trace, n, stop)
+    replay = Replay(start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split),
+                                trace, n, stop), stop)
     try:
-        stop.wait(seconds)
+        yield replay
     finally:
         stop.set()
-        join_edges(edges)
+        replay.stuck = join_edges(replay.edges)
+
+
+def warm(cloud: Cloud, target: Target, trace: Trace, n: int, seconds: float) -> None:
+    """N virtual edges against `cloud` for `seconds`, nothing measured: a fresh cloud's first passes
+    (a GPU's kernel selection, its allocator) stay out of the first point."""
+    with replaying(cloud, target, trace, n) as replay:
+        replay.stop.wait(seconds)
     log.info(f"[capacity] {cloud.side} cloud warmed by {n} sessions for {seconds:g} s")
 
 
@@ -263,22 +280,15 @@ def run_point(cloud: Cloud, target: Target, trace: Trace, n: int, config: Capaci
     """N virtual edges against one cloud: warm-up, then the measured window."""
     from splitlm.bench.capacity_report import point_figures
     from splitlm.bench.cloud_probe import own_cpu_seconds
-    from splitlm.bench.virtual import Target, join_edges, start_edges
 
-    stop = threading.Event()
-    edges = start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split),
-                                           trace, n, stop)
-    try:
-        stop.wait(config.warmup_s)
+    with replaying(cloud, target, trace, n) as replay:
+        replay.stop.wait(config.warmup_s)
         cpu0, wan0, before = own_cpu_seconds(), cloud.wan_cpu_s(), cloud.probe.snapshot()
-        stop.wait(config.seconds)
+        replay.stop.wait(config.seconds)
         window = Window(before, cloud.probe.snapshot())
         window.client_cpu_s, window.wan_cpu_s = own_cpu_seconds() - cpu0, cloud.wan_cpu_s() - wan0
-    finally:
-        stop.set()
-        stuck = join_edges(edges)
-    result = point_figures(edges, window)
-    result["stuck_edges"] = stuck
+    result = point_figures(replay.edges, window)
+    result["stuck_edges"] = replay.stuck
     log.info(f"[capacity] {n:>3} sessions {cloud.side:>9}: {result['aggregate_tok_s']} tok/s, step p50 "
              f"{result['step_latency_ms']['p50']} ms p99 {result['step_latency_ms']['p99']} ms, "
              f"{result['rows_per_pass']} rows / pass, errors {result['errors']}, "
