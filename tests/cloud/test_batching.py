@@ -30,15 +30,21 @@ PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 
 POLICIES = ["session", "none", "sealed", "session"]
 
 
-@pytest.mark.parametrize("padded", [None, True], ids=["per-session-attention", "padded-attention"])
-def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, padded):
+CUDA = pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device, padded", [("cpu", None), ("cpu", True), pytest.param("cuda", None, marks=CUDA)],
+                         ids=["per-session-attention", "padded-attention", "cuda"])
+def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, padded):
     """8 concurrent greedy sessions, `auto` speculation (one of them pipelined), mixed prompt lengths and
     cache policies, against one batching cloud: every output equals the session's output alone; also
-    with one padded attention call per pass (a GPU's default, `splitlm.model.padded`)."""
+    with one padded attention call per pass (a GPU's default, `splitlm.model.padded`), and with the
+    cloud on a GPU (fp32; `benchmarks/gpu.sh` runs it)."""
     batch = BatchConfig(max_batch=8, prefill_chunk=16)
-    with BackgroundServer(tiny_split / "cloud", batch=batch) as server:
+    with BackgroundServer(tiny_split / "cloud", batch=batch, device=device, dtype="fp32") as server:
         server.server.model.middle.pad_attention = padded
-        edges = [Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p) for p in POLICIES]
+        edges = [Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p, device="cpu", dtype="fp32")
+                 for p in POLICIES]
         try:
             def run(i):
                 spec = SpecConfig("auto", pipeline=i == 5)
