@@ -77,9 +77,11 @@ def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, c
     return sampler.token(masked, context) if sampler else int(masked.argmax())
 
 
-def advance_all(state: GrammarState, tokens: list[int]) -> None:
+def advance_all(state: GrammarState, tokens: list[int]) -> list[int]:
+    """`tokens`, once `state` has moved past them (so that `yield advance_all(state, new)` emits them)."""
     for t in tokens:
         state.advance(t)
+    return tokens
 
 
 def close_at(state: GrammarState, tokens: list[int], produced: int, max_new_tokens: int) -> tuple[int, list[int]] | None:
@@ -133,8 +135,7 @@ def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_
             if logprobs is not None:
                 logprobs.record([token], logits[-1:])
         if logprobs is None and (cut := close_at(state, [token], produced - 1, max_new_tokens)) is not None:
-            advance_all(state, cut[1])
-            yield cut[1]  # no room left after this token to complete the output: complete it instead
+            yield advance_all(state, cut[1])  # no room left after this token to complete the output: complete it instead
             return
         state.advance(token)
         context.append(token)
@@ -263,11 +264,9 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
     firsts, first = constrained_prefill(session, prompt_ids, cached, run, max_new_tokens, eos)
     if logprobs is None and (cut := close_at(state, firsts, 0, max_new_tokens)) is not None:
-        advance_all(state, firsts[:cut[0]] + cut[1])
-        yield firsts[:cut[0]] + cut[1]
+        yield advance_all(state, firsts[:cut[0]] + cut[1])
         return
-    advance_all(state, firsts)
-    yield firsts
+    yield advance_all(state, firsts)
     root, produced, context = firsts[-1], len(firsts), list(prompt_ids) + firsts
     drafter.reset(context)
     drafter.verified(TokenTree.root_only(context[-2]), [0], [root], first)
@@ -278,8 +277,7 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         if logprobs is None and (n := stop_at(chain, produced, max_new_tokens, eos)) is not None:
             gstats.forced_tokens += n
             gstats.forced_free += n
-            advance_all(state, chain[:n])
-            yield chain[:n]  # the request ends inside the chain: no round trip needed
+            yield advance_all(state, chain[:n])  # the request ends inside the chain: no round trip needed
             return
         drafter.extend(chain)
         tree, expected = run.plan(context, chain)
@@ -304,8 +302,7 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             logprobs.record(new, step.out[path[: len(new)]])
         gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1:len(new) + 1])
         if closing is not None:  # no room to complete the output after new[len(new)]: complete it now
-            advance_all(state, new + closing)
-            yield new + closing
+            yield advance_all(state, new + closing)
             return
         advance_all(state, new)
         produced += len(new)
