@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from splitlm.bench.suite import BenchConfig, resolve_split  # noqa: E402
+from splitlm.bench.setup import BenchConfig, resolve_split  # noqa: E402
 from splitlm.cloud.ray_stage import PassMeta, load_stage, stage_ranges  # noqa: E402
 from splitlm.model.kv_cache import KVCache  # noqa: E402
 from splitlm.model.loading import resolve_model  # noqa: E402

@@ -256,8 +256,8 @@ def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_pa
 def test_default_modes_and_results_directory(tmp_path, monkeypatch):
     """Without --modes the bench runs the reference, sequential and the default speculative mode; without
     --out it writes outside the source tree ($SPLITLM_RESULTS, else ~/.local/share/splitlm/results)."""
-    from splitlm.bench.suite import default_results_dir
     from splitlm.cli import build_parser
+    from splitlm.result_files import default_results_dir
 
     args = build_parser().parse_args(["bench"])
     assert args.modes.split(",") == ["local-hf", "split-seq", "auto"]
@@ -273,7 +273,7 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
     from types import SimpleNamespace
 
     import splitlm.decoding.train_head as train_head_module
-    from splitlm.bench.suite import BenchConfig, ensure_head
+    from splitlm.bench.setup import BenchConfig, ensure_head
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     trained = []

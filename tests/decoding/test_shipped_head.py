@@ -48,7 +48,7 @@ def test_bench_needs_no_training_for_the_bundled_model(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     import splitlm.decoding.train_head as train_head_module
-    from splitlm.bench.suite import BenchConfig, ensure_head
+    from splitlm.bench.setup import BenchConfig, ensure_head
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(train_head_module, "train_head", lambda *a, **k: pytest.fail("trained a head"))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitlm import SplitLMError
-from splitlm.bench.suite import DEFAULT_OUT
+from splitlm.bench.setup import DEFAULT_OUT
 
 if TYPE_CHECKING:  # torch, psutil and websockets load when a curve runs, not when the CLI parses
     from splitlm.bench.cloud_probe import CloudProbe, Snapshot

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from splitlm import SplitLMError
 from splitlm.bench.prompts import Prompt
-from splitlm.bench.suite import DEFAULT_OUT
+from splitlm.bench.setup import DEFAULT_OUT
 from splitlm.progress import track
 from splitlm.result_files import write_result
 
@@ -275,7 +275,7 @@ def run_loadtest(config: LoadConfig) -> dict:
 
 def shard_dirs(config: LoadConfig) -> tuple[Path, Path]:
     """(edge shard, cloud shard): `--edge`'s and its sibling `cloud/`, or a split of `--model` made here."""
-    from splitlm.bench.suite import BenchConfig, resolve_split
+    from splitlm.bench.setup import BenchConfig, resolve_split
     from splitlm.model.loading import resolve_model
 
     if config.edge:  # no reference model needed: outputs are compared with the single-session run

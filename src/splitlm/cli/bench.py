@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from splitlm import SplitLMError
-from splitlm.bench.suite import DEFAULT_MODES, DEFAULT_OUT, BenchConfig
+from splitlm.bench.setup import DEFAULT_MODES, DEFAULT_OUT, BenchConfig
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def prefill_main(args: argparse.Namespace) -> int:
 def edge_profiles_main(args: argparse.Namespace, config: BenchConfig) -> int:
     """`bench --edge-profiles` on the tail-local split of `config` (made here, or `--edge`'s)."""
     from splitlm.bench.edge_profiles import edge_profiles_doc, markdown, tuning_prompts, write_results
-    from splitlm.bench.suite import resolve_split
+    from splitlm.bench.setup import resolve_split
     from splitlm.model.loading import resolve_model
 
     if config.topology != "tail-local":

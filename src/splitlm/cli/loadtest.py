@@ -8,7 +8,7 @@ import json
 from splitlm import SplitLMError
 from splitlm.bench.capacity import CapacityConfig
 from splitlm.bench.loadtest import LoadConfig
-from splitlm.bench.suite import DEFAULT_OUT
+from splitlm.bench.setup import DEFAULT_OUT
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
