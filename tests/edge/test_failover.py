@@ -348,10 +348,18 @@ def test_generations_with_a_link_cut_or_a_cloud_killed_at_random_all_match(tiny_
 
 
 def cut_once(edge, wan, prompt, spec, sampling=None, at: float = 0.7, n: int = 24):
-    """The undisturbed output, and the output with the link cut once at fraction `at` of its traffic."""
-    before = wan.bytes_up + wan.bytes_down
+    """The undisturbed output, and the output with the link cut once at fraction `at` of its traffic.
+    `spec` must send the same trees each time (a fixed tree size): a step budget that sizes trees
+    by what it learned would send less the second time, and the cut could fall after the answer."""
+    def traffic() -> int:
+        return wan.bytes_up + wan.bytes_down
+
+    before = traffic()
     want = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling).token_ids
-    wan.cut_after(int((wan.bytes_up + wan.bytes_down - before) * at))
+    sent, before = traffic() - before, traffic()
+    assert edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling).token_ids == want
+    assert traffic() - before == sent, "the two undisturbed runs differ in traffic: the cut would fall elsewhere"
+    wan.cut_after(int(sent * at))
     r = edge.generate(prompt, n, stop_at_eos=False, spec=spec, sampling=sampling)
     wan.cut_after(None)
     return want, r
@@ -367,7 +375,7 @@ def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
     port = int(tiny_server.url.rsplit(":", 1)[1])
     with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
             Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge:
-        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"))
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16))
     assert r.stats.failovers == 1 and wan.cuts == 1 and len(r.token_ids) == len(want)
     if policy != "window:8":
         assert r.token_ids == want
@@ -397,5 +405,5 @@ def test_replay_on_a_split_head_cloud(tiny_split_head, split_head_server):
     port = int(split_head_server.url.rsplit(":", 1)[1])
     with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
             Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
-        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram"), SEEDED)
+        want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16), SEEDED)
     assert r.token_ids == want and r.stats.failovers == 1
