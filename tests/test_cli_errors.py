@@ -206,3 +206,24 @@ def test_every_flag_has_help_with_its_default():
     generate = sub.choices["generate"].format_help()
     assert "ws://127.0.0.1:8765" in generate and "(default: 128)" in generate
     assert os.environ.get("SPLITLM_QUIET") in (None, "")  # building the parser changes nothing
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "abc"], "--rtt-ms"),
+    (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "-1"], "--rtt-ms"),
+    (["generate", "--edge", "e", "--prompt", "hi", "--failover-timeout", "0"], "--failover-timeout"),
+    (["generate", "--edge", "e", "--prompt", "hi", "--ping-interval", "-1"], "--ping-interval"),
+    (["serve-cloud", "--shard", "c", "--ping-interval", "inf"], "--ping-interval"),
+    (["train-head", "--edge", "e", "--minutes", "-1"], "--minutes"),
+    (["loadtest", "--seconds", "0"], "--seconds"),
+    (["harden", "--lr", "nan", "--out", "o"], "--lr"),
+])
+def test_a_bad_number_is_refused_by_the_parser(argv, flag, capsys):
+    """Out-of-range durations, rates and sizes stop at the parser with the flag named, before any work."""
+    from splitlm.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: expected a" in err and "_" not in err.split(flag, 1)[1]

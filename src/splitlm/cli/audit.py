@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from splitlm.cli.options import int_at_least, non_negative_int, positive_int, set_threads
+from splitlm.cli.options import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    set_threads,
+)
 
 
 def comma_ints(text: str) -> list[int]:
@@ -90,7 +97,7 @@ def add_audit_parsers(sub) -> None:
     p.add_argument("--output-tails", type=comma_ints, default=[1, 2, 4],
                    help="tail depths M for the output leakage (default 1,2,4)")
     p.add_argument("--harden-steps", type=positive_int, default=20, help="training steps of the harden defence")
-    p.add_argument("--harden-margin", type=float, default=0.5, help="standardised distance harden aims for")
+    p.add_argument("--harden-margin", type=positive_float, default=0.5, help="standardised distance harden aims for")
     p.add_argument("--probe-epochs", type=positive_int, default=2, help="training epochs of the MLP probe")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the corpus split and the probes")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
@@ -107,9 +114,9 @@ def add_audit_parsers(sub) -> None:
                    help="UTF-8 text files to train on (default: Python's pydoc topics)")
     p.add_argument("--max-train-tokens", type=positive_int, default=32768, help="training tokens of the corpus")
     p.add_argument("--steps", type=positive_int, default=20, help="training steps")
-    p.add_argument("--margin", type=float, default=0.5, help="standardised distance to aim for (default 0.5)")
-    p.add_argument("--weight", type=float, default=1.0, help="weight of the distance term against the KL term")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (Adam)")
+    p.add_argument("--margin", type=positive_float, default=0.5, help="standardised distance to aim for (default 0.5)")
+    p.add_argument("--weight", type=non_negative_float, default=1.0, help="weight of the distance term against the KL term")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (Adam)")
     p.add_argument("--private-tail", action="store_true",
                    help="also fine-tune the tail layers, against a cloud that runs the public tail on the downlink")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the corpus split and the training")

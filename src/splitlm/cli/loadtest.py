@@ -9,6 +9,7 @@ from splitlm import SplitLMError
 from splitlm.bench.capacity import CapacityConfig
 from splitlm.bench.loadtest import LoadConfig
 from splitlm.bench.setup import DEFAULT_OUT
+from splitlm.cli.options import non_negative_float, positive_float
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"tokens per session (default {d.max_new_tokens}; with --virtual-edges: per recorded "
                         f"generation, default {v.max_new_tokens})")
-    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
+    p.add_argument("--rtt-ms", type=non_negative_float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
     p.add_argument("--spec", default=None, help="decoding mode of the sessions (default none: one token per step; "
@@ -46,8 +47,8 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     g = p.add_argument_group("virtual edges (--virtual-edges)")
-    g.add_argument("--seconds", type=float, default=v.seconds, help="measured seconds per point and cloud")
-    g.add_argument("--warmup-s", type=float, default=v.warmup_s, help="seconds per point before the measurement")
+    g.add_argument("--seconds", type=positive_float, default=v.seconds, help="measured seconds per point and cloud")
+    g.add_argument("--warmup-s", type=non_negative_float, default=v.warmup_s, help="seconds per point before the measurement")
     g.add_argument("--shape", default="", metavar="NAME",
                    help="serve a random-weight checkpoint of this real model's shape (e.g. tinyllama-1.1b) and "
                         "replay the bundled model's trace on it (default: the --edge / --model split)")

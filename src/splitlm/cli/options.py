@@ -31,6 +31,26 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def float_above(bound: float, inclusive: bool):
+    """An argparse type: a number above `bound` (or equal to it, where `inclusive`), with a readable error."""
+    relation = ">=" if inclusive else ">"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= bound if inclusive else value > bound) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite number {relation} {bound:g}, got {text}")
+        return value
+
+    return parse
+
+
+non_negative_float = float_above(0.0, inclusive=True)
+positive_float = float_above(0.0, inclusive=False)
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535."""
     value = non_negative_int(text)
@@ -149,9 +169,9 @@ def add_edge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--edge-adapter", metavar="PATH", default=None,
                    help="a peft LoRA adapter directory of the full model (e.g. from `splitlm train-adapter`), merged "
                         "into the edge's layers; it may change only what the edge holds and never leaves it")
-    p.add_argument("--failover-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--failover-timeout", type=positive_float, default=30.0, metavar="S",
                    help="how long a request keeps trying to reach a cloud after losing one (default 30)")
-    p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
+    p.add_argument("--ping-interval", type=non_negative_float, default=20.0, metavar="S",
                    help="keepalive pings; a link that answers none for as long is dead (default 20, 0 = off)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES,
                    help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use "

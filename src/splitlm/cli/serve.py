@@ -11,6 +11,7 @@ from splitlm.cli.options import (
     add_edge_options,
     add_pipeline_option,
     add_spec_option,
+    non_negative_float,
     non_negative_int,
     open_edge,
     port_number,
@@ -124,7 +125,7 @@ def add_serve_cloud(sub) -> None:
     p.add_argument("--idle-timeout", type=float, default=300.0, metavar="S",
                    help="free a session unused this many seconds (its edge is told PREEMPTED and replays its "
                         "context when it comes back; default 300, 0 = never)")
-    p.add_argument("--ping-interval", type=float, default=20.0, metavar="S",
+    p.add_argument("--ping-interval", type=non_negative_float, default=20.0, metavar="S",
                    help="keepalive pings; a connection that answers none for as long is closed (default 20, 0 = off)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--max-batch", type=positive_int, default=16,
@@ -154,8 +155,8 @@ def add_serve_cloud(sub) -> None:
                    help="--ray: pipeline stages per replica, each an actor holding a contiguous range of layers (default 1)")
     p.add_argument("--lanes", type=positive_int, default=None,
                    help="--ray: passes in flight per replica, each session in one (default: one per stage)")
-    p.add_argument("--actor-cpus", type=float, default=0.0, help="--ray: CPUs each actor reserves (default 0)")
-    p.add_argument("--actor-gpus", type=float, default=None,
+    p.add_argument("--actor-cpus", type=non_negative_float, default=0.0, help="--ray: CPUs each actor reserves (default 0)")
+    p.add_argument("--actor-gpus", type=non_negative_float, default=None,
                    help="--ray: GPUs each actor reserves (default: 1 where the cluster has GPUs, else 0)")
     p.set_defaults(func=cmd_serve_cloud)
 

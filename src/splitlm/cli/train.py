@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from splitlm import SplitLMError
-from splitlm.cli.options import int_at_least, need_edge_shard, positive_int, set_threads
+from splitlm.cli.options import int_at_least, need_edge_shard, positive_float, positive_int, set_threads
 from splitlm.result_files import default_results_dir
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,9 @@ def add_train_adapter(sub) -> None:
     p.add_argument("--text", required=True, help="a UTF-8 text file to fit")
     p.add_argument("--out", required=True, help="the adapter directory to write (peft format; use with --edge-adapter)")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank (default 8)")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha (default 16)")
     p.add_argument("--steps", type=positive_int, default=40, help="optimiser steps (default 40)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--seq-len", type=int_at_least(2), default=128, help="tokens per training window (default 128)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_train_adapter)
@@ -80,7 +80,7 @@ def add_train_head(sub) -> None:
     p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
     p.add_argument("--max-tokens", type=positive_int, default=1_000_000,
                    help="answer tokens to train on (default 1000000: every bundled answer)")
-    p.add_argument("--minutes", type=float, default=25.0,
+    p.add_argument("--minutes", type=positive_float, default=25.0,
                    help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument("--out", default=str(default_results_dir()),

@@ -8,6 +8,7 @@ import logging
 
 from splitlm import SplitLMError
 from splitlm.bench.wan import Address, WanConfig, as_address, format_address, parse_address, run_wan
+from splitlm.cli.options import non_negative_float, positive_float
 
 
 def _address_arg(text: str) -> Address:
@@ -15,20 +16,6 @@ def _address_arg(text: str) -> Address:
         return parse_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,21 +32,21 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rtt-ms",
-        type=_non_negative,
+        type=non_negative_float,
         required=True,
         metavar="MS",
         help="round-trip time to add; each direction gets half",
     )
     parser.add_argument(
         "--jitter-ms",
-        type=_non_negative,
+        type=non_negative_float,
         default=0.0,
         metavar="MS",
         help="uniform jitter per chunk and direction, +/- this much (default: 0)",
     )
     parser.add_argument(
         "--mbps",
-        type=_positive,
+        type=positive_float,
         default=None,
         metavar="MBIT",
         help="bandwidth cap per direction in Mbit/s (default: unlimited)",
