@@ -251,14 +251,19 @@ class RayFrontDoor(CloudServer):
 
     async def place(self, exclude: set[int]) -> int:
         """The replica for a new session: fewest open sessions (counting OPENs in flight here), then fewest
-        queued token rows, among those whose stages all answer (else among those that answer at all)."""
+        queued token rows, among those whose stages all answer (else among those that answer at all).
+        A replica's open sessions are at least those this door has routed to it: the poll may predate
+        OPENs that completed while it was on its way."""
         fresh = await self.poll(PLACE_TIMEOUT_S)  # where a replica is slower: the monitor's last answer
         loads = [load if load is not None else rep.load for load, rep in zip(fresh, self.replicas, strict=True)]
         live = [(i, load) for i, load in enumerate(loads) if load is not None and i not in exclude]
         ready = [(i, load) for i, load in live if load.ready] or live
         if not ready:
             raise ProtocolError(ErrorCode.CAPACITY, "no replica of the Ray cloud answers; retry later")
-        return min(ready, key=lambda x: (x[1].sessions + self.opening[x[0]], x[1].queued_rows, x[0]))[0]
+        routed = Counter(r.replica for r in self.sessions.sessions.values()
+                         if loads[r.replica] is not None and r.incarnation == loads[r.replica].incarnation)
+        return min(ready, key=lambda x: (max(x[1].sessions, routed[x[0]]) + self.opening[x[0]], x[1].queued_rows,
+                                         x[0]))[0]
 
     async def poll(self, timeout_s: float) -> list[Load | None]:
         """Every replica's load (None where stage 0 does not answer within `timeout_s`)."""
