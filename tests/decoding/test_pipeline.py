@@ -102,6 +102,52 @@ def test_greedy_pipelined_equals_sequential(edge, seed):
     assert 0 < totals.discarded < totals.pipelined  # bets that held and bets that failed both happened
 
 
+class Learner(Scripted):
+    """A scripted drafter that checks what it is told: each `verified` concerns its latest proposal,
+    on the context it still holds, with the hidden states it asked for."""
+
+    extras = 1
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposed: list[tuple[list[int], TokenTree]] = []  # (context, tree) of each proposal
+        self.learned = 0
+
+    def propose(self) -> TokenTree:
+        tree = super().propose()
+        self.proposed.append((list(self.context), tree))
+        return tree
+
+    def verified(self, tree, path, new, step) -> None:
+        assert step.hidden is not None and step.topk is not None and len(step.hidden) == len(tree)
+        if not self.proposed:  # the prefill: a root-only tree of the prompt's last token
+            assert len(tree) == 1 and self.context[-1] == new[0]
+            return
+        ctx, mine = self.proposed[-1]
+        assert self.context == ctx and tree.tokens[0] == ctx[-1]
+        assert set(tree.paths()) <= set(mine.paths())  # what the budget kept of it
+        assert new == self.truth[len(ctx): len(ctx) + len(new)]  # greedy: the true continuation
+        self.learned += 1
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_learning_drafter_learns_each_step_it_drafted_and_bets_go_to_the_other(edge, seed):
+    rng = random.Random(40 + seed)
+    prompt = random_prompt(rng, 10)
+    reference = sequential(edge, prompt, 40)
+    learner, better = Learner(prompt + reference, rng, 8, 0.9), Scripted(prompt + reference, rng, 8, 0.9)
+    stats, session, out = SpecStats(), edge.open_session(), []
+    try:
+        for new in pipelined_decode(session, prompt, 40, set(), learner, StepBudget(fixed_nodes=6), stats,
+                                    always_bet=True, bet_drafter=better):
+            out.extend(new)
+    finally:
+        session.close()
+    assert out == reference
+    assert stats.pipelined > 0 and learner.learned == len(learner.proposed) - (stats.steps < len(learner.proposed))
+    assert learner.learned + stats.pipelined - stats.discarded == stats.steps  # every step stood on one or the other
+
+
 def test_stops_at_an_end_token_inside_a_pipelined_run(edge):
     rng = random.Random(7)
     prompt = random_prompt(rng, 9)

@@ -16,6 +16,12 @@ step's logits arrive they are verified as usual, on the true context:
 Every token is still chosen by verifying the target's logits on its true context (argmax, or the
 sampler's draw with the uniform of that position), so greedy output equals sequential decoding
 and seeded sampling equals sequential sampling with that seed. At most two steps are in flight.
+
+Two drafters share the request's drafting memory: the *learning* one drafts every step sent on the
+verified context and learns from its verification as `speculative_decode`'s does (its context only
+ever grows, so the step it learns from is always its latest proposal); the *betting* one drafts the
+steps sent on a bet, on a context that may be dropped, and learns nothing itself (what it reads of
+the memory — retrieval, the recycled table, the calibrations — the learning one keeps up to date).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.sampling import Sampler, SamplingConfig
-from splitlm.decoding.speculative import SpecStats, build_step, greedy_ids, prefill, stop_at
+from splitlm.decoding.speculative import SpecStats, build_step, extras, greedy_ids, prefill, stop_at
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
@@ -44,7 +50,8 @@ class PipeSession(Protocol):
                 argmax: bool = False) -> StepResult: ...
 
     def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False) -> object: ...
+             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False,
+             extras: int = 0) -> object: ...
 
     def receive(self, flight) -> StepResult: ...
 
@@ -69,6 +76,7 @@ class Step:
     root_logits: torch.Tensor | None = None  # [V] (greedy: [] token) when the root was not sent: from the step before
     known: int | None = None  # the token after the root, once the step before is verified
     void: bool = False
+    learns: bool = False  # drafted by the learning drafter on the verified context: it learns from the reply
 
     def block_keep(self, path: list[int]) -> list[int]:
         """Indices into this step's block of the tree nodes `path`."""
@@ -142,8 +150,11 @@ class PipelinedRun:
 
     def __init__(self, session: PipeSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
                  sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False,
-                 logprobs: LogprobRecorder | None = None):
+                 logprobs: LogprobRecorder | None = None, bet_drafter: Drafter | None = None):
         self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
+        # without a betting drafter of its own, bets move the one drafter ahead: it learns nothing
+        self.bet_drafter = bet_drafter or drafter
+        self.learning = bet_drafter is not None
         self.sampler, self.limits, self.always_bet = sampler, limits, always_bet
         self.logprobs = logprobs  # records each emitted token with its logits row (then greedy steps ask for logits)
         self.context = context  # the prompt and the verified tokens
@@ -153,14 +164,16 @@ class PipelinedRun:
         self.keep_next: list[int] | None = None  # the last block's keep, for the next send (or the final settle)
         self.last: tuple[Step, list[int]] | None = None  # the last verified step and its true keep
         drafter.reset(context)
+        if self.bet_drafter is not drafter:
+            self.bet_drafter.reset(context)
 
     def done(self) -> bool:
         return self.produced >= self.limits.max_new_tokens or self.context[-1] in self.limits.eos
 
-    def propose(self, ctx: list[int], exclude_root: bool) -> TokenTree:
-        """The drafter's tree on `ctx`, pruned to what the budget affords."""
-        sync_drafter(self.drafter, ctx)
-        tree = self.drafter.propose()
+    def propose(self, drafter: Drafter, ctx: list[int], exclude_root: bool) -> TokenTree:
+        """`drafter`'s tree on `ctx`, pruned to what the budget affords."""
+        sync_drafter(drafter, ctx)
+        tree = drafter.propose()
         choice = self.budget.choose(tree)
         nodes = choice.nodes if self.cap is None else min(choice.nodes, self.cap + exclude_root)
         return tree.pruned(nodes, choice.reach)
@@ -175,14 +188,16 @@ class PipelinedRun:
             tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
             mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
         step.flight = self.session.send(tokens, positions, mask, rows, keep,
-                                        argmax=self.sampler is None and self.logprobs is None)
+                                        argmax=self.sampler is None and self.logprobs is None,
+                                        **(extras(self.drafter) if step.learns else {}))
         self.flight.append(step)
 
     def fill(self) -> None:
         """Send a step on the verified context when none that stands is in flight; bet on the step
         in flight when it is alone."""
         if all(s.void for s in self.flight) and not self.done():
-            self.send(Step(self.propose(self.context, False), list(self.context), True), self.keep_next)
+            self.send(Step(self.propose(self.drafter, self.context, False), list(self.context), True,
+                           learns=self.learning), self.keep_next)
             self.keep_next = None
         if len(self.flight) == 1 and not self.flight[0].void:
             self.bet(self.flight[0])
@@ -208,7 +223,7 @@ class PipelinedRun:
                 or self.limits.eos.intersection(tokens):
             return
         ctx = prev.ctx + tokens
-        nxt = Step(self.propose(ctx, True), ctx, False)
+        nxt = Step(self.propose(self.bet_drafter, ctx, True), ctx, False)
         if len(nxt.tree) > 1:
             prev.bet = path
             self.send(nxt, prev.block_keep(path))
@@ -237,7 +252,9 @@ class PipelinedRun:
             path, new = accept_sampled(step.tree, logits, self.sampler, step.ctx)
         else:
             path, new = accept_greedy(step.tree, greedy_ids(logits))
-        self.drafter.accepted(new[:-1])
+        if step.learns:  # the learning drafter's latest proposal, on the context it still holds
+            self.drafter.accepted(new[:-1])
+            self.drafter.verified(step.tree, path, new, info)
         self.learn(step, info, path)
         fresh, keep, stop = self.cut(step, path, new)
         if self.logprobs is not None:  # fresh[i] is new[skip + i], chosen at node path[skip + i]
@@ -307,18 +324,24 @@ class PipelinedRun:
 def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
                      drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
                      sampling: SamplingConfig | None = None, always_bet: bool = False,
-                     logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+                     logprobs: LogprobRecorder | None = None,
+                     bet_drafter: Drafter | None = None) -> Iterator[list[int]]:
     """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), with up to two
-    steps in flight. Yields the new tokens of each verified step.
+    steps in flight. Yields the new tokens of each verified step. `bet_drafter` (another drafter of
+    the same mode and memory) drafts the steps sent on a bet, and `drafter` learns from the others;
+    without it `drafter` drafts both and learns nothing.
 
     A bet is placed when it is expected to pay: its chance p to hold (the budget's calibrated
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
     retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
-    sampler, root, _ = prefill(session, prompt_ids, cached, budget, sampling, logprobs=logprobs)
+    learner = drafter if bet_drafter is not None else None
+    sampler, root, first = prefill(session, prompt_ids, cached, budget, sampling, learner, logprobs)
     yield [root]
     run = PipelinedRun(session, drafter, budget, stats, sampler, list(prompt_ids) + [root],
-                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet, logprobs)
+                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet, logprobs, bet_drafter)
+    if learner is not None:
+        learner.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first)
     try:
         while (verified := run.next_verified()) is not None:
             fresh, stop = verified

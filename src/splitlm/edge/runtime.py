@@ -259,7 +259,8 @@ class Edge:
                                       logprobs=logprobs)
             elif spec.pipeline and spec.mode != "none" and session.pipelines:
                 steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter,
-                                         budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)
+                                         budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs,
+                                         bet_drafter=self._drafter(spec)[0])
             else:
                 steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, drafter,
                                            budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)

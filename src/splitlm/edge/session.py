@@ -192,15 +192,17 @@ class EdgeSession:
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
     def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False) -> Flight:
+             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False,
+             extras: int = 0) -> Flight:
         """Settle the last block with `keep` and send a step without waiting for its reply (take it
-        with `receive`, oldest first). The step's tokens see the context as it is once `keep` applies."""
+        with `receive`, oldest first; `extras` as `forward`'s). The step's tokens see the context as it
+        is once `keep` applies."""
         if len(self.link.flights) >= 2:
             raise SplitLMError("at most two forwards may be in flight")
         if self.link.flights and not self.pipelines:
             raise SplitLMError(f"cache policy {self.policy} does not allow pipelined steps")
         self.settle(keep)
-        return self.send_block(ids, positions, mask, rows, argmax)
+        return self.send_block(ids, positions, mask, rows, argmax, extras)
 
     @torch.inference_mode()
     def receive(self, f: Flight) -> StepResult:
