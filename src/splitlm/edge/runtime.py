@@ -258,9 +258,8 @@ class Edge:
                 steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached,
                                       logprobs=logprobs)
             elif spec.pipeline and spec.mode != "none" and session.pipelines:
-                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter,
-                                         budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs,
-                                         bet_drafter=self._drafter(spec)[0])
+                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter, budget, spec_stats, cached,
+                                         sampling, logprobs=logprobs, bet_drafter=self._drafter(spec)[0])
             else:
                 steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, drafter,
                                            budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)

@@ -191,12 +191,10 @@ class EdgeSession:
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
-    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False,
-             extras: int = 0) -> Flight:
-        """Settle the last block with `keep` and send a step without waiting for its reply (take it
-        with `receive`, oldest first; `extras` as `forward`'s). The step's tokens see the context as it
-        is once `keep` applies."""
+    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None, rows: list[int] | None = None,
+             keep: list[int] | None = None, argmax: bool = False, extras: int = 0) -> Flight:
+        """Settle the last block with `keep` and send a step without waiting for its reply (take it with
+        `receive`, oldest first; `extras` as `forward`'s). Its tokens see the context once `keep` applies."""
         if len(self.link.flights) >= 2:
             raise SplitLMError("at most two forwards may be in flight")
         if self.link.flights and not self.pipelines:
