@@ -233,15 +233,17 @@ def test_sync_drafter_cuts_back_and_extends():
     assert d.context == [1, 2, 7]
 
 
-def test_generate_with_pipeline_equals_sequential(edge):
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_generate_with_pipeline_equals_sequential(edge, mode):
+    """Through the edge: two drafters of the mode, one learning, one betting (`auto`: its head too)."""
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
     reference = sequential(edge, prompt, 24)
     out = []
-    for new, live in edge.generate_ids(prompt, 24, stop_at_eos=False, spec=SpecConfig("ngram", pipeline=True)):
+    for new, live in edge.generate_ids(prompt, 24, stop_at_eos=False, spec=SpecConfig(mode, pipeline=True)):
         out.extend(new)
         stats = live
     assert out == reference
-    assert stats.spec_mode == "ngram pipelined"
+    assert stats.spec_mode == f"{mode} pipelined"
     assert "pipelined_steps" in stats.spec
 
 
