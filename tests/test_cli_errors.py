@@ -217,6 +217,10 @@ def test_every_flag_has_help_with_its_default():
     (["train-head", "--edge", "e", "--minutes", "-1"], "--minutes"),
     (["loadtest", "--seconds", "0"], "--seconds"),
     (["harden", "--lr", "nan", "--out", "o"], "--lr"),
+    (["bench", "--jitter-ms", "-1"], "--jitter-ms"),
+    (["bench", "--mbps", "0"], "--mbps"),
+    (["serve-cloud", "--shard", "c", "--idle-timeout", "-5"], "--idle-timeout"),
+    (["serve-edge", "--edge", "e", "--prefix-pool-ttl", "-1"], "--prefix-pool-ttl"),
 ])
 def test_a_bad_number_is_refused_by_the_parser(argv, flag, capsys):
     """Out-of-range durations, rates and sizes stop at the parser with the flag named, before any work."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from splitlm import SplitLMError
 from splitlm.bench.setup import DEFAULT_MODES, DEFAULT_OUT, BenchConfig
+from splitlm.cli.options import non_negative_float, positive_float
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
     from splitlm.model.device import add_device_arguments
     from splitlm.transport.codecs import WIRE_DTYPES
 
-    p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time (default 80; 0 = no emulator)")
+    p.add_argument("--rtt-ms", type=non_negative_float, default=80.0, help="emulated round-trip time (default 80; 0 = no emulator)")
     p.add_argument("--sweep", default=None, metavar="R1,R2,...",
                    help="run at each of these RTTs (ms) instead and fit t_step = α·RTT + β per mode")
     known = "; ".join(f"{m.name}: {m.help}" for m in MODES.values())
@@ -96,8 +97,8 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codecs", default="", metavar="C1,C2,...",
                    help=f"also run the codec study for these codecs ({','.join(WIRE_DTYPES)}, or 'all'): bytes per "
                         "token and agreement with the full model's greedy tokens")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter per direction (ms)")
-    p.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (Mbit/s)")
+    p.add_argument("--jitter-ms", type=non_negative_float, default=0.0, help="± uniform jitter per direction (ms)")
+    p.add_argument("--mbps", type=positive_float, default=None, help="bandwidth cap per direction (Mbit/s)")
     add_device_arguments(p, what="the edge's (and, unless --cloud-device says otherwise, the cloud's) layers")
     add_device_arguments(p, "cloud", what="the cloud's layers")
 
@@ -164,8 +165,6 @@ def parse_mode_questions(text: str) -> dict[str, int]:
 
 def check_bench_args(args: argparse.Namespace) -> None:
     """Refuse values and combinations the WAN bench cannot run, with the reason."""
-    if args.rtt_ms < 0 or args.jitter_ms < 0 or (args.mbps is not None and args.mbps <= 0):
-        raise SplitLMError("--rtt-ms and --jitter-ms must be >= 0 and --mbps > 0")
     if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category)):
         raise SplitLMError("--max-new-tokens, --limit and --per-category must be at least 1")
     if args.head < 1 or (args.tail is not None and args.tail < 0):
@@ -221,8 +220,8 @@ def pass_cost_main(args: argparse.Namespace) -> int:
 def prefill_main(args: argparse.Namespace) -> int:
     from splitlm.bench import prefill
 
-    if args.repeats < 1 or args.rtt_ms < 0:
-        raise SplitLMError("--repeats must be at least 1 and --rtt-ms >= 0")
+    if args.repeats < 1:
+        raise SplitLMError("--repeats must be at least 1")
     if args.edge or args.topology != "tail-local":
         raise SplitLMError("--prefill benchmarks a tail-local split of --model (drop --edge and --topology)")
     config = prefill.PrefillBenchConfig(

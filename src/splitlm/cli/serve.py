@@ -32,8 +32,6 @@ def cmd_serve_cloud(args) -> int:
     from splitlm.cloud.sessions import ServerLimits
 
     set_threads(args.threads)
-    if args.idle_timeout < 0:
-        raise SplitLMError(f"--idle-timeout must be 0 (never) or more seconds, got {args.idle_timeout:g}")
     limits = ServerLimits(max_sessions=args.max_sessions, max_sessions_per_client=args.max_sessions_per_client,
                           max_tokens_per_session=args.max_tokens, idle_timeout_s=args.idle_timeout,
                           max_frame_bytes=args.max_frame_mb * 2**20, kv_budget_bytes=args.kv_budget_mb * 2**20,
@@ -96,8 +94,6 @@ def prefix_pool_limits(args):
     """The prefix pool's limits from --prefix-pool, --prefix-pool-mb and --prefix-pool-ttl."""
     from splitlm.edge.prefix_pool import PoolLimits
 
-    if args.prefix_pool_ttl < 0:
-        raise SplitLMError(f"--prefix-pool-ttl must be >= 0 seconds, got {args.prefix_pool_ttl}")
     return PoolLimits(args.prefix_pool, args.prefix_pool_mb, args.prefix_pool_ttl)
 
 
@@ -122,7 +118,7 @@ def add_serve_cloud(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=8192, help="KV entries per session")
     p.add_argument("--max-frame-mb", type=positive_int, default=64, metavar="MB",
                    help="largest frame a client may send, in MiB (larger ones are refused)")
-    p.add_argument("--idle-timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--idle-timeout", type=non_negative_float, default=300.0, metavar="S",
                    help="free a session unused this many seconds (its edge is told PREEMPTED and replays its "
                         "context when it comes back; default 300, 0 = never)")
     p.add_argument("--ping-interval", type=non_negative_float, default=20.0, metavar="S",
@@ -193,7 +189,7 @@ def add_serve_edge(sub) -> None:
                         "the rest (docs/prefix-reuse.md; default 4, 0 = no reuse)")
     p.add_argument("--prefix-pool-mb", type=non_negative_int, default=256, metavar="MB",
                    help="memory the pooled states may hold on each side, the edge's and the cloud's (default 256)")
-    p.add_argument("--prefix-pool-ttl", type=float, default=300.0, metavar="S",
+    p.add_argument("--prefix-pool-ttl", type=non_negative_float, default=300.0, metavar="S",
                    help="a pooled state idle this long is closed and the cloud drops its cache (default 300, 0 = no limit)")
     add_edge_options(p)
     p.set_defaults(func=cmd_serve_edge)
