@@ -221,6 +221,12 @@ def test_every_flag_has_help_with_its_default():
     (["bench", "--mbps", "0"], "--mbps"),
     (["serve-cloud", "--shard", "c", "--idle-timeout", "-5"], "--idle-timeout"),
     (["serve-edge", "--edge", "e", "--prefix-pool-ttl", "-1"], "--prefix-pool-ttl"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "--limit", "x"], "--limit"),
+    (["bench", "--head", "0"], "--head"),
+    (["bench", "--prefill", "--repeats", "0"], "--repeats"),
+    (["loadtest", "--max-batch", "0"], "--max-batch"),
+    (["loadtest", "--tail", "-1"], "--tail"),
 ])
 def test_a_bad_number_is_refused_by_the_parser(argv, flag, capsys):
     """Out-of-range durations, rates and sizes stop at the parser with the flag named, before any work."""

@@ -63,7 +63,7 @@ def test_modes_and_sweep_parsing():
     (["--prompts", "/nonexistent/prompts.json"], "prompt file not found"),
     (["--modes", "warp"], "unknown benchmark mode"),
     (["--sweep", "20,x"], "bad --sweep"),
-    (["--max-new-tokens", "0"], "at least 1"),
+    (["--topology", "split-head", "--tail", "1"], "keeps no tail layers"),
 ])
 def test_cli_user_errors_exit_1(capsys, argv, message):
     assert main(["bench", *argv]) == 1

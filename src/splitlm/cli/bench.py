@@ -13,7 +13,7 @@ from pathlib import Path
 
 from splitlm import SplitLMError
 from splitlm.bench.setup import DEFAULT_MODES, DEFAULT_OUT, BenchConfig
-from splitlm.cli.options import non_negative_float, positive_float
+from splitlm.cli.options import non_negative_float, non_negative_int, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the WAN bench: the edge's peak memory, compute per step and agreement in each "
                         "profile (torch fp32, torch bf16, onnx fp32, onnx int8) on the tuning set prompts-tuning.json "
                         "(--limit, default 8; --max-new-tokens; --threads)")
-    p.add_argument("--threads", type=int, default=None, help="--edge-profiles: threads per profile (default 2)")
+    p.add_argument("--threads", type=positive_int, default=None, help="--edge-profiles: threads per profile (default 2)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-memory probes")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-train-head", action="store_true",
@@ -73,16 +73,16 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt file (default benchmarks/prompts.json), or Spec-Bench's question.jsonl (docs/benchmarks.md)")
     p.add_argument("--categories", default=None, metavar="C1,C2",
                    help="Spec-Bench: only these categories (mt_bench, translation, summarization, qa, math_reasoning, rag)")
-    p.add_argument("--per-category", type=int, default=None, metavar="N",
+    p.add_argument("--per-category", type=positive_int, default=None, metavar="N",
                    help="Spec-Bench: N evenly spaced questions per category, by question_id (default all)")
     p.add_argument("--mode-questions", default="", metavar="MODE=M,...",
                    help="Spec-Bench: run MODE on M of each category's --per-category questions only (evenly spaced)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--model", default="default", help="HF model directory, .gguf file, or built-in name")
-    p.add_argument("--head", type=int, default=2, help="edge head layers K (default 2)")
-    p.add_argument("--tail", type=int, default=None, help="edge tail layers M (default 2; split-head: 0)")
+    p.add_argument("--head", type=positive_int, default=2, help="edge head layers K (default 2)")
+    p.add_argument("--tail", type=non_negative_int, default=None, help="edge tail layers M (default 2; split-head: 0)")
     p.add_argument("--edge", default="", metavar="DIR",
                    help="benchmark this pre-split edge shard (its cloud shard is DIR/../cloud) instead of splitting "
                         "--model here; its topology, K, M and D come from its manifest")
@@ -110,7 +110,7 @@ def add_pass_cost_arguments(p: argparse.ArgumentParser) -> None:
                         "llama3-8b, qwen2-small")
     p.add_argument("--pass-tokens", default="1,8,32,64,128", metavar="T1,T2,...",
                    help="--pass-cost: new tokens per pass (default 1,8,32,64,128)")
-    p.add_argument("--pass-context", type=int, default=512, help="--pass-cost: cached entries before each pass (512)")
+    p.add_argument("--pass-context", type=non_negative_int, default=512, help="--pass-cost: cached entries before each pass (512)")
     p.add_argument("--pass-dtypes", default="", metavar="D1,D2",
                    help="--pass-cost: compute dtypes to time (default: --cloud-dtype, else --dtype)")
 
@@ -126,7 +126,7 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prefill: prompt lengths in tokens (default 64,...,4096)")
     p.add_argument("--prefill-mbps", default="100,10", metavar="B1,B2,...",
                    help="--prefill: bandwidths per direction in Mbit/s (default 100,10)")
-    p.add_argument("--repeats", type=int, default=1, help="--prefill: runs per mode and cell (default 1)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="--prefill: runs per mode and cell (default 1)")
 
 
 def parse_rtt_list(text: str) -> list[float]:
@@ -165,10 +165,6 @@ def parse_mode_questions(text: str) -> dict[str, int]:
 
 def check_bench_args(args: argparse.Namespace) -> None:
     """Refuse values and combinations the WAN bench cannot run, with the reason."""
-    if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category)):
-        raise SplitLMError("--max-new-tokens, --limit and --per-category must be at least 1")
-    if args.head < 1 or (args.tail is not None and args.tail < 0):
-        raise SplitLMError("--head must be >= 1 and --tail >= 0")
     if args.edge and (args.topology != "tail-local" or args.d_end is not None or args.tail is not None):
         raise SplitLMError("--edge benchmarks an existing split: its topology, --tail and --d-end come from it")
     if args.topology == "split-head" and args.tail:
@@ -220,8 +216,6 @@ def pass_cost_main(args: argparse.Namespace) -> int:
 def prefill_main(args: argparse.Namespace) -> int:
     from splitlm.bench import prefill
 
-    if args.repeats < 1:
-        raise SplitLMError("--repeats must be at least 1")
     if args.edge or args.topology != "tail-local":
         raise SplitLMError("--prefill benchmarks a tail-local split of --model (drop --edge and --topology)")
     config = prefill.PrefillBenchConfig(

@@ -9,7 +9,7 @@ from splitlm import SplitLMError
 from splitlm.bench.capacity import CapacityConfig
 from splitlm.bench.loadtest import LoadConfig
 from splitlm.bench.setup import DEFAULT_OUT
-from splitlm.cli.options import non_negative_float, positive_float
+from splitlm.cli.options import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,29 +20,29 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=session_counts, default=None,
                    help=f"concurrent edge sessions (default {d.sessions}); with --virtual-edges a list, one point "
                         f"of the curve each (default {','.join(map(str, v.sessions))})")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help=f"tokens per session (default {d.max_new_tokens}; with --virtual-edges: per recorded "
                         f"generation, default {v.max_new_tokens})")
     p.add_argument("--rtt-ms", type=non_negative_float, default=d.rtt_ms, help="emulated round-trip time (0 = no emulator)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch,
+    p.add_argument("--max-batch", type=positive_int, default=d.max_batch,
                    help=f"the batched cloud's --max-batch (default {d.max_batch}; the baseline is 1)")
     p.add_argument("--spec", default=None, help="decoding mode of the sessions (default none: one token per step; "
                                                 "with --virtual-edges the recorded edges', default auto)")
-    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens,
+    p.add_argument("--prefill-tokens", type=non_negative_int, default=d.prefill_tokens,
                    help=f"length of the interfering prompt of phase 2 (default {d.prefill_tokens}; 0 = skip it)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+    p.add_argument("--prefill-chunk", type=positive_int, default=d.prefill_chunk,
                    help=f"the started clouds' --prefill-chunk (default {d.prefill_chunk})")
     p.add_argument("--wire-dtype", default=d.wire_dtype, help="activation codec (default fp32)")
     p.add_argument("--model", default=d.model, help="model to split (default: the bundled one)")
-    p.add_argument("--head", type=int, default=d.head, help="layers [0, K) on the edge of the split made here")
-    p.add_argument("--tail", type=int, default=None, help="layers [L-M, L) on the edge (default 2)")
+    p.add_argument("--head", type=positive_int, default=d.head, help="layers [0, K) on the edge of the split made here")
+    p.add_argument("--tail", type=non_negative_int, default=None, help="layers [L-M, L) on the edge (default 2)")
     p.add_argument("--edge", default="", metavar="DIR",
                    help="the edge shard (default: the bundled model's split); its sibling cloud/ is served here")
     p.add_argument("--cloud", default="", metavar="URL", help="use this running cloud instead (one configuration)")
-    p.add_argument("--ray-replicas", type=int, default=0, metavar="R",
+    p.add_argument("--ray-replicas", type=non_negative_int, default=0, metavar="R",
                    help="compare the single-process cloud with `serve-cloud --ray --replicas R` (a local Ray "
                         "instance; needs the ray extra) instead of --max-batch 1")
-    p.add_argument("--ray-stages", type=int, default=1, metavar="S", help="the Ray cloud's --stages (default 1)")
+    p.add_argument("--ray-stages", type=positive_int, default=1, metavar="S", help="the Ray cloud's --stages (default 1)")
     p.add_argument("--prompts", default="", help="prompt file (default benchmarks/prompts.json)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
