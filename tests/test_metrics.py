@@ -45,3 +45,18 @@ def test_registries_are_per_server_and_parse():
     assert values['splitlm_cloud_tokens_per_round_trip_bucket{le="8.0"}'] == 1
     assert values["splitlm_cloud_tokens_per_round_trip_count"] == 1
     assert 'splitlm_cloud_requests_total{type="FORWARD"}' not in scrape_metrics(generate_latest(b.registry).decode())
+
+
+def test_a_pass_is_counted_by_phase():
+    from splitlm.cloud.scheduler import PassTiming
+
+    metrics = CloudMetrics()
+    metrics.on_pass(PassTiming(sessions=2, rows=40, begin_s=0.001, layers_s=0.02, finish_s=0.005))
+    metrics.on_pass(PassTiming(sessions=1, rows=8, begin_s=0.002, layers_s=0.01, finish_s=0.001))
+    values = scrape_metrics(generate_latest(metrics.registry).decode())
+    assert values["splitlm_cloud_pass_seconds_count"] == 2
+    assert abs(values["splitlm_cloud_pass_seconds_sum"] - 0.039) < 1e-9
+    assert abs(values["splitlm_cloud_pass_begin_seconds_total"] - 0.003) < 1e-9
+    assert abs(values["splitlm_cloud_pass_layers_seconds_total"] - 0.03) < 1e-9
+    assert abs(values["splitlm_cloud_pass_finish_seconds_total"] - 0.006) < 1e-9
+    assert values["splitlm_cloud_batch_rows_sum"] == 48

@@ -214,7 +214,8 @@ def test_chunked_prefill_equals_one_pass(cloud):
     g = torch.Generator().manual_seed(3)
     reqs = [Forward(torch.randn(50, d, generator=g), torch.arange(50), context=7),
             Forward(torch.randn(1, d, generator=g), torch.tensor([50]))]
-    sched = Scheduler(cloud, BatchConfig(prefill_chunk=8))
+    timings = []
+    sched = Scheduler(cloud, BatchConfig(prefill_chunk=8), on_pass=timings.append)
     try:
         for req in reqs:
             want = compute(cloud, whole, req)
@@ -222,5 +223,8 @@ def test_chunked_prefill_equals_one_pass(cloud):
             torch.testing.assert_close(done.tensors["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
             assert chunked.cache_shape == whole.cache_shape
         assert sched.passes == 7 + 1  # 50 rows in chunks of 8, then the decode step
+        assert [t.rows for t in timings] == [8] * 6 + [2, 1] and {t.sessions for t in timings} == {1}
+        assert all(t.begin_s >= 0 and t.layers_s > 0 and t.finish_s >= 0 for t in timings)
+        assert all(t.seconds == t.begin_s + t.layers_s + t.finish_s for t in timings)
     finally:
         sched.close()

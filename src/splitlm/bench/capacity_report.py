@@ -45,6 +45,7 @@ def cloud_figures(window) -> dict:
             "rows_per_pass": ratio(b.delta(a, m.PASS_ROWS), passes),
             "sessions_per_pass": ratio(b.delta(a, m.PASS_SESSIONS), passes),
             "pass_ms_mean": ratio(b.delta(a, m.PASS_SECONDS) * 1000, passes, 1),
+            "pass_phase_ms_mean": {phase: ratio(b.delta(a, name) * 1000, passes, 1) for phase, name in m.PASS_PHASES.items()},
             "queue_ms_mean": ratio(b.delta(a, m.QUEUE_SECONDS) * 1000, b.delta(a, m.QUEUE_COUNT), 1),
             "cloud_errors": int(b.delta(a, m.ERRORS)),
             "cloud_sessions": b.value(m.SESSIONS), "kv_bytes": b.value(m.KV_BYTES),

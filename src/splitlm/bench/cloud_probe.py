@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 PASSES = "splitlm_cloud_pass_seconds_count"
 PASS_SECONDS = "splitlm_cloud_pass_seconds_sum"
 PASS_ROWS = "splitlm_cloud_batch_rows_sum"
+PASS_PHASES = {phase: f"splitlm_cloud_pass_{phase}_seconds_total" for phase in ("begin", "layers", "finish")}
 PASS_SESSIONS = "splitlm_cloud_batch_size_sum"
 FORWARDS = "splitlm_cloud_round_trips_total"
 QUEUE_SECONDS = "splitlm_cloud_queue_seconds_sum"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,6 +25,9 @@ from websockets.http11 import Request, Response
 
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.frames import MsgType
+
+if TYPE_CHECKING:
+    from splitlm.cloud.scheduler import PassTiming
 
 disable_created_metrics()  # no *_created series: the counters' start times are noise on a dashboard
 SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -89,6 +93,13 @@ class CloudMetrics:
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.pass_seconds = Histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.",
                                       buckets=SECOND_BUCKETS, registry=r)
+        phase = "Time the scheduler's passes spent {} (a counter: its rate over passes' is the mean)."
+        self.pass_begin_seconds = Counter("splitlm_cloud_pass_begin_seconds", phase.format(
+            "beginning steps (caches restored, cropped, kept; rows to the device)"), registry=r)
+        self.pass_layers_seconds = Counter("splitlm_cloud_pass_layers_seconds", phase.format(
+            "running the layers (on a GPU: launching their kernels)"), registry=r)
+        self.pass_finish_seconds = Counter("splitlm_cloud_pass_finish_seconds", phase.format(
+            "finishing steps (policies; outputs to host memory, on a GPU after the kernels)"), registry=r)
         self.queue_seconds = Histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.",
                                        buckets=SECOND_BUCKETS, registry=r)
 
@@ -138,10 +149,13 @@ class CloudMetrics:
         self.kv_budget.set(kv_budget)
         self.kv_usage.set(kv_reserved / kv_budget if kv_budget else 0.0)
 
-    def on_pass(self, sessions: int, rows: int, seconds: float) -> None:
-        self.batch_size.observe(sessions)
-        self.batch_rows.observe(rows)
-        self.pass_seconds.observe(seconds)
+    def on_pass(self, timing: PassTiming) -> None:
+        self.batch_size.observe(timing.sessions)
+        self.batch_rows.observe(timing.rows)
+        self.pass_seconds.observe(timing.seconds)
+        self.pass_begin_seconds.inc(timing.begin_s)
+        self.pass_layers_seconds.inc(timing.layers_s)
+        self.pass_finish_seconds.inc(timing.finish_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

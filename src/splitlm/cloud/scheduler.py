@@ -50,6 +50,23 @@ class BatchConfig:
             raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
 
 
+@dataclass
+class PassTiming:
+    """One pass of the scheduler, for the metrics: its size and where its time went. On a GPU the
+    layers' kernels run asynchronously: `layers_s` is mostly their launching, and `finish_s` (the
+    outputs copied to host memory) includes the wait for them."""
+
+    sessions: int
+    rows: int
+    begin_s: float  # steps begun: caches restored, cropped and kept, rows moved to the device
+    layers_s: float  # the layers run over the pass's rows
+    finish_s: float  # finished steps' policies applied and outputs brought to host memory
+
+    @property
+    def seconds(self) -> float:
+        return self.begin_s + self.layers_s + self.finish_s
+
+
 @dataclass(eq=False)  # identity: the queue finds and removes a job by itself, never by comparing tensors
 class Job:
     session: Session
@@ -85,7 +102,7 @@ class Done:
 
 class Scheduler:
     def __init__(self, model: CloudModel, config: BatchConfig | None = None, on_pass=None):
-        """`on_pass(sessions, rows, seconds)`: called on the compute thread after each pass (metrics)."""
+        """`on_pass(PassTiming)`: called on the compute thread after each pass (metrics)."""
         self.model, self.config = model, config or BatchConfig()
         self.on_pass = on_pass
         self._queue: deque[Job] = deque()
@@ -212,15 +229,18 @@ class Scheduler:
     def _pass(self, pieces: list[tuple[Job, int]]) -> None:
         start = time.perf_counter()
         ready = self._begin(pieces, start)
+        began = time.perf_counter()
         if not ready or not self._run(ready):
             return
+        ran = time.perf_counter()
         self.passes += 1
         for job, _ in ready:
             job.passes += 1
             if not job.remaining:
                 self._finish(job)
         if self.on_pass is not None:
-            self.on_pass(len(ready), sum(n for _, n in ready), time.perf_counter() - start)
+            self.on_pass(PassTiming(len(ready), sum(n for _, n in ready), began - start, ran - began,
+                                    time.perf_counter() - ran))
 
     def _begin(self, pieces: list[tuple[Job, int]], start: float) -> list[tuple[Job, int]]:
         """The pieces whose steps are ready (a job's first piece begins its step; one that fails alone)."""
