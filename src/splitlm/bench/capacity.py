@@ -291,7 +291,8 @@ def run_point(cloud: Cloud, target: Target, trace: Trace, n: int, config: Capaci
     result["stuck_edges"] = replay.stuck
     log.info(f"[capacity] {n:>3} sessions {cloud.side:>9}: {result['aggregate_tok_s']} tok/s, step p50 "
              f"{result['step_latency_ms']['p50']} ms p99 {result['step_latency_ms']['p99']} ms, "
-             f"{result['rows_per_pass']} rows / pass, errors {result['errors']}, "
+             f"{result['rows_per_pass']} rows / pass, pass ms begin/layers/finish "
+             f"{'/'.join(str(v) for v in result['pass_phase_ms_mean'].values())}, errors {result['errors']}, "
              f"client CPU {result['client_cpu_share']}")
     return result
 
