@@ -93,7 +93,7 @@ class CloudMetrics:
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.pass_seconds = Histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.",
                                       buckets=SECOND_BUCKETS, registry=r)
-        phase = "Time the scheduler's passes spent {} (a counter: its rate over passes' is the mean)."
+        phase = "Time the scheduler's passes spent {} (over splitlm_cloud_pass_seconds_count: the mean)."
         self.pass_begin_seconds = Counter("splitlm_cloud_pass_begin_seconds", phase.format(
             "beginning steps (caches restored, cropped, kept; rows to the device)"), registry=r)
         self.pass_layers_seconds = Counter("splitlm_cloud_pass_layers_seconds", phase.format(
