@@ -48,7 +48,7 @@ def test_registries_are_per_server_and_parse():
 
 
 def test_a_pass_is_counted_by_phase():
-    from splitlm.cloud.scheduler import PassTiming
+    from splitlm.cloud.metrics import PassTiming
 
     metrics = CloudMetrics()
     metrics.on_pass(PassTiming(sessions=2, rows=40, begin_s=0.001, layers_s=0.02, finish_s=0.005))

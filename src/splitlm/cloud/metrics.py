@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,9 +25,6 @@ from websockets.http11 import Request, Response
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.frames import MsgType
 
-if TYPE_CHECKING:
-    from splitlm.cloud.scheduler import PassTiming
-
 disable_created_metrics()  # no *_created series: the counters' start times are noise on a dashboard
 SECOND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -44,6 +40,23 @@ class ServerStats:
     preemptions: int = 0  # sessions freed to make room for others
     idle_evictions: int = 0  # sessions freed after the idle timeout
     replays: int = 0  # OPENs by a client key that was told PREEMPTED (its edge replaying a context)
+
+
+@dataclass
+class PassTiming:
+    """One pass of the scheduler, for the metrics: its size and where its time went. On a GPU the
+    layers' kernels run asynchronously: `layers_s` is mostly their launching, and `finish_s` (the
+    outputs copied to host memory) includes the wait for them."""
+
+    sessions: int
+    rows: int
+    begin_s: float  # steps begun: caches restored, cropped and kept, rows moved to the device
+    layers_s: float  # the layers run over the pass's rows
+    finish_s: float  # finished steps' policies applied and outputs brought to host memory
+
+    @property
+    def seconds(self) -> float:
+        return self.begin_s + self.layers_s + self.finish_s
 
 
 class CloudMetrics:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitlm.cloud.metrics import PassTiming
 from splitlm.cloud.sessions import Session, Step, begin_step, finish_step, run_pass
 from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
@@ -48,23 +49,6 @@ class BatchConfig:
     def __post_init__(self):
         if min(self.max_batch, self.max_batch_tokens, self.prefill_chunk) < 1:
             raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
-
-
-@dataclass
-class PassTiming:
-    """One pass of the scheduler, for the metrics: its size and where its time went. On a GPU the
-    layers' kernels run asynchronously: `layers_s` is mostly their launching, and `finish_s` (the
-    outputs copied to host memory) includes the wait for them."""
-
-    sessions: int
-    rows: int
-    begin_s: float  # steps begun: caches restored, cropped and kept, rows moved to the device
-    layers_s: float  # the layers run over the pass's rows
-    finish_s: float  # finished steps' policies applied and outputs brought to host memory
-
-    @property
-    def seconds(self) -> float:
-        return self.begin_s + self.layers_s + self.finish_s
 
 
 @dataclass(eq=False)  # identity: the queue finds and removes a job by itself, never by comparing tensors
