@@ -300,6 +300,47 @@ def test_a_small_choice_joins_the_tree_whole(setup):
     assert out == reference and stats.accepted_drafts > 0  # choice nodes accepted without a drafter
 
 
+def test_a_drafted_word_break_inside_a_string_gets_the_strings_close(setup):
+    """Where a drafted child after a word begins another word or punctuation inside a JSON string, the
+    string's closing token joins the tree (scored by which: a space or punctuation), followed by the
+    next key the grammar forces; nowhere else."""
+    from splitlm.decoding.grammar import PUNCT_LED, SPACE_LED
+    from splitlm.decoding.grammar_tree import VALUE_END_SCORES, add_value_ends
+
+    _, tok, gt = setup
+    state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()
+    opening = tok('{"name": "ab').input_ids
+    for t in opening:
+        state.advance(t)
+    space, dot, x, b = (tok(c).input_ids[0] for c in (" ", ".", "x", "b"))
+    (close,) = tok('",').input_ids
+    for child, lead in ((space, SPACE_LED), (dot, PUNCT_LED), (x, None)):
+        tree = TokenTree.root_only(opening[-1])
+        tree.add(0, child, 0.5)
+        walked = constrain(tree, state)
+        add_value_ends(walked, StepBudget().reach(walked.tree), state, 0)
+        node = walked.tree.child(0, close)
+        if lead is None:  # a word goes on: no close
+            assert node is None and len(walked.tree) == 2
+            continue
+        assert node is not None and walked.tree.scores[node] == VALUE_END_SCORES[lead]
+        assert not walked.tree.certain(node)
+        chain, at = [], node
+        while (kids := [i for i in range(len(walked.tree)) if walked.tree.parents[i] == at]):
+            (at,) = kids
+            assert walked.tree.certain(at)
+            chain.append(walked.tree.tokens[at])
+        assert tok.decode(chain) == ' "age": '
+        assert len(walked.rows) == len(walked.tree)
+    tree = TokenTree.root_only(space)  # after a space, no word ends
+    tree.add(0, b, 0.5)
+    tree.add(1, space, 0.5)
+    state.advance(space)
+    walked = constrain(tree, state)
+    add_value_ends(walked, StepBudget().reach(walked.tree), state, 0)
+    assert walked.tree.child(0, close) is None and walked.tree.child(1, close) is not None
+
+
 def test_the_budget_sends_forced_chains_first(setup):
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,10 @@ GRAMMAR_KINDS = tuple(KIND_NAMES)
 # else go on to the next key; an empty or smallest value
 CLOSERS = ('"', "}", "]", ",", "0", "1", "[", "{", "false", "null")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a JSON string's closing quote as the tokenizer merges it with what follows (`",` before the next key)
+VALUE_ENDS = ('",', '"}', '"]', '"},', '"],', '"}]', '"]}', '"}}')
+SPACE_LED, PUNCT_LED = 1, 2  # `GrammarTokenizer.leads`: how a token's text begins
+PUNCTUATION = b".,;:()"
 
 
 class GrammarError(SplitLMError):
@@ -127,6 +131,9 @@ class GrammarTokenizer:
     vocab_size: int  # V: the model's (token ids >= the tokenizer's size are never allowed)
     eos: tuple[int, ...]  # the end tokens; a complete grammar forces the first
     closers: tuple[int, ...] = ()  # single tokens of `CLOSERS`, in its order (`GrammarState.closing`)
+    value_ends: tuple[int, ...] = ()  # single tokens of `VALUE_ENDS`
+    word_ends: np.ndarray | None = field(default=None, compare=False)  # [V] bool: the text ends in a letter or digit
+    leads: np.ndarray | None = field(default=None, compare=False)  # [V] int8: SPACE_LED, PUNCT_LED or 0
 
     @classmethod
     def from_hf(cls, tokenizer, vocab_size: int, eos_ids: list[int] | tuple[int, ...]) -> GrammarTokenizer:
@@ -139,8 +146,14 @@ class GrammarTokenizer:
             ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         except (ValueError, RuntimeError) as e:
             raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
-        closers = tuple(ids[0] for c in CLOSERS if len(ids := ll.tokenize_str(c)) == 1 and ids[0] < vocab_size)
-        return cls(ll, vocab_size, tuple(eos_ids), closers)
+        def single(texts: tuple[str, ...]) -> tuple[int, ...]:
+            return tuple(ids[0] for c in texts if len(ids := ll.tokenize_str(c)) == 1 and ids[0] < vocab_size)
+
+        texts = [ll.decode_bytes([t]) if t < ll.vocab_size else b"" for t in range(vocab_size)]
+        word_ends = np.array([bool(b) and (b[-1:].isalnum() or b[-1] >= 0x80) for b in texts])  # UTF-8: a letter
+        leads = np.array([SPACE_LED if b[:1] == b" " else PUNCT_LED if b[:1] and b[:1] in PUNCTUATION else 0
+                          for b in texts], dtype=np.int8)
+        return cls(ll, vocab_size, tuple(eos_ids), single(CLOSERS), single(VALUE_ENDS), word_ends, leads)
 
 
 # keywords whose value is a subschema, a list of them, or a map of names to them

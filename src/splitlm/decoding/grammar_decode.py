@@ -37,7 +37,7 @@ import torch
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import GrammarState
-from splitlm.decoding.grammar_tree import ConstrainedTree, constrain, graft, small_choice
+from splitlm.decoding.grammar_tree import ConstrainedTree, add_value_ends, constrain, graft, small_choice
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.speculative import SpecStats, StepSession, build_step, extras, stop_at
 from splitlm.decoding.step import StepResult
@@ -61,12 +61,14 @@ class GrammarStats:
     forced_tokens: int = 0  # emitted tokens that the grammar forced
     forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
     choice_nodes: int = 0  # nodes added to trees because their state allowed only a few tokens
+    value_end_nodes: int = 0  # nodes added to trees to close a string where a drafted word ends (chains included)
     mask_steps: int = 0  # masks computed (one per tree node sent or walked)
     mask_s: float = 0.0  # time spent walking trees and computing masks
 
     def to_dict(self) -> dict:
         return {"rejected_drafts": self.rejected_drafts, "forced_tokens": self.forced_tokens,
-                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes, "mask_steps": self.mask_steps,
+                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes,
+                "value_end_nodes": self.value_end_nodes, "mask_steps": self.mask_steps,
                 "mask_s": round(self.mask_s, 6),
                 "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1)}
 
@@ -169,6 +171,9 @@ class ConstrainedRun:
         tree.add_tree(sub, at=len(chain))
         t0 = time.perf_counter()
         walked = constrain(tree, self.state, MAX_TREE_CHAIN)
+        walked_n = len(walked.tree)
+        add_value_ends(walked, self.budget.reach(walked.tree), self.state, len(chain), MAX_TREE_CHAIN)
+        self.gstats.value_end_nodes += len(walked.tree) - walked_n
         self.gstats.mask_s += time.perf_counter() - t0
         self.gstats.mask_steps += len(walked.tree)
         if self.drafter.drafts_after and (ends := self.open_ends(walked, len(chain))):

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from splitlm.decoding.grammar import GrammarState, allows, mask_words, unpack_masks
+from splitlm.decoding.grammar import (
+    PUNCT_LED,
+    SPACE_LED,
+    GrammarState,
+    GrammarTokenizer,
+    allows,
+    mask_words,
+    unpack_masks,
+)
 from splitlm.decoding.tree import FORCED, TokenTree
 
 
@@ -161,6 +169,47 @@ def graft(walked: ConstrainedTree, tree: TokenTree, at: int, state: GrammarState
         Walk(tree, state, max_forced, out=walked).merge(0, at)
     finally:
         state.rollback(len(path))
+    return walked
+
+
+# where a drafter's next token after a word begins a new one, or punctuation, the chance that the model
+# closes the string there instead (measured on the tuning set: 45 % before punctuation, 13 % before a word)
+VALUE_END_SCORES = {PUNCT_LED: 0.35, SPACE_LED: 0.12}
+MAX_VALUE_END_SITES = 4  # nodes per tree that get the string's closing tokens
+
+
+def value_end_sites(walked: ConstrainedTree, reach: list[float], tokenizer: GrammarTokenizer,
+                    first: int) -> list[tuple[float, int, list[int]]]:
+    """The likeliest nodes of `walked` (from node `first` on) inside a JSON string where a word ends and a
+    drafted child begins another word or punctuation (a copy of the prompt going on past its phrase),
+    and the string's closing tokens the grammar allows there: (reach × score, node, tokens), best first."""
+    tree = walked.tree
+    kids: dict[int, list[int]] = {}
+    for i in range(1, len(tree)):
+        kids.setdefault(tree.parents[i], []).append(tree.tokens[i])
+    sites = []
+    for i in range(first, len(tree)):
+        tok = tree.tokens[i]
+        if tok in tokenizer.eos or not tokenizer.word_ends[tok] or i not in kids:
+            continue
+        lead = max(int(tokenizer.leads[t]) for t in kids[i])
+        ends = [t for t in tokenizer.value_ends if allows(walked.rows[i], t)]
+        if lead and ends and not set(ends) & set(kids[i]) and small_choice(walked.rows[i], SMALL_CHOICE) is None:
+            score = VALUE_END_SCORES[lead]
+            sites.append((reach[i] * score, i, [(t, score / len(ends)) for t in ends]))
+    return sorted(sites, reverse=True)[:MAX_VALUE_END_SITES]
+
+
+def add_value_ends(walked: ConstrainedTree, reach: list[float], state: GrammarState, first: int,
+                   max_forced: int = 16) -> ConstrainedTree:
+    """`walked` (`state` at its root; `reach`: its nodes' chances) with the string's closing tokens at
+    its likeliest `value_end_sites`, each followed by the chain it forces (the next key); extended in
+    place."""
+    for _, node, ends in value_end_sites(walked, reach, state.grammar.tokenizer, first):
+        closing = TokenTree.root_only(walked.tree.tokens[node])
+        for tok, score in ends:
+            closing.add(0, tok, score)
+        graft(walked, closing, node, state, max_forced)
     return walked
 
 
