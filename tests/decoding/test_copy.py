@@ -75,6 +75,22 @@ def test_nothing_is_copied_from_inside_a_word_or_outside_a_string():
         assert len(d.propose()) == 1, output
 
 
+def test_a_number_is_also_copied_without_its_thousands_separators():
+    tok = PieceTokenizer(sorted(set("R ,;{}\":0123456789abcdefghijklmnopqrstuvwxyz")))
+    prompt = tok.tokenize_str("Rent 1,450; 48,000 to 58,000 in 1,2345")
+
+    def copies(output: str) -> list[str]:
+        out = tok.tokenize_str(output)
+        d = CopyDrafter(tok)
+        d.reset(prompt + out[:1])
+        d.extend(out[1:])
+        return sorted(tok.decode_str(c) for c in d.continuations(out))
+
+    assert copies('{"rent": 14') == ["50; 48000 to"]  # 12 tokens of one character: only the plain text has 14
+    assert copies('{"max": 58') == [",000 in 1,23", "000 in 1,234"]  # as the prompt has it, and plain
+    assert copies('{"n": 12') == []  # 1,2345 is no grouped number
+
+
 def test_guided_it_continues_the_guides_best_nodes_and_leaves_their_scores_alone():
     d, out = drafter_after('{"name": "')
     guide = TokenTree.root_only(out[-1])

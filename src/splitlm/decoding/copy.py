@@ -7,11 +7,13 @@ value costs a round trip per token. This drafter matches *text*: the output's te
 quote (or since the answer began), found in the prompt's text at the start of a word, is continued with the tokenizer's own
 split of the prompt's text from there (the split the model writes, as a rule), provided that split
 begins with the tokens the output already has. It drafts at the root and under the first few nodes
-of the other drafters' tree (`guided`: the value's first token is theirs to guess).
+of the other drafters' tree (`guided`: the value's first token is theirs to guess). A number is also
+found without its thousands separators (`48000` where the prompt says `48,000`), as JSON writes it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from splitlm.decoding.drafters import CalibratedDrafter, KeyedCalibration
@@ -29,6 +31,7 @@ COPY_CHARS = 80  # prompt text tokenized per match
 MAX_MATCHES = 3  # latest occurrences of the partial text continued
 MAX_TRIES = 8  # occurrences at a word start split per call (a short partial text occurs often)
 GUIDED_NODES = 6  # the guide's best nodes (by reach) the drafter also continues
+GROUPED = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?!\d|,\d)")  # 48,000 and 1,250,000
 VALUE_START = " :,[{"  # JSON punctuation between a quote and a value that is not a string
 
 
@@ -55,6 +58,9 @@ class CopyDrafter(CalibratedDrafter):
         self.context = list(context)
         self.prompt_len = len(context) - 1
         self.prompt_text = self.tok.decode_str(self.context[: self.prompt_len])
+        # JSON writes a number without its thousands separators: `1450` where the prompt says `1,450`
+        plain = GROUPED.sub(lambda m: m.group(0).replace(",", ""), self.prompt_text)
+        self.texts = [self.prompt_text] + ([plain] if plain != self.prompt_text else [])
 
     def continuations(self, tokens: list[int]) -> list[list[int]]:
         """Continuations of output `tokens` (the last ones suffice) copied from the prompt's text."""
@@ -71,26 +77,28 @@ class CopyDrafter(CalibratedDrafter):
         if not probe.strip():
             return []
         have = tokens[len(tokens) - since:] if probe == partial else None
-        out, seen, end, tries = [], set(), len(self.prompt_text), 0
-        while len(out) < MAX_MATCHES and tries < MAX_TRIES and (c := self.prompt_text.rfind(probe, 0, end)) >= 0:
-            end = c + len(probe) - 1
-            if c > 0 and self.prompt_text[c - 1].isalnum():
-                continue  # not the start of a word
-            tries += 1
-            cont = self.copy(c, probe, have)
-            if cont and tuple(cont) not in seen:
-                seen.add(tuple(cont))
-                out.append(cont)
+        out, seen = [], set()
+        for text in self.texts:
+            end, tries = len(text), 0
+            while len(out) < MAX_MATCHES and tries < MAX_TRIES and (c := text.rfind(probe, 0, end)) >= 0:
+                end = c + len(probe) - 1
+                if c > 0 and text[c - 1].isalnum():
+                    continue  # not the start of a word
+                tries += 1
+                cont = self.copy(text, c, probe, have)
+                if cont and tuple(cont) not in seen:
+                    seen.add(tuple(cont))
+                    out.append(cont)
         return out
 
-    def copy(self, c: int, probe: str, have: list[int] | None) -> list[int]:
+    def copy(self, prompt_text: str, c: int, probe: str, have: list[int] | None) -> list[int]:
         """The tokens after `probe`, found at character `c` of the prompt's text: the tokenizer's split of
         the text from `c` where it begins with the output's tokens `have`, else its split of the text
         after the probe (the model, having split the word its own way, as a rule goes on as the
         tokenizer would from there)."""
         stop = c + len(probe) + COPY_CHARS
-        text = self.prompt_text[c: stop]
-        if stop < len(self.prompt_text) and " " in text[len(probe):]:
+        text = prompt_text[c: stop]
+        if stop < len(prompt_text) and " " in text[len(probe):]:
             text = text[: text.rindex(" ")]  # no word cut in two at the end
         if have is not None:
             ids = self.tok.tokenize_str(text)

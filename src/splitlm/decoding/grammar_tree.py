@@ -17,6 +17,11 @@ allowed after it (a packed mask row, which also goes with the step: verification
   chain its choice forces; at most `MAX_CHOICE_NODES` such nodes per tree, and two such choices in
   a row at most (and no node the drafter lacks past `MAX_WALK` nodes: each costs a mask). The budget
   weighs them like any node, so most are cut when they rarely pay.
+
+After the walk, `add_value_ends` adds where a value may end: at the likeliest few nodes inside a JSON
+string where a word ends and a drafted child begins another word or punctuation (a copy of the
+prompt's text running on past the phrase the model takes), the string's closing tokens (`",` before
+the next key), each followed by the chain it forces.
 """
 
 from __future__ import annotations
