@@ -91,6 +91,11 @@ class Part:
     masks: dict[int | None, torch.Tensor]  # sliding window (None = full attention) -> [1, 1, T, S+T] bool
     cache: KVCache | None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(T new rows, S+T keys): the part's attention problem."""
+        return self.t, self.masks[None].shape[-1]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -290,7 +295,7 @@ class LayerStack(nn.Module):
         if len(parts) < 2 or x.shape[0] != 1 or any(p.cache is None for p in parts):
             return False
         if self.pad_attention is None:
-            return x.is_cuda and padding_pays([(p.t, p.masks[None].shape[-1]) for p in parts])
+            return x.is_cuda and padding_pays([p.shape for p in parts])
         return self.pad_attention
 
     def plan(self, x: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None,
