@@ -148,13 +148,18 @@ class PipelinedRun:
     then verifies the oldest step (`verify`), which settles the bet (`resolve_bet`: the next step
     stands, or is void and every cache rolls back)."""
 
+    @staticmethod
+    def learner(drafter: Drafter, bet_drafter: Drafter | None) -> Drafter | None:
+        """The drafter that learns from verified steps: `drafter`, when bets have a drafter of their own;
+        else bets move the one drafter ahead and it learns nothing (None)."""
+        return drafter if bet_drafter is not None else None
+
     def __init__(self, session: PipeSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
                  sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False,
                  logprobs: LogprobRecorder | None = None, bet_drafter: Drafter | None = None):
         self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
-        # without a betting drafter of its own, bets move the one drafter ahead: it learns nothing
         self.bet_drafter = bet_drafter or drafter
-        self.learning = bet_drafter is not None
+        self.learning = self.learner(drafter, bet_drafter) is not None
         self.sampler, self.limits, self.always_bet = sampler, limits, always_bet
         self.logprobs = logprobs  # records each emitted token with its logits row (then greedy steps ask for logits)
         self.context = context  # the prompt and the verified tokens
@@ -335,7 +340,7 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
     retry (its compute less a round trip, so at a long RTT nothing);
     `always_bet` bets whenever there is a path to bet on (tests)."""
-    learner = drafter if bet_drafter is not None else None
+    learner = PipelinedRun.learner(drafter, bet_drafter)
     sampler, root, first = prefill(session, prompt_ids, cached, budget, sampling, learner, logprobs)
     yield [root]
     run = PipelinedRun(session, drafter, budget, stats, sampler, list(prompt_ids) + [root],
