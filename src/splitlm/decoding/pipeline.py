@@ -107,9 +107,7 @@ def choose_bet(step: Step, budget: StepBudget) -> tuple[list[int], float] | None
         if child is None:
             return None
         path.append(child)
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(tree)):
-        children.setdefault(tree.parents[i], []).append(i)
+    children = tree.kids()
     reach = {path[-1]: 1.0}
     best, best_p = path[-1], -1.0
     stack = [path[-1]]

@@ -63,6 +63,13 @@ class TokenTree:
     def child(self, node: int, token: int) -> int | None:
         return self._children.get((node, token))
 
+    def kids(self) -> dict[int, list[int]]:
+        """node -> its children's indices, in the order they were added (leaves absent)."""
+        kids: dict[int, list[int]] = {}
+        for i in range(1, len(self)):
+            kids.setdefault(self.parents[i], []).append(i)
+        return kids
+
     def add(self, parent: int, token: int, score: float, key=None,
             combine: Callable[[float, float], float] | None = None) -> int:
         """Add `token` under `parent` unless that child exists (then keep the higher score and its key,

@@ -47,7 +47,8 @@ class Padding:
     @classmethod
     def of(cls, parts: list, device: torch.device) -> Padding:
         """From `LayerStack.plan`'s parts (each with a cache and a batch of one row)."""
-        lengths, s = (list(x) for x in zip(*(p.shape for p in parts), strict=True))
+        shapes = [p.shape for p in parts]
+        lengths, s = [t for t, _ in shapes], [keys for _, keys in shapes]
         t_max, s_max = max(lengths), max(s)
         starts = [sum(lengths[:i]) for i in range(len(parts))]
         dest = torch.cat([torch.arange(t, device=device) + i * t_max for i, t in enumerate(lengths)])
