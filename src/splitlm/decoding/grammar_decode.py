@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
 CLOSE_WINDOW = 64  # tokens before the length limit from which every token is checked for room to close
-AFTER_ENDS = 3  # open chain ends inside a tree the drafter drafts after
-AFTER_MIN_REACH = 0.05
+AFTER_ENDS = 4  # open chain ends inside a tree the drafter drafts after
+AFTER_MIN_REACH = 0.01  # the budget, not this, decides what is sent: steps reached ends it put below 0.05
 
 
 @dataclass
