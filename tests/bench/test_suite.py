@@ -316,3 +316,5 @@ def test_unconstrained_auto_compared_at_the_constrained_answers_length(bundled_d
     assert set(row["modes"]) == {"auto+json", "auto-json-length", "none+json"}
     assert row["vs_auto_same_length"]["tau"] == pytest.approx(
         row["modes"]["auto+json"]["tokens_per_round_trip"] / row["modes"]["auto-json-length"]["tokens_per_round_trip"])
+    assert row["targets"]["tau_at_least_1.3x_same_length"] == (row["vs_auto_same_length"]["tau"] >= 1.3)
+    assert row["targets"]["tok_s_at_least_auto_same_length"] == (row["vs_auto_same_length"]["tok_s"] >= 1.0)
