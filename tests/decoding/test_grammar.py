@@ -326,7 +326,7 @@ def test_a_drafted_word_break_inside_a_string_gets_the_strings_close(setup):
         assert node is not None and walked.tree.scores[node] == VALUE_END_SCORES[lead]
         assert not walked.tree.certain(node)
         chain, at = [], node
-        while (kids := [i for i in range(len(walked.tree)) if walked.tree.parents[i] == at]):
+        while (kids := walked.tree.kids().get(at, [])):
             (at,) = kids
             assert walked.tree.certain(at)
             chain.append(walked.tree.tokens[at])
