@@ -157,9 +157,9 @@ def test_noisy_trees_greedy_and_sampled(setup, seed):
     spec = SPECS[seed % 2]
     prompt = tok(f"Record {seed}: ").input_ids
     for sampling in (None, SamplingConfig(temperature=0.9, top_p=0.95, seed=seed)):
-        reference, _ = sequential(model, gt, spec, prompt, 50, sampling)
+        reference, _ = sequential(model, gt, spec, prompt, 90, sampling)
         oracle = NoisyOracle(reference, len(prompt), rng, len(tok))
-        out, stats, gstats = speculative(model, gt, spec, prompt, 50, oracle, sampling)
+        out, stats, gstats = speculative(model, gt, spec, prompt, 90, oracle, sampling)
         assert out == reference
         assert gstats.rejected_drafts > 0
         assert stats.accepted_drafts > 0
@@ -276,7 +276,7 @@ def test_a_small_choice_joins_the_tree_whole(setup):
     import numpy as np
 
     from splitlm.decoding.grammar import mask_words
-    from splitlm.decoding.grammar_tree import SMALL_CHOICE, small_choice
+    from splitlm.decoding.grammar_tree import CHOICE, SMALL_CHOICE, small_choice
 
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids
@@ -290,7 +290,7 @@ def test_a_small_choice_joins_the_tree_whole(setup):
             walked = constrain(TokenTree.root_only(token), state)
             kids = [i for i in range(1, len(walked.tree)) if walked.tree.parents[i] == 0]
             assert sorted(walked.tree.tokens[i] for i in kids) == sorted(few)
-            assert all(walked.tree.scores[i] == 1 / len(few) and walked.tree.keys[i] is None for i in kids)
+            assert all(walked.tree.scores[i] == 1 / len(few) and walked.tree.keys[i] is CHOICE for i in kids)
             assert walked.choices >= len(few) and walked.rejected == 0
             seen += 1
         state.advance(token)
@@ -341,6 +341,32 @@ def test_a_drafted_word_break_inside_a_string_gets_the_strings_close(setup):
     assert walked.tree.child(0, close) is None and walked.tree.child(1, close) is not None
 
 
+def test_the_drafter_drafts_after_the_leaves_the_grammar_added(setup):
+    """Open ends: leaves where a forced chain or a small choice ends and the model's choice begins, not
+    a drafter's own leaves (it drafted as far as it would) nor a leaf whose state allows one token."""
+    import numpy as np
+
+    from splitlm.decoding.grammar import mask_words
+    from splitlm.decoding.grammar_decode import ConstrainedRun
+    from splitlm.decoding.grammar_tree import CHOICE, ConstrainedTree
+    from splitlm.decoding.tree import FORCED
+
+    model, tok, gt = setup
+    state = compile_grammar(GrammarSpec.json_schema(SCHEMA), gt).start()
+    many, one = np.full(mask_words(gt.vocab_size), -1, dtype=np.int32), np.zeros(mask_words(gt.vocab_size), np.int32)
+    one[0] = 1
+    tree = TokenTree.root_only(5)
+    forced, chosen = tree.add(0, 6, 1.0, FORCED), tree.add(0, 7, 0.5, CHOICE)
+    tree.add(0, 8, 0.6, ("head", 1))  # a drafter's leaf
+    tree.add(0, 9, 0.7, CHOICE)  # allows one token next: that one would be forced, not drafted
+    inner = tree.add(0, 10, 0.9, CHOICE)
+    tree.add(inner, 11, 0.9, ("head", 1))
+    walked = ConstrainedTree(tree, [many, many, many, many, one, many, many])
+    run = ConstrainedRun(None, Drafter(), StepBudget(), SpecStats(), state, GrammarStats(), None, None)
+    assert [i for _, i in run.open_ends(walked, 0)] == [forced, chosen]
+    assert [i for _, i in run.open_ends(walked, forced)] == [chosen]  # the root's own chain is not the tree's
+
+
 def test_the_budget_sends_forced_chains_first(setup):
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids
@@ -356,8 +382,9 @@ def test_the_budget_sends_forced_chains_first(setup):
 
 
 def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
-    """`{"name": "` is forced before the model's first choice: it goes up with the prompt, and the
-    prefill's logits pick the name's first token; each token's logprob is sequential decoding's."""
+    """`{"name":` is forced before the model's first choice and ` "` likely follows: both go up with the
+    prompt, and the prefill's logits pick the name's first token; each token's logprob is sequential
+    decoding's."""
     model, tok, gt = setup
     prompt = tok("Go: ").input_ids
     spec = GrammarSpec.json_schema(SCHEMA)
@@ -367,10 +394,53 @@ def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
         steps = list(constrained_decode(LocalSession(model), prompt, 40, set(), Drafter(), StepBudget(), SpecStats(),
                                         compile_grammar(spec, gt).start(), GrammarStats(), logprobs=rec))
         assert [t for new in steps for t in new] == reference
-        assert tok.decode(steps[0]).startswith('{"name":') and len(steps[0]) >= 3  # the prefill's, no step
+        opening = compile_grammar(spec, gt).start().forced_chain(32)
+        assert tok.decode(steps[0][:len(opening) + 1]) == '{"name": "' and len(steps[0]) == len(opening) + 2
     assert [t.token for t in spec_rec.tokens] == reference
     for a, b in zip(spec_rec.tokens, seq_rec.tokens, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+class SpaceLover(LocalSession):
+    """The model, but the lone space token wins wherever the grammar allows it."""
+
+    def __init__(self, model, space: int):
+        super().__init__(model)
+        self.space = space
+
+    def forward(self, ids, positions=None, mask=None, keep=None, rows=None, argmax=False, extras=0, allowed=None):
+        step = super().forward(ids, positions, mask, keep, rows, extras=extras)
+        logits = step.out.clone()  # [R, V] (an inference tensor: not writable outside inference mode)
+        logits[:, self.space] = logits.max() + 10.0
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, -torch.inf)
+        step.out = logits.argmax(-1) if argmax else logits
+        return step
+
+
+def test_a_prefill_guess_the_model_does_not_take_is_cropped(setup):
+    """The prefill guesses ` "` after `{"name":`; a model that writes the lone space there instead gets
+    it, the guess leaves the cache, and the output stays that of sequential decoding."""
+    model, tok, gt = setup
+    prompt = tok("Go: ").input_ids
+    spec = GrammarSpec.json_schema(SCHEMA)
+    state = compile_grammar(spec, gt).start()
+    opening = state.forced_chain(32)
+    for t in opening:
+        state.advance(t)
+    space = next(t for t in state.allowed().nonzero().flatten().tolist() if tok.decode([t]) == " ")
+    assert tok.decode([state.likely()]) == ' "'
+    reference = []
+    for new in constrained_sequential(SpaceLover(model, space), prompt, 30, set(), compile_grammar(spec, gt).start(),
+                                      GrammarStats()):
+        reference += new
+    assert reference[len(opening)] == space  # sequential takes the space, not the guessed ` "`
+    session = SpaceLover(model, space)
+    steps = list(constrained_decode(session, prompt, 30, set(), make_drafter(SpecConfig("auto")), StepBudget(),
+                                    SpecStats(), compile_grammar(spec, gt).start(), GrammarStats()))
+    assert steps[0] == opening + [space]  # the guess was not taken: the space is the prefill's pick
+    assert [t for new in steps for t in new] == reference
+    assert session.length == len(prompt) + len(reference) - 1  # every cache entry is an emitted token's
 
 
 def test_compile_errors_and_response_formats(setup):

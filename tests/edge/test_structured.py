@@ -76,6 +76,37 @@ def test_response_format_speculates_exactly(served):
             edge.generate("x", 4, response_format=GrammarSpec.regex("(unclosed"))
 
 
+def test_a_prefill_guess_the_model_does_not_take_is_cropped_on_both_sides(served, monkeypatch):
+    """The prefill carries a guess after the forced opening (here a wrong one on purpose); the model
+    picks another token, edge and cloud drop the guess's cache entries, and the output is sequential
+    decoding's."""
+    from splitlm.decoding.grammar import GrammarState
+    from splitlm.edge.session import EdgeSession
+
+    likely, crop, crops = GrammarState.likely, EdgeSession.crop, []
+
+    def wrong(state):
+        guess = likely(state)
+        others = [] if guess is None else [t for t in state.allowed().nonzero().flatten().tolist() if t != guess]
+        return others[-1] if others else guess
+
+    def counted(session, n):
+        crops.append(n)
+        crop(session, n)
+
+    monkeypatch.setattr(GrammarState, "likely", wrong)
+    monkeypatch.setattr(EdgeSession, "crop", counted)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    split, server = served
+    with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+        for prompt in ("Record: ", 'Again {"name": "ab", "n": 3} and: '):
+            seq = edge.generate(prompt, 40, spec="none", response_format=schema)
+            auto = edge.generate(prompt, 40, spec="auto", response_format=schema)
+            assert auto.token_ids == seq.token_ids
+    assert len(crops) == 2
+
+
 BUNDLED_SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "year": {"type": "integer"},
     "colours": {"type": "array", "items": {"type": "string"}, "maxItems": 3},

@@ -13,7 +13,8 @@ grammar is complete. A forced state allows that token only, so "argmax over the 
 emits it whatever the model says: sequential constrained decoding and grammar-aware speculation
 (`splitlm.decoding.grammar_decode`) agree token for token. JSON grammars emit `json.dumps`'
 separators (`", "`, `": "`) and no other whitespace: the keys, quotes and punctuation between values
-are then forced.
+are then forced, up to bytes a longer token could begin with (the ` "` that opens a string: ` ""`
+begins with it too). Those are only `likely`: the tokenizer's split of them, for the model to confirm.
 """
 
 from __future__ import annotations
@@ -298,6 +299,36 @@ class GrammarState:
                 break
         self.rollback(len(chain))
         return chain
+
+    def likely(self) -> int | None:
+        """Where no token is forced but the grammar fixes the next bytes (`": "` and a string's quote:
+        the tokenizer could split them more than one way, so no token is forced), the first token of
+        the tokenizer's own split of those bytes, if allowed: a guess, the model may split otherwise."""
+        if self.ended or self.matcher.is_stopped() or self.forced() is not None:
+            return None
+        fixed = self.matcher.compute_ff_bytes()
+        tokens = self.grammar.tokenizer.ll.tokenize_bytes(fixed) if fixed else []
+        return tokens[0] if tokens and self.matcher.validate_tokens(tokens[:1]) == 1 else None
+
+    def expected_chain(self, limit: int) -> tuple[list[int], int]:
+        """The forced chain, then (where it stops at a `likely` token) that token and what is forced or
+        likely after it: (at most `limit` tokens, stopping after an end token; how many come before the
+        first guess). The state is left where it was."""
+        chain: list[int] = []
+        certain = None
+        while len(chain) < limit:
+            tok = self.forced()
+            if tok is None:
+                tok = self.likely()
+                if tok is None:
+                    break
+                certain = len(chain) if certain is None else certain
+            self.advance(tok)
+            chain.append(tok)
+            if tok in self.eos:
+                break
+        self.rollback(len(chain))
+        return chain, len(chain) if certain is None else certain
 
     def closing(self, limit: int) -> list[int] | None:
         """A short way to complete the output from here (the end token excluded): the forced token, else

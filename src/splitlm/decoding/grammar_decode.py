@@ -8,8 +8,10 @@ emitted whatever the model says.
 Grammar-aware speculation (`constrained_decode`, every other mode) gives the same tokens with fewer
 round trips:
 
-- the tokens the grammar forces before the first choice go up with the prompt (`constrained_prefill`):
-  the prefill's logits pick the first token the model chooses;
+- the tokens the grammar forces before the first choice go up with the prompt (`constrained_prefill`),
+  with the guess of what it fixes next where the tokenizer could split that more than one way (` "`
+  opening a string: `GrammarState.expected_chain`): the prefill's logits check the guess and pick the
+  first token the model chooses; a guess it does not take is cropped from the caches;
 - the tokens the grammar forces after the last emitted one (`GrammarState.forced_chain`) are certain:
   the drafter's context is extended by them before it drafts, and the step's tree is that chain
   followed by the drafter's tree (the chain's nodes still ride in the pass: the cache needs their
@@ -37,7 +39,14 @@ import torch
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import GrammarState
-from splitlm.decoding.grammar_tree import ConstrainedTree, add_value_ends, constrain, graft, small_choice
+from splitlm.decoding.grammar_tree import (
+    CHOICE,
+    ConstrainedTree,
+    add_value_ends,
+    constrain,
+    graft,
+    small_choice,
+)
 from splitlm.decoding.sampling import Sampler, SamplingConfig
 from splitlm.decoding.speculative import SpecStats, StepSession, build_step, extras, stop_at
 from splitlm.decoding.step import StepResult
@@ -49,7 +58,7 @@ if TYPE_CHECKING:
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
 CLOSE_WINDOW = 64  # tokens before the length limit from which every token is checked for room to close
-AFTER_ENDS = 4  # open chain ends inside a tree the drafter drafts after
+AFTER_ENDS = 4  # open ends inside a tree (where a forced chain or a small choice ends) the drafter drafts after
 AFTER_MIN_REACH = 0.01  # the budget, not this, decides what is sent: steps reached ends it put below 0.05
 
 
@@ -192,12 +201,14 @@ class ConstrainedRun:
 
     def open_ends(self, walked: ConstrainedTree, k: int) -> list[tuple[float, int]]:
         """The likeliest leaves (reach, node) of `walked` past its first `k` nodes (the root's chain)
-        where a chain the grammar forced ends and the model's choice begins: a value's first token."""
+        where what the grammar added ends (a forced chain, a small choice: ` ` or ` -` before a number)
+        and the model's choice begins: a value's first token."""
         tree, reach = walked.tree, self.budget.reach(walked.tree)
         inner = set(tree.parents)
         ends = []
         for i in range(1, len(tree)):
-            if (i > k and tree.certain(i) and i not in inner and tree.tokens[i] not in self.state.eos
+            added = tree.certain(i) or tree.keys[i] is CHOICE  # no drafter's node: none drafted after it
+            if (i > k and added and i not in inner and tree.tokens[i] not in self.state.eos
                     and reach[i] >= AFTER_MIN_REACH and small_choice(walked.rows[i], 1) is None):
                 ends.append((reach[i], i))
         return sorted(ends, reverse=True)[:AFTER_ENDS]
@@ -238,23 +249,36 @@ class ConstrainedRun:
 
 def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun,
                         max_new_tokens: int, eos: set[int]) -> tuple[list[int], StepResult]:
-    """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name": "`:
-    they ride in the prefill, so its logits give the first value's token); returns the first tokens,
-    those forced and the best allowed one after them (the state is not advanced), and the prefill's
-    step as the drafter sees it (the last row's)."""
-    chain = run.state.forced_chain(min(MAX_ROOT_CHAIN, max_new_tokens - 1))
-    chain = chain[:next((i for i, t in enumerate(chain) if t in eos), len(chain))]  # the end token: picked
-    last = len(prompt_ids) - cached + len(chain) - 1
-    rows = list(range(last - len(chain), last + 1)) if run.logprobs is not None else [last]
-    step = session.forward(prompt_ids[cached:] + chain, rows=rows, **extras(run.drafter))
+    """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name":`)
+    and those it likely takes next (` "`: `GrammarState.expected_chain`), so that the prefill's logits
+    give the first value's token. Returns the first tokens (those forced, the guesses the model took,
+    then its best allowed token; the state is not advanced) and the prefill's step as the drafter sees
+    it (the last emitted token's row). A guess the model did not take is cropped from the caches."""
+    chain, certain = run.state.expected_chain(min(MAX_ROOT_CHAIN, max_new_tokens - 1))
+    end = next((i for i, t in enumerate(chain) if t in eos), len(chain))  # the end token: picked
+    chain, certain = chain[:end], min(certain, end)
+    base = len(prompt_ids) - cached - 1  # the prompt's last token, among those sent
+    top = base if run.logprobs is not None else base + certain  # the first row asked for
+    step = session.forward(prompt_ids[cached:] + chain, rows=list(range(top, base + len(chain) + 1)),
+                           **extras(run.drafter))
     run.budget.observe_network(step.network_s)
-    advance_all(run.state, chain)
-    run.gstats.forced_tokens += len(chain) + (run.state.forced() is not None)
-    root = pick(step.out[-1], run.state.allowed(), run.sampler, list(prompt_ids) + chain)
-    run.state.rollback(len(chain))
+    context = list(prompt_ids) + advance_all(run.state, chain[:certain])
+    run.gstats.forced_tokens += certain
+    taken = certain
+    while True:
+        run.gstats.forced_tokens += run.state.forced() is not None
+        root = pick(step.out[base + taken - top], run.state.allowed(), run.sampler, context)
+        if taken == len(chain) or root != chain[taken]:
+            break
+        run.state.advance(root)
+        context.append(root)
+        taken += 1
+    run.state.rollback(taken)
+    if taken < len(chain):
+        session.crop(len(prompt_ids) + taken)
     if run.logprobs is not None:
-        run.logprobs.record(chain + [root], step.out)
-    return chain + [root], step.rows_from(-1)
+        run.logprobs.record(chain[:taken] + [root], step.out[:taken + 1])
+    return chain[:taken] + [root], step.rows_from(base + taken - top)
 
 
 def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],

@@ -13,7 +13,7 @@ allowed after it (a packed mask row, which also goes with the step: verification
   model's logits at its position, and the cache needs its entry;
 - where the state allows only a few tokens (at most `SMALL_CHOICE`: an enum's or a boolean's first
   token, a comma or a closing bracket), those the drafter did not propose are added as children
-  with an equal share of the chance (key None: no drafter calibrates them), each followed by the
+  with an equal share of the chance (key `CHOICE`: no drafter's), each followed by the
   chain its choice forces; at most `MAX_CHOICE_NODES` such nodes per tree, and two such choices in
   a row at most (and no node the drafter lacks past `MAX_WALK` nodes: each costs a mask). The budget
   weighs them like any node, so most are cut when they rarely pay.
@@ -58,6 +58,15 @@ class ConstrainedTree:
         return unpack_masks(np.stack([self.rows[i] for i in nodes]), vocab_size)
 
 
+class Choice:
+    """The key of a node the walk added as one of the few tokens a state allows (a small choice, a
+    string's close): no drafter proposed it, calibrates it, or drafted after it."""
+
+    def __repr__(self) -> str:
+        return "CHOICE"
+
+
+CHOICE = Choice()
 SMALL_CHOICE = 4  # the most tokens a state may allow for all of them to join the tree
 MAX_CHOICE_NODES = 24  # choice nodes added to one tree
 MAX_CHOICES_IN_A_ROW = 2
@@ -129,7 +138,7 @@ class Walk:
                 if tok not in drafted and self.choice_nodes > 0:
                     self.choice_nodes -= 1
                     self.out.choices += 1
-                    self.descend(None, node, tok, 1.0 / len(few), None, 0, choices + 1)
+                    self.descend(None, node, tok, 1.0 / len(few), CHOICE, 0, choices + 1)
 
     def follow_forced(self, kids: list[int], node: int, forced: int, chain: int, choices: int) -> None:
         """The state forces `forced`: keep the drafted child holding it, else add it (while the chain is
@@ -210,7 +219,7 @@ def add_value_ends(walked: ConstrainedTree, reach: list[float], state: GrammarSt
     for _, node, ends in value_end_sites(walked, reach, state.grammar.tokenizer, first):
         closing = TokenTree.root_only(walked.tree.tokens[node])
         for tok, score in ends:
-            closing.add(0, tok, score)
+            closing.add(0, tok, score, CHOICE)
         graft(walked, closing, node, state, max_forced)
     return walked
 

@@ -27,6 +27,10 @@ class LocalSession:
         if keep is not None:
             self.cache.keep(keep)
 
+    def crop(self, n: int) -> None:
+        """Keep the first n tokens."""
+        self.cache.crop(n)
+
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,

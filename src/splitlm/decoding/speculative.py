@@ -20,15 +20,19 @@ from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 
 class StepSession(Protocol):
     """What the loop needs from a session: one forward of new tokens, returning a `StepResult` whose
-    `out` holds the asked rows' logits (with `argmax`: only each row's greedy token), and `settle` to
-    keep only the accepted entries of the last forward's tokens. With `argmax` and `allowed` [R, V] bool
-    (a grammar's masks), each row's greedy token is chosen among its allowed ones."""
+    `out` holds the asked rows' logits (with `argmax`: only each row's greedy token), `settle` to keep
+    only the accepted entries of the last forward's tokens and `crop` to keep the first n of the
+    session's. With `argmax` and `allowed` [R, V] bool (a grammar's masks), each row's greedy token is
+    chosen among its allowed ones."""
 
     def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
                 keep: list[int] | None = None, rows: list[int] | None = None,
                 argmax: bool = False, allowed: torch.Tensor | None = None) -> StepResult: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
+
+    def crop(self, n: int) -> None:
+        """Keep the first n committed tokens (a prefill's guesses the model did not take go)."""
 
     @property
     def max_step_tokens(self) -> int | None:
