@@ -390,11 +390,11 @@ def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
     spec = GrammarSpec.json_schema(SCHEMA)
     seq_rec, spec_rec = LogprobRecorder(3), LogprobRecorder(3)
     reference, _ = sequential(model, gt, spec, prompt, 40, logprobs=seq_rec)
+    opening = compile_grammar(spec, gt).start().forced_chain(32)
     for rec in (spec_rec, None):
         steps = list(constrained_decode(LocalSession(model), prompt, 40, set(), Drafter(), StepBudget(), SpecStats(),
                                         compile_grammar(spec, gt).start(), GrammarStats(), logprobs=rec))
         assert [t for new in steps for t in new] == reference
-        opening = compile_grammar(spec, gt).start().forced_chain(32)
         assert tok.decode(steps[0][:len(opening) + 1]) == '{"name": "' and len(steps[0]) == len(opening) + 2
     assert [t.token for t in spec_rec.tokens] == reference
     for a, b in zip(spec_rec.tokens, seq_rec.tokens, strict=True):

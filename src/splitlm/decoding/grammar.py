@@ -291,35 +291,28 @@ class GrammarState:
     def forced_chain(self, limit: int) -> list[int]:
         """The tokens the grammar forces from here on, one after another (at most `limit`, stopping
         after an end token); the state is left where it was."""
-        chain: list[int] = []
-        while len(chain) < limit and (tok := self.forced()) is not None:
-            self.advance(tok)
-            chain.append(tok)
-            if tok in self.eos:
-                break
-        self.rollback(len(chain))
-        return chain
+        return self.expected_chain(limit, guess=False)[0]
 
     def likely(self) -> int | None:
         """Where no token is forced but the grammar fixes the next bytes (`": "` and a string's quote:
         the tokenizer could split them more than one way, so no token is forced), the first token of
         the tokenizer's own split of those bytes, if allowed: a guess, the model may split otherwise."""
-        if self.ended or self.matcher.is_stopped() or self.forced() is not None:
+        if self.forced() is not None:
             return None
         fixed = self.matcher.compute_ff_bytes()
         tokens = self.grammar.tokenizer.ll.tokenize_bytes(fixed) if fixed else []
         return tokens[0] if tokens and self.matcher.validate_tokens(tokens[:1]) == 1 else None
 
-    def expected_chain(self, limit: int) -> tuple[list[int], int]:
-        """The forced chain, then (where it stops at a `likely` token) that token and what is forced or
-        likely after it: (at most `limit` tokens, stopping after an end token; how many come before the
-        first guess). The state is left where it was."""
+    def expected_chain(self, limit: int, guess: bool = True) -> tuple[list[int], int]:
+        """The forced chain, then (with `guess`, where it stops at a `likely` token) that token and what
+        is forced or likely after it: (at most `limit` tokens, stopping after an end token; how many
+        come before the first guess). The state is left where it was."""
         chain: list[int] = []
         certain = None
         while len(chain) < limit:
             tok = self.forced()
             if tok is None:
-                tok = self.likely()
+                tok = self.likely() if guess else None
                 if tok is None:
                     break
                 certain = len(chain) if certain is None else certain
