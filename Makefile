@@ -30,8 +30,11 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# the checks of .pre-commit-config.yaml (`pre-commit install` runs them before each commit); CI runs them too
+LINT_PATHS := src tests benchmarks
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 # Wheels that benchmarks/gpu.sh installs on a GPU machine without a registry (carry .gpu-wheels/): the
 # packages our runtime needs that its image lacks (it has torch, transformers, pytest, psutil, ...),

@@ -33,8 +33,9 @@ def one_case(stack, device: torch.device, sessions: int, rows: int, context: int
     caches = []
     for _ in range(sessions):
         cache = stack.new_cache()
-        stack(torch.randn(1, context, d, device=device, generator=gen), torch.arange(context, device=device),
-              None, cache)
+        stack(
+            torch.randn(1, context, d, device=device, generator=gen), torch.arange(context, device=device), None, cache
+        )
         caches.append(cache)
     xs = [torch.randn(1, rows, d, device=device, generator=gen) for _ in range(sessions)]  # [1, T, D] each
     pos = [torch.arange(context, context + rows, device=device) for _ in range(sessions)]
@@ -53,12 +54,21 @@ def one_case(stack, device: torch.device, sessions: int, rows: int, context: int
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
-    return {"sessions": sessions, "rows_per_session": rows, "context": context,
-            "attention": "padded" if padded and sessions > 1 else "per sequence", "wall_ms": round(wall_ms, 2),
-            "kernel_ms": round(kernel_us / 1000, 2), "device_busy": round(kernel_us / 1000 / wall_ms, 3),
-            "kernel_launches": launches, "aten_calls": aten,
-            "top": [(e.key[:80], round(e.self_device_time_total / 1000, 2), e.count)
-                    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]]}
+    return {
+        "sessions": sessions,
+        "rows_per_session": rows,
+        "context": context,
+        "attention": "padded" if padded and sessions > 1 else "per sequence",
+        "wall_ms": round(wall_ms, 2),
+        "kernel_ms": round(kernel_us / 1000, 2),
+        "device_busy": round(kernel_us / 1000 / wall_ms, 3),
+        "kernel_launches": launches,
+        "aten_calls": aten,
+        "top": [
+            (e.key[:80], round(e.self_device_time_total / 1000, 2), e.count)
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+        ],
+    }
 
 
 def main() -> None:
@@ -82,11 +92,22 @@ def main() -> None:
         for padded in (False, True) if s > 1 else (False,):
             row = one_case(stack, device, s, r, args.context, args.reps, padded)
             rows.append(row)
-            print(f"| {s} × {r} | {row['attention']} | {row['wall_ms']} | {row['kernel_ms']} | {row['device_busy']} | "
-                  f"{row['kernel_launches']} | {row['aten_calls']} |", flush=True)
-    doc = {"schema": "splitlm.gpu-profile/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shape": args.shape,
-           "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-           "dtype": args.dtype, "layers": len(stack.layers), "torch": torch.__version__, "rows": rows}
+            print(
+                f"| {s} × {r} | {row['attention']} | {row['wall_ms']} | {row['kernel_ms']} | {row['device_busy']} | "
+                f"{row['kernel_launches']} | {row['aten_calls']} |",
+                flush=True,
+            )
+    doc = {
+        "schema": "splitlm.gpu-profile/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "shape": args.shape,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": args.dtype,
+        "layers": len(stack.layers),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu-profile-{args.shape}-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"

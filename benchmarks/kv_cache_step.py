@@ -76,14 +76,17 @@ def main() -> None:
         stack = LayerStack(cfg, a, b).eval()
         stack.load_global_state(state)
         for chain, grow in ((True, False), (False, False), (False, True)):
-            runs = [bench(stack, args.steps, args.t, args.keep, args.context, chain, grow)
-                    for _ in range(args.repeats)]
+            runs = [bench(stack, args.steps, args.t, args.keep, args.context, chain, grow) for _ in range(args.repeats)]
             kind = ("keep prefix" if chain else "keep moved") + (", S grows" if grow else "")
-            print(f"{name:16s} {kind:22s} T={args.t} keep={args.keep} S={args.context}: "
-                  f"best {min(runs):.3f} ms/step (runs {', '.join(f'{r:.3f}' for r in runs)})")
+            print(
+                f"{name:16s} {kind:22s} T={args.t} keep={args.keep} S={args.context}: "
+                f"best {min(runs):.3f} ms/step (runs {', '.join(f'{r:.3f}' for r in runs)})"
+            )
         runs = [bench_cache(cfg, b - a, args.steps, args.t, args.keep, args.context) for _ in range(args.repeats)]
-        print(f"{name:16s} {'cache ops only':22s} T={args.t} keep={args.keep} S={args.context}: "
-              f"best {min(runs):.3f} ms/step (runs {', '.join(f'{r:.3f}' for r in runs)})")
+        print(
+            f"{name:16s} {'cache ops only':22s} T={args.t} keep={args.keep} S={args.context}: "
+            f"best {min(runs):.3f} ms/step (runs {', '.join(f'{r:.3f}' for r in runs)})"
+        )
 
 
 if __name__ == "__main__":

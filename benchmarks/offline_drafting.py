@@ -80,6 +80,7 @@ class TimedDrafter:
                 return attr(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return timed
 
 
@@ -100,7 +101,9 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.runcall(run, args)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(r"decoding/(auto|head|recycle|suffix|tree|drafters|budget)", 40)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(
+            r"decoding/(auto|head|recycle|suffix|tree|drafters|budget)", 40
+        )
     else:
         run(args)
 
@@ -140,8 +143,15 @@ def run(args) -> None:
         for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos, drafter, budget, stats):
             out += new
         ref = []
-        for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos,
-                                      make_drafter(SpecConfig()), StepBudget(), SpecStats()):
+        for new in speculative_decode(
+            FixedCostSession(model),
+            ids,
+            args.max_new_tokens,
+            eos,
+            make_drafter(SpecConfig()),
+            StepBudget(),
+            SpecStats(),
+        ):
             ref += new
         assert out == ref, f"{p['id']}: speculative output differs from sequential"
         c = by_cat[p["category"]]
@@ -150,14 +160,20 @@ def run(args) -> None:
         c[2] += drafter.seconds
         c[3] += sum(FixedCostSession.rtt_s + compute_s(n) for n in stats.choices)
         c[4] += stats.tree_nodes
-        print(f"{p['id']:36s} tau {(len(out) - 1) / max(stats.steps, 1):.2f}  nodes {stats.tree_nodes / max(stats.steps, 1):5.1f}"
-              f"  draft {1000 * drafter.seconds / max(stats.steps, 1):5.1f} ms/step", flush=True)
+        print(
+            f"{p['id']:36s} tau {(len(out) - 1) / max(stats.steps, 1):.2f}  nodes "
+            f"{stats.tree_nodes / max(stats.steps, 1):5.1f}"
+            f"  draft {1000 * drafter.seconds / max(stats.steps, 1):5.1f} ms/step",
+            flush=True,
+        )
     total = [sum(c[i] for c in by_cat.values()) for i in range(5)]
     seq_rate = 1.0 / (FixedCostSession.rtt_s + compute_s(1))
     for name, c in sorted(by_cat.items()) + [("ALL", total)]:
         rate = c[0] / (c[3] + c[2])
-        print(f"{name:16s} tau {c[0] / c[1]:.3f}  nodes {c[4] / c[1]:5.1f}  draft {1000 * c[2] / c[1]:5.1f} ms/step"
-              f"  predicted x seq {rate / seq_rate:.3f}")
+        print(
+            f"{name:16s} tau {c[0] / c[1]:.3f}  nodes {c[4] / c[1]:5.1f}  draft {1000 * c[2] / c[1]:5.1f} ms/step"
+            f"  predicted x seq {rate / seq_rate:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,12 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="print each round trip of the constrained run")
     ap.add_argument("--no-check", action="store_true", help="skip the sequential reference (faster)")
     ap.add_argument("--no-copy", action="store_true", help="auto without its copies of prompt text")
-    ap.add_argument("--cost", default="measured", choices=("measured", "zero"),
-                    help="the budget's cost model (zero: a GPU cloud's, extra nodes free)")
+    ap.add_argument(
+        "--cost",
+        default="measured",
+        choices=("measured", "zero"),
+        help="the budget's cost model (zero: a GPU cloud's, extra nodes free)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     run(args)
@@ -97,8 +101,17 @@ def run(args) -> None:
         stats, gstats = SpecStats(), GrammarStats()
         drafter = TimedDrafter(make_drafter(spec, memory=memories["json"], text=text))
         out: list[int] = []
-        for new in constrained_decode(FixedCostSession(model), ids, args.max_new_tokens, eos, drafter,
-                                      budgets["json"], stats, grammar.start(), gstats):
+        for new in constrained_decode(
+            FixedCostSession(model),
+            ids,
+            args.max_new_tokens,
+            eos,
+            drafter,
+            budgets["json"],
+            stats,
+            grammar.start(),
+            gstats,
+        ):
             if args.steps and out:
                 print(f"    +{len(new):2d} {tok.decode(new)!r}")
             out += new
@@ -110,26 +123,31 @@ def run(args) -> None:
             print(f"  INVALID: {answer!r}")
         if not args.no_check:
             ref: list[int] = []
-            for new in constrained_sequential(FixedCostSession(model), ids, args.max_new_tokens, eos,
-                                              grammar.start(), GrammarStats()):
+            for new in constrained_sequential(
+                FixedCostSession(model), ids, args.max_new_tokens, eos, grammar.start(), GrammarStats()
+            ):
                 ref += new
             assert out == ref, f"{p['id']}: constrained speculative output differs from sequential"
         free_stats = SpecStats()
         free: list[int] = []
         free_drafter = TimedDrafter(make_drafter(spec, memory=memories["free"], text=text))
-        for new in speculative_decode(FixedCostSession(model), ids, len(out), eos, free_drafter, budgets["free"],
-                                      free_stats):
+        for new in speculative_decode(
+            FixedCostSession(model), ids, len(out), eos, free_drafter, budgets["free"], free_stats
+        ):
             free += new
         same_stats = SpecStats()
         same: list[int] = []
         same_drafter = TimedDrafter(make_drafter(spec, memory=memories["same"], text=text))
-        for new in speculative_decode(ScriptedSession(model, ids + out, min(eos)), ids, len(out), eos, same_drafter,
-                                      budgets["same"], same_stats):
+        for new in speculative_decode(
+            ScriptedSession(model, ids + out, min(eos)), ids, len(out), eos, same_drafter, budgets["same"], same_stats
+        ):
             same += new
         assert same == out, f"{p['id']}: the scripted run did not write the constrained answer"
-        for name, n, s, edge_s in (("json", len(out) - 1, stats, drafter.seconds + gstats.mask_s),
-                                   ("free", len(free) - 1, free_stats, free_drafter.seconds),
-                                   ("same", len(same) - 1, same_stats, same_drafter.seconds)):
+        for name, n, s, edge_s in (
+            ("json", len(out) - 1, stats, drafter.seconds + gstats.mask_s),
+            ("free", len(free) - 1, free_stats, free_drafter.seconds),
+            ("same", len(same) - 1, same_stats, same_drafter.seconds),
+        ):
             t = total[name]
             t[0] += n
             t[1] += s.steps
@@ -137,16 +155,22 @@ def run(args) -> None:
             t[3] += sum(s.choices)
         tj, tf = (len(out) - 1) / max(stats.steps, 1), (len(free) - 1) / max(free_stats.steps, 1)
         ts = (len(same) - 1) / max(same_stats.steps, 1)
-        print(f"{p['id']:20s} json tau {tj:5.2f} ({len(out):3d} tok, forced {gstats.forced_tokens:3d}, "
-              f"rejected {gstats.rejected_drafts:4d}, mask {1000 * gstats.mask_s / max(stats.steps, 1):4.1f} ms/step, "
-              f"drafting {1000 * drafter.seconds / max(stats.steps, 1):4.1f} vs {1000 * free_drafter.seconds / max(free_stats.steps, 1):4.1f})"
-              f"  free tau {tf:5.2f}  ratio {tj / tf:4.2f}  same text {ts:5.2f} ratio {tj / ts:4.2f}", flush=True)
+        print(
+            f"{p['id']:20s} json tau {tj:5.2f} ({len(out):3d} tok, forced {gstats.forced_tokens:3d}, "
+            f"rejected {gstats.rejected_drafts:4d}, mask {1000 * gstats.mask_s / max(stats.steps, 1):4.1f} ms/step, "
+            f"drafting {1000 * drafter.seconds / max(stats.steps, 1):4.1f} vs "
+            f"{1000 * free_drafter.seconds / max(free_stats.steps, 1):4.1f})"
+            f"  free tau {tf:5.2f}  ratio {tj / tf:4.2f}  same text {ts:5.2f} ratio {tj / ts:4.2f}",
+            flush=True,
+        )
     tj, tf, ts = (total[name][0] / total[name][1] for name in ("json", "free", "same"))
     rj, rf, rs = (total[name][0] / total[name][2] for name in ("json", "free", "same"))
-    print(f"ALL json tau {tj:.3f}  free tau {tf:.3f}  ratio {tj / tf:.3f}  modelled tok/s ratio {rj / rf:.3f}"
-          f"  same text tau {ts:.3f}  ratio {tj / ts:.3f}  tok/s ratio {rj / rs:.3f}"
-          f"  nodes {total['json'][3] / total['json'][1]:.1f} vs {total['free'][3] / total['free'][1]:.1f}"
-          f"  valid {valid}/{len(prompts)}")
+    print(
+        f"ALL json tau {tj:.3f}  free tau {tf:.3f}  ratio {tj / tf:.3f}  modelled tok/s ratio {rj / rf:.3f}"
+        f"  same text tau {ts:.3f}  ratio {tj / ts:.3f}  tok/s ratio {rj / rs:.3f}"
+        f"  nodes {total['json'][3] / total['json'][1]:.1f} vs {total['free'][3] / total['free'][1]:.1f}"
+        f"  valid {valid}/{len(prompts)}"
+    )
 
 
 if __name__ == "__main__":

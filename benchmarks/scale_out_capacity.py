@@ -80,8 +80,9 @@ def ray_hop(batch: int, d: int) -> dict:
     echo = ray.remote(Echo).options(num_cpus=0).remote()
     sids = list(range(1, batch + 1))
     xs = [torch.randn(1, 1, d) for _ in sids]
-    meta = PassMeta(sids, [False] * batch, [[("pending", CONTEXT)] for _ in sids], [torch.tensor([CONTEXT])] * batch,
-                    [None] * batch)
+    meta = PassMeta(
+        sids, [False] * batch, [[("pending", CONTEXT)] for _ in sids], [torch.tensor([CONTEXT])] * batch, [None] * batch
+    )
     hop = timed(lambda: ray.get(echo.run.remote(ray.put(meta), xs)), 21)
     ray.kill(echo)
     return {"batch": batch, "hop_ms": round(hop * 1000, 2)}
@@ -111,12 +112,32 @@ def main() -> int:
         for b in batches:
             run, _, _ = stage_pass(model, b, 1, d)
             s = timed(run)
-            rows.append({"stages": stages, "layers": hi - lo, "kind": "decode", "sessions": b, "rows": b,
-                         "pass_ms": round(s * 1000, 2), "tok_s": round(b / s, 1), "kv_bytes_per_entry": kv_entry})
+            rows.append(
+                {
+                    "stages": stages,
+                    "layers": hi - lo,
+                    "kind": "decode",
+                    "sessions": b,
+                    "rows": b,
+                    "pass_ms": round(s * 1000, 2),
+                    "tok_s": round(b / s, 1),
+                    "kv_bytes_per_entry": kv_entry,
+                }
+            )
         run, _, _ = stage_pass(model, 1, CHUNK, d)
         s = timed(run, 3)
-        rows.append({"stages": stages, "layers": hi - lo, "kind": "prefill chunk", "sessions": 1, "rows": CHUNK,
-                     "pass_ms": round(s * 1000, 2), "tok_s": round(CHUNK / s, 1), "kv_bytes_per_entry": kv_entry})
+        rows.append(
+            {
+                "stages": stages,
+                "layers": hi - lo,
+                "kind": "prefill chunk",
+                "sessions": 1,
+                "rows": CHUNK,
+                "pass_ms": round(s * 1000, 2),
+                "tok_s": round(CHUNK / s, 1),
+                "kv_bytes_per_entry": kv_entry,
+            }
+        )
     hops = []
     if not args.no_ray:
         import ray
@@ -126,20 +147,30 @@ def main() -> int:
             hops = [ray_hop(b, cfg.hidden_size) for b in batches]
         finally:
             ray.shutdown()
-    doc = {"schema": "splitlm.scale-out-capacity/1", "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
-           "model": args.model, "cloud_layers": list(manifest.cloud_layers), "context": CONTEXT,
-           "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
-           "stage_passes": rows, "ray_hops": hops}
-    path = write_result(Path("benchmarks") / "results", "scale-out-capacity", doc,
-                        stamp=doc["started"].replace(":", "")).json
+    doc = {
+        "schema": "splitlm.scale-out-capacity/1",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
+        "model": args.model,
+        "cloud_layers": list(manifest.cloud_layers),
+        "context": CONTEXT,
+        "cpu_count": os.cpu_count(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "stage_passes": rows,
+        "ray_hops": hops,
+    }
+    path = write_result(
+        Path("benchmarks") / "results", "scale-out-capacity", doc, stamp=doc["started"].replace(":", "")
+    ).json
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     print("| stages | layers per stage | pass | rows | pass ms | tok/s per stage | KV bytes per entry per stage |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['stages']} | {r['layers']} | {r['kind']} ({r['sessions']} sessions) | {r['rows']} | "
-              f"{r['pass_ms']} | {r['tok_s']} | {r['kv_bytes_per_entry']} |")
+        print(
+            f"| {r['stages']} | {r['layers']} | {r['kind']} ({r['sessions']} sessions) | {r['rows']} | "
+            f"{r['pass_ms']} | {r['tok_s']} | {r['kv_bytes_per_entry']} |"
+        )
     if hops:
         print("\n| sessions per pass | Ray hop ms (activations to an actor and back) |\n|---|---|")
         for h in hops:

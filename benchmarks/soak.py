@@ -75,8 +75,9 @@ class Soak:
 
     def generate(self, edge, i: int, steps: int | None) -> list[int]:
         out: list[int] = []
-        for n, (new, _) in enumerate(edge.generate_ids(self.prompts[i], self.args.max_new_tokens, stop_at_eos=False,
-                                                       spec=self.spec)):
+        for n, (new, _) in enumerate(
+            edge.generate_ids(self.prompts[i], self.args.max_new_tokens, stop_at_eos=False, spec=self.spec)
+        ):
             out += new
             if steps is not None and n + 1 >= steps:
                 break  # abandoned: closing the generator closes the session
@@ -89,8 +90,11 @@ class Soak:
         try:
             if behaviour == "drop":
                 self.wan_drop.cut_after(rng.randrange(2_000, 60_000))
-            tokens = self.generate(self.edges["drop" if behaviour == "drop" else "main"], i,
-                                   rng.randint(1, 3) if behaviour == "abandon" else None)
+            tokens = self.generate(
+                self.edges["drop" if behaviour == "drop" else "main"],
+                i,
+                rng.randint(1, 3) if behaviour == "abandon" else None,
+            )
             same = behaviour != "abandon" and tokens == self.references[i]
             with self.lock:
                 c.runs += 1
@@ -110,10 +114,18 @@ class Soak:
 
 def sample(probe: CloudProbe, t0: float) -> Sample:
     snap = probe.snapshot()
-    counters = {k: v for k, v in snap.metrics.items()
-                if any(w in k for w in ("preempt", "replay", "errors", "evictions", "capacity")) and not k.endswith("_sum")}
-    return Sample(round(time.monotonic() - t0, 1), snap.value("splitlm_cloud_sessions"),
-                  snap.value("splitlm_cloud_kv_reserved_bytes"), round(snap.rss / MB, 1), counters)
+    counters = {
+        k: v
+        for k, v in snap.metrics.items()
+        if any(w in k for w in ("preempt", "replay", "errors", "evictions", "capacity")) and not k.endswith("_sum")
+    }
+    return Sample(
+        round(time.monotonic() - t0, 1),
+        snap.value("splitlm_cloud_sessions"),
+        snap.value("splitlm_cloud_kv_reserved_bytes"),
+        round(snap.rss / MB, 1),
+        counters,
+    )
 
 
 def sampler(probe: CloudProbe, t0: float, every: float, stop: threading.Event, out: list[Sample]) -> None:
@@ -135,12 +147,20 @@ def settle(probe: CloudProbe, t0: float, timeout_s: float = 60.0) -> Sample:
 def checks(counts: dict[str, Counts], baseline: Sample, end: Sample) -> dict:
     done = counts["complete"]
     rss_drift = (end.rss_mb - baseline.rss_mb) / baseline.rss_mb
-    return {"sessions_back_to_zero": {"value": end.sessions, "ok": end.sessions == 0},
-            "kv_bytes_back_to_zero": {"value": end.kv_bytes, "ok": end.kv_bytes == 0},
-            "rss_within_5_percent": {"value": round(rss_drift, 4), "baseline_mb": baseline.rss_mb,
-                                     "end_mb": end.rss_mb, "ok": abs(rss_drift) <= RSS_TOLERANCE},
-            "complete_outputs_identical": {"value": f"{done.identical}/{done.runs}",
-                                           "ok": done.runs > 0 and done.identical == done.runs}}
+    return {
+        "sessions_back_to_zero": {"value": end.sessions, "ok": end.sessions == 0},
+        "kv_bytes_back_to_zero": {"value": end.kv_bytes, "ok": end.kv_bytes == 0},
+        "rss_within_5_percent": {
+            "value": round(rss_drift, 4),
+            "baseline_mb": baseline.rss_mb,
+            "end_mb": end.rss_mb,
+            "ok": abs(rss_drift) <= RSS_TOLERANCE,
+        },
+        "complete_outputs_identical": {
+            "value": f"{done.identical}/{done.runs}",
+            "ok": done.runs > 0 and done.identical == done.runs,
+        },
+    }
 
 
 def markdown(doc: dict) -> str:
@@ -163,15 +183,21 @@ def plot(doc: dict, base: Path) -> list[Path]:
     s = doc["samples"]
     t = [x["t"] / 60 for x in s]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    for ax, (key, label, scale) in zip(axes, [("sessions", "open sessions", 1), ("kv_bytes", "KV MB", 1 / MB),
-                                              ("rss_mb", "cloud RSS MB", 1)], strict=True):
+    for ax, (key, label, scale) in zip(
+        axes,
+        [("sessions", "open sessions", 1), ("kv_bytes", "KV MB", 1 / MB), ("rss_mb", "cloud RSS MB", 1)],
+        strict=True,
+    ):
         ax.plot(t, [(x[key] or 0) * scale for x in s], "-", color="#4c78a8")
         ax.axvline(doc["config"]["warmup_minutes"], color="#999", ls="--", lw=1)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("minutes (dashed: end of warm-up)")
-    fig.suptitle(f"soak: {doc['config']['minutes']} min, {doc['config']['workers']} workers, "
-                 f"KV budget {doc['config']['kv_budget_mb'] or 'none'} MB", fontsize=9)
+    fig.suptitle(
+        f"soak: {doc['config']['minutes']} min, {doc['config']['workers']} workers, "
+        f"KV budget {doc['config']['kv_budget_mb'] or 'none'} MB",
+        fontsize=9,
+    )
     fig.tight_layout()
     path = base.with_name(base.name + ".png")
     fig.savefig(path, dpi=110)
@@ -191,17 +217,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="the first N prompts of benchmarks/prompts.json (default 8)")
     p.add_argument("--kv-budget-mb", type=int, default=0, help="the cloud's --kv-budget-mb (default 0: none)")
     p.add_argument("--cloud-args", default="", help="more serve-cloud arguments, space-separated")
-    p.add_argument("--mix", type=lambda s: [float(x) for x in s.split(",")], default=[6, 2, 2],
-                   help="weights of complete,abandon,drop (default 6,2,2)")
+    p.add_argument(
+        "--mix",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[6, 2, 2],
+        help="weights of complete,abandon,drop (default 6,2,2)",
+    )
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the behaviours and prompts (default 0)")
-    p.add_argument("--out", default=str(default_results_dir()),
-                   help="results directory (default $SPLITLM_RESULTS or ~/.local/share/splitlm/results)")
+    p.add_argument(
+        "--out",
+        default=str(default_results_dir()),
+        help="results directory (default $SPLITLM_RESULTS or ~/.local/share/splitlm/results)",
+    )
     return p.parse_args(argv)
 
 
 def cloud_arguments(args) -> list[str]:
-    extra = ["--max-sessions-per-client", str(2 * args.workers + 4), "--max-sessions", str(max(64, 2 * args.workers + 4))]
+    extra = [
+        "--max-sessions-per-client",
+        str(2 * args.workers + 4),
+        "--max-sessions",
+        str(max(64, 2 * args.workers + 4)),
+    ]
     if args.kv_budget_mb:
         extra += ["--kv-budget-mb", str(args.kv_budget_mb)]
     return extra + args.cloud_args.split()
@@ -224,8 +262,9 @@ def churn(soak: Soak, probe: CloudProbe, args) -> tuple[list[Sample], float]:
     stop = threading.Event()
     threads = [threading.Thread(target=sampler, args=(probe, t0, args.sample_s, stop, samples), daemon=True)]
     deadline = t0 + args.minutes * 60
-    threads += [threading.Thread(target=soak.worker, args=(args.seed + i, deadline), daemon=True)
-                for i in range(args.workers)]
+    threads += [
+        threading.Thread(target=soak.worker, args=(args.seed + i, deadline), daemon=True) for i in range(args.workers)
+    ]
     for t in threads:
         t.start()
     for t in threads[1:]:
@@ -249,11 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     _, _, vocab, _ = model_facts(edge_dir)
     prompts = [ids for _, ids in prompt_ids(edge_dir, "", vocab)][: args.prompts]
     spec = as_spec(args.spec)
-    with cloud_process(cloud_dir, "cpu", "fp32", cloud_arguments(args)) as port, \
-            behind_wan(port, args.rtt_ms) as url, \
-            WanEmulator(("127.0.0.1", port), WanConfig(args.rtt_ms, seed=args.seed)) as wan_drop, \
-            Edge(edge_dir, url, wire_dtype="fp32", device="cpu", dtype="fp32") as main_edge, \
-            Edge(edge_dir, wan_drop.url_for("ws"), wire_dtype="fp32", device="cpu", dtype="fp32") as drop_edge:
+    with (
+        cloud_process(cloud_dir, "cpu", "fp32", cloud_arguments(args)) as port,
+        behind_wan(port, args.rtt_ms) as url,
+        WanEmulator(("127.0.0.1", port), WanConfig(args.rtt_ms, seed=args.seed)) as wan_drop,
+        Edge(edge_dir, url, wire_dtype="fp32", device="cpu", dtype="fp32") as main_edge,
+        Edge(edge_dir, wan_drop.url_for("ws"), wire_dtype="fp32", device="cpu", dtype="fp32") as drop_edge,
+    ):
         probe = CloudProbe.for_port(port)
         log.info("solo references: %d prompts", len(prompts))
         refs = references(main_edge, prompts, args, spec)
@@ -264,10 +305,18 @@ def main(argv: list[str] | None = None) -> int:
         samples.append(end)
         cuts = wan_drop.cuts
     warm = next((s for s in samples if s.t >= args.warmup_minutes * 60), samples[-1])
-    doc = {"schema": "splitlm.soak/1", "config": vars(args), "edge": str(edge_dir), "wire_dtype": "fp32",
-           "cloud": "serve-cloud --threads 1, cpu, fp32 " + " ".join(cloud_arguments(args)), "connection_cuts": cuts,
-           "counts": {b: asdict(c) for b, c in soak.counts.items()}, "checks": checks(soak.counts, warm, end),
-           "cloud_counters_end": end.counters, "samples": [asdict(s) for s in samples]}
+    doc = {
+        "schema": "splitlm.soak/1",
+        "config": vars(args),
+        "edge": str(edge_dir),
+        "wire_dtype": "fp32",
+        "cloud": "serve-cloud --threads 1, cpu, fp32 " + " ".join(cloud_arguments(args)),
+        "connection_cuts": cuts,
+        "counts": {b: asdict(c) for b, c in soak.counts.items()},
+        "checks": checks(soak.counts, warm, end),
+        "cloud_counters_end": end.counters,
+        "samples": [asdict(s) for s in samples],
+    }
     doc["ok"] = all(c["ok"] for c in doc["checks"].values())
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     written = write_result(args.out, "soak", doc, stamp=stamp, markdown=markdown(doc), plots=lambda b: plot(doc, b))

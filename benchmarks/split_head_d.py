@@ -54,13 +54,23 @@ def main() -> None:
                 for _ in range(20):
                     F.linear(*part)
                 timings[name] = (time.perf_counter() - start) / 20 * 1e3
-        rows.append({"d_end": d, "positions": int(full.numel()), "cloud_share_top1": round(cloud_top1, 4),
-                     "edge_ms": round(timings["edge"], 2), "cloud_ms": round(timings["cloud"], 2),
-                     "down_bytes_fp16": 2 * d + 2 * w.shape[0]})
+        rows.append(
+            {
+                "d_end": d,
+                "positions": int(full.numel()),
+                "cloud_share_top1": round(cloud_top1, 4),
+                "edge_ms": round(timings["edge"], 2),
+                "cloud_ms": round(timings["cloud"], 2),
+                "down_bytes_fp16": 2 * d + 2 * w.shape[0],
+            }
+        )
         print(rows[-1])
     out = Path(args.out)
-    write_result(out.parent, out.stem, {"model": model_dir.name, "hidden_size": w.shape[1], "vocab_size": w.shape[0],
-                                        "rows": rows})
+    write_result(
+        out.parent,
+        out.stem,
+        {"model": model_dir.name, "hidden_size": w.shape[1], "vocab_size": w.shape[0], "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,16 @@ import torch
 STEP = 3  # the traced step (the first ones warm the caches and the budget)
 
 
-CARRIERS = (("splitlm.transport.messages", "Forward"), ("splitlm.transport.messages", "Result"),
-            ("splitlm.transport.frames", "Frame"), ("splitlm.decoding.step", "StepResult"),
-            ("splitlm.edge.link", "Flight"), ("splitlm.edge.session", "Flight"),
-            ("splitlm.cloud.scheduler", "Job"), ("splitlm.cloud.sessions", "Step"))
+CARRIERS = (
+    ("splitlm.transport.messages", "Forward"),
+    ("splitlm.transport.messages", "Result"),
+    ("splitlm.transport.frames", "Frame"),
+    ("splitlm.decoding.step", "StepResult"),
+    ("splitlm.edge.link", "Flight"),
+    ("splitlm.edge.session", "Flight"),
+    ("splitlm.cloud.scheduler", "Job"),
+    ("splitlm.cloud.sessions", "Step"),
+)
 
 
 def carrier_types() -> tuple[type, ...]:
@@ -75,10 +81,10 @@ class Recorder:
         path = frame.f_code.co_filename
         if "/splitlm/" not in path or "token_trip" in path:
             return
-        rel, name = path[path.rindex("/splitlm/") + 1:], frame.f_code.co_qualname
+        rel, name = path[path.rindex("/splitlm/") + 1 :], frame.f_code.co_qualname
         if event == "call":
             code = frame.f_code
-            args = [frame.f_locals.get(a) for a in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]]
+            args = [frame.f_locals.get(a) for a in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]]
             carried = any(self.carries(a) for a in args)
         else:
             carried = self.carries(arg)
@@ -94,9 +100,18 @@ def make_split(root: Path) -> Path:
     from splitlm.model.shards import split_model
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(root / "model")
     return split_model(str(root / "model"), head=2, tail=2, out=root / "split")
 
@@ -157,10 +172,16 @@ def main() -> None:
     args = p.parse_args()
     rec = trace(args.whole)
     trip = listing(rec.trip)
-    rest = listing({f: rec.calls[f] - rec.trip.get(f, set()) for f in rec.calls if rec.calls[f] - rec.trip.get(f, set())})
+    rest = listing(
+        {f: rec.calls[f] - rec.trip.get(f, set()) for f in rec.calls if rec.calls[f] - rec.trip.get(f, set())}
+    )
     every = listing(rec.calls)
-    counts = {"trip_files": len(trip), "trip_functions": sum(map(len, trip.values())),
-              "all_files": len(every), "all_functions": sum(map(len, every.values()))}
+    counts = {
+        "trip_files": len(trip),
+        "trip_functions": sum(map(len, trip.values())),
+        "all_files": len(every),
+        "all_functions": sum(map(len, every.values())),
+    }
     if args.json:
         print(json.dumps({**counts, "trip": trip, "called_on_the_way": rest}, indent=1))
         return
@@ -170,8 +191,10 @@ def main() -> None:
     print("Called on the way:")
     for f, names in rest.items():
         print(f"  {f}: {', '.join(names)}")
-    print(f"trip: {counts['trip_files']} files, {counts['trip_functions']} functions; "
-          f"every splitlm function entered: {counts['all_files']} files, {counts['all_functions']} functions")
+    print(
+        f"trip: {counts['trip_files']} files, {counts['trip_functions']} functions; "
+        f"every splitlm function entered: {counts['all_files']} files, {counts['all_functions']} functions"
+    )
 
 
 if __name__ == "__main__":

@@ -28,16 +28,20 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "warmup-overlap.md"), help="the report (Markdown)")
     args = p.parse_args()
     index = WarmupIndex(bundled_requests())
-    sets = [index.check(f"benchmarks/{path.name}", [(x["id"], x["prompt"]) for x in json.loads(path.read_text())])
-            for path in sorted((ROOT / "benchmarks").glob("prompts*.json"))]
+    sets = [
+        index.check(f"benchmarks/{path.name}", [(x["id"], x["prompt"]) for x in json.loads(path.read_text())])
+        for path in sorted((ROOT / "benchmarks").glob("prompts*.json"))
+    ]
     if args.spec_bench:
         questions = read_questions(args.spec_bench)
         sets.append(index.check("Spec-Bench (first turns)", [(f"sb-{q.question_id}", q.turns[0]) for q in questions]))
-    text = (f"# Benchmark prompts against the bundled warm-up requests\n\n"
-            f"`benchmarks/warmup_overlap.py`: each prompt's closest request among the {len(index.requests)} of the "
-            f"bundled warm-up file (the `auto` drafter's retrieval corpus), by difflib's ratio of the lowercased "
-            f"word sequences. Near-twin: ≥ {NEAR_TWIN}; similar: ≥ {SIMILAR}. Headline sets hold no near-twin "
-            f"(`tests/bench/test_overlap.py`).\n\n" + markdown(sets))
+    text = (
+        f"# Benchmark prompts against the bundled warm-up requests\n\n"
+        f"`benchmarks/warmup_overlap.py`: each prompt's closest request among the {len(index.requests)} of the "
+        f"bundled warm-up file (the `auto` drafter's retrieval corpus), by difflib's ratio of the lowercased "
+        f"word sequences. Near-twin: ≥ {NEAR_TWIN}; similar: ≥ {SIMILAR}. Headline sets hold no near-twin "
+        f"(`tests/bench/test_overlap.py`).\n\n" + markdown(sets)
+    )
     Path(args.out).write_text(text)
     print(text)
     return 0

@@ -17,7 +17,7 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.
 
 BUNDLED_PROMPTS = [
     "The three primary colours are",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a village by the sea,",
 ]
 
@@ -26,9 +26,19 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny random Llama (HF format, safetensors) to `path` and return it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    params = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    params = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     params.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**params)).eval()
@@ -66,8 +76,9 @@ def tiny_split_head(tmp_path_factory, tiny_llama) -> Path:
     """The tiny model in the split-head topology: edge layers [0, 2) + LM-head columns [0, 24)."""
     from splitlm.model.shards import split_model
 
-    return split_model(str(tiny_llama), head=2, tail=0, out=tmp_path_factory.mktemp("tiny-split-head"),
-                       topology="split-head", d_end=24)
+    return split_model(
+        str(tiny_llama), head=2, tail=0, out=tmp_path_factory.mktemp("tiny-split-head"), topology="split-head", d_end=24
+    )
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +154,19 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     key = (tuple(ids), n)
     if key not in memo:
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
-        memo[key] = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+        memo[key] = out[0, len(ids) :].tolist()
     return list(memo[key])
 
 
 # --- privacy audit: a tiny random model with a byte-level tokenizer (token i = byte i) -----------
+
 
 def save_byte_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -162,8 +179,10 @@ def save_byte_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -223,8 +242,9 @@ def scrape_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def cloud_forward(client, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str,
-                  control=None, **fields):
+def cloud_forward(
+    client, session: int, hidden: torch.Tensor, positions: list[int], wire_dtype: str, control=None, **fields
+):
     """One FORWARD of `hidden` [C + T, D] through `client` and its `Result` (a pipelined pair, sent
     and taken at once; the reply's tensors may be as large as `hidden`). `fields`: Forward's others."""
     from splitlm.transport.messages import Control, Forward
@@ -234,8 +254,24 @@ def cloud_forward(client, session: int, hidden: torch.Tensor, positions: list[in
 
 
 # --- constrained decoding: a byte-level BPE with merges (forced text has several splits) and an end token ---
-MERGES = [("Ġ", '"'), ('"', ":"), ("{", '"'), ('"', ","), ("n", "a"), ("na", "m"), ("nam", "e"), ("a", "g"),
-          ("ag", "e"), ("r", "o"), ("ro", "l"), ("rol", "e"), ('"', "}"), ("t", "r"), ("tr", "u"), ("tru", "e")]
+MERGES = [
+    ("Ġ", '"'),
+    ('"', ":"),
+    ("{", '"'),
+    ('"', ","),
+    ("n", "a"),
+    ("na", "m"),
+    ("nam", "e"),
+    ("a", "g"),
+    ("ag", "e"),
+    ("r", "o"),
+    ("ro", "l"),
+    ("rol", "e"),
+    ('"', "}"),
+    ("t", "r"),
+    ("tr", "u"),
+    ("tru", "e"),
+]
 JSON_EOS = "</s>"
 
 

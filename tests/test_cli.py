@@ -15,8 +15,24 @@ def run_cli(*args, timeout=120):
 
 @pytest.mark.slow
 def test_generate_json(bundled_split, bundled_server, capsys):
-    code = main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url,
-                 "--prompt", "The sky is", "--max-new-tokens", "12", "--json", "--wire-dtype", "fp32", "--spec", "none"])
+    code = main(
+        [
+            "generate",
+            "--edge",
+            str(bundled_split / "edge"),
+            "--cloud",
+            bundled_server.url,
+            "--prompt",
+            "The sky is",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--wire-dtype",
+            "fp32",
+            "--spec",
+            "none",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert isinstance(out["text"], str) and out["text"]
@@ -29,8 +45,25 @@ def test_generate_json(bundled_split, bundled_server, capsys):
 @pytest.mark.slow
 def test_generate_with_sampling_and_a_stop_string(bundled_split, bundled_server, capsys):
     def generate(*extra):
-        assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt",
-                     "Once upon a time", "--max-new-tokens", "10", "--json", "--ignore-eos", *extra]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--edge",
+                    str(bundled_split / "edge"),
+                    "--cloud",
+                    bundled_server.url,
+                    "--prompt",
+                    "Once upon a time",
+                    "--max-new-tokens",
+                    "10",
+                    "--json",
+                    "--ignore-eos",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return json.loads(capsys.readouterr().out)
 
     plain = generate("--temperature", "1.2", "--seed", "3")
@@ -41,10 +74,12 @@ def test_generate_with_sampling_and_a_stop_string(bundled_split, bundled_server,
     # can move a sampled token across a boundary of the inverse CDF: docs/speculative.md.)
     a = generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32")
     assert a["stats"]["spec_mode"] == "auto (sampling)" and len(a["token_ids"]) == 10
-    assert generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32", "--spec", "none")["token_ids"] \
+    assert (
+        generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32", "--spec", "none")["token_ids"]
         == a["token_ids"]
+    )
     assert generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32")["token_ids"] == a["token_ids"]
-    stop = a["text"][len(a["text"]) // 2:][:2]
+    stop = a["text"][len(a["text"]) // 2 :][:2]
     cut = generate("--temperature", "1.2", "--seed", "3", "--wire-dtype", "fp32", "--stop", stop)
     assert cut["text"] == a["text"][: a["text"].index(stop)] and cut["finish_reason"] == "stop"
 
@@ -56,13 +91,16 @@ def assert_clean_failure(proc, needle):
 
 
 def test_split_unknown_model(tmp_path):
-    assert_clean_failure(run_cli("split", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")),
-                         "model not found")
+    assert_clean_failure(
+        run_cli("split", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")), "model not found"
+    )
 
 
 def test_split_too_many_edge_layers(tiny_llama, tmp_path):
-    assert_clean_failure(run_cli("split", "--model", str(tiny_llama), "--head", "4", "--tail", "2",
-                                 "--out", str(tmp_path / "o")), "no layer for the cloud")
+    assert_clean_failure(
+        run_cli("split", "--model", str(tiny_llama), "--head", "4", "--tail", "2", "--out", str(tmp_path / "o")),
+        "no layer for the cloud",
+    )
 
 
 def test_bad_arguments(tmp_path):
@@ -74,8 +112,17 @@ def test_bad_arguments(tmp_path):
 def test_generate_without_a_server(tiny_split):
     proc = run_cli("generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--prompt", "hi")
     assert_clean_failure(proc, "cannot reach the cloud")
-    proc = run_cli("generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--prompt", "hi",
-                   "--json-schema", str(tiny_split / "nope.json"))
+    proc = run_cli(
+        "generate",
+        "--edge",
+        str(tiny_split / "edge"),
+        "--cloud",
+        "ws://127.0.0.1:9",
+        "--prompt",
+        "hi",
+        "--json-schema",
+        str(tiny_split / "nope.json"),
+    )
     assert_clean_failure(proc, "cannot read the JSON schema")  # before the cloud is dialled
 
 
@@ -98,8 +145,9 @@ def test_edge_shard_given_as_cloud(tiny_split):
 def test_serve_edge_and_chat_without_a_server(tiny_split, tmp_path):
     edge = str(tiny_split / "edge")
     assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--cloud", "ws://127.0.0.1:9"), "cannot reach the cloud")
-    assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--api-key-file", str(tmp_path / "nope")),
-                         "cannot read the API key file")
+    assert_clean_failure(
+        run_cli("serve-edge", "--edge", edge, "--api-key-file", str(tmp_path / "nope")), "cannot read the API key file"
+    )
     assert_clean_failure(run_cli("serve-edge", "--edge", edge, "--default-temperature", "7"), "between 0 and 2")
     assert_clean_failure(run_cli("chat", "--edge", edge, "--temperature", "-1"), "temperature")
 

@@ -10,8 +10,10 @@ from splitlm.edge import Edge
 pexpect = pytest.importorskip("pexpect")
 pytestmark = pytest.mark.slow
 
-STATS = re.compile(r"\r\n\[(\d+) tokens in (\d+) round trips · ([\d.]+) tokens/round trip · ([\d.]+) tok/s · "
-                   r"TTFT \d+ ms · up [\d.]+ KiB, down [\d.]+ KiB · context (\d+) tokens · (\w+)\]\r\n")
+STATS = re.compile(
+    r"\r\n\[(\d+) tokens in (\d+) round trips · ([\d.]+) tokens/round trip · ([\d.]+) tok/s · "
+    r"TTFT \d+ ms · up [\d.]+ KiB, down [\d.]+ KiB · context (\d+) tokens · (\w+)\]\r\n"
+)
 
 
 def ask(child, line):
@@ -26,10 +28,29 @@ def ask(child, line):
 
 def test_two_turn_chat(bundled_split, bundled_server):
     n = 10
-    child = pexpect.spawn(sys.executable, ["-m", "splitlm", "chat", "--edge", str(bundled_split / "edge"), "--cloud",
-                                           bundled_server.url, "--max-new-tokens", str(n), "--wire-dtype", "fp32",
-                                           "--spec", "ngram", "--threads", "1"],
-                          encoding="utf-8", timeout=120, dimensions=(50, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "splitlm",
+            "chat",
+            "--edge",
+            str(bundled_split / "edge"),
+            "--cloud",
+            bundled_server.url,
+            "--max-new-tokens",
+            str(n),
+            "--wire-dtype",
+            "fp32",
+            "--spec",
+            "ngram",
+            "--threads",
+            "1",
+        ],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(50, 200),
+    )
     try:
         first, t1, rt1, c1, mode = ask(child, "What is the capital of France?")
         second, t2, rt2, c2, _ = ask(child, "And of Italy?")

@@ -33,8 +33,9 @@ def test_a_dtype_outside_the_choices_is_refused(command, capsys):
 def test_bench_and_demo_take_both_sides(monkeypatch):
     from splitlm.cli.bench import config_from_args
 
-    args = build_parser().parse_args(["bench", "--device", "cpu", "--dtype", "fp32", "--cloud-device", "cpu",
-                                      "--cloud-dtype", "bf16"])
+    args = build_parser().parse_args(
+        ["bench", "--device", "cpu", "--dtype", "fp32", "--cloud-device", "cpu", "--cloud-dtype", "bf16"]
+    )
     config = config_from_args(args)
     assert (config.device, config.dtype, config.cloud_device, config.cloud_dtype) == ("cpu", "fp32", "cpu", "bf16")
     seen = {}
@@ -69,8 +70,27 @@ def test_serve_cloud_on_a_missing_device_fails_clearly(tiny_split):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_generate_runs_the_edge_in_the_dtype_asked_for(bundled_split, bundled_server, capsys, dtype):
-    assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt",
-                 "The capital of France is", "--max-new-tokens", "6", "--json", "--device", "cpu", "--dtype", dtype]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--edge",
+                str(bundled_split / "edge"),
+                "--cloud",
+                bundled_server.url,
+                "--prompt",
+                "The capital of France is",
+                "--max-new-tokens",
+                "6",
+                "--json",
+                "--device",
+                "cpu",
+                "--dtype",
+                dtype,
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["edge"] == {"device": "cpu", "dtype": dtype}
     assert out["stats"]["new_tokens"] >= 1 and out["text"].strip()
@@ -78,6 +98,20 @@ def test_generate_runs_the_edge_in_the_dtype_asked_for(bundled_split, bundled_se
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
 def test_generate_on_a_missing_device_fails_clearly(tiny_split, tiny_server, capsys):
-    assert main(["generate", "--edge", str(tiny_split / "edge"), "--cloud", tiny_server.url, "--prompt", "x",
-                 "--device", "cuda:1"]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--edge",
+                str(tiny_split / "edge"),
+                "--cloud",
+                tiny_server.url,
+                "--prompt",
+                "x",
+                "--device",
+                "cuda:1",
+            ]
+        )
+        == 1
+    )
     assert "--device cuda:1: no CUDA device is available" in capsys.readouterr().err

@@ -19,13 +19,16 @@ from splitlm.cloud.local import free_port
 from splitlm.cloud.server import BackgroundServer
 from splitlm.model.shards import split_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def run_cli(*args, stdin: str | None = None, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "splitlm", *args], capture_output=True, text=True, timeout=timeout,
-                          input=stdin)
+    return subprocess.run(
+        [sys.executable, "-m", "splitlm", *args], capture_output=True, text=True, timeout=timeout, input=stdin
+    )
 
 
 def one_line_error(proc, needle: str, status: int | None = None) -> str:
@@ -68,10 +71,12 @@ def damaged_copy(split, tmp_path, role: str, damage) -> str:
 
 # --- the listed cases --------------------------------------------------------------------------
 
+
 def test_truncated_weights(text_split, text_server, tmp_path):
     edge = damaged_copy(text_split, tmp_path, "edge", lambda b: b[: len(b) // 2])
-    one_line_error(run_cli("generate", "--edge", edge, "--cloud", text_server.url, "--prompt", "hi"),
-                   "checksum mismatch", 1)
+    one_line_error(
+        run_cli("generate", "--edge", edge, "--cloud", text_server.url, "--prompt", "hi"), "checksum mismatch", 1
+    )
 
 
 def test_weights_changed_in_place_fail_their_checksum(text_split, tmp_path):
@@ -83,8 +88,11 @@ def test_broken_manifest_names_the_file(text_split, text_server, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(text_split, copy)
     (copy / "edge" / "manifest.json").write_text('{"role": "edge", ')
-    line = one_line_error(run_cli("generate", "--edge", str(copy / "edge"), "--cloud", text_server.url,
-                                  "--prompt", "hi"), "manifest.json", 1)
+    line = one_line_error(
+        run_cli("generate", "--edge", str(copy / "edge"), "--cloud", text_server.url, "--prompt", "hi"),
+        "manifest.json",
+        1,
+    )
     assert str(copy / "edge" / "manifest.json") in line
 
 
@@ -95,8 +103,20 @@ def test_serve_cloud_bad_port(text_split, port):
 
 def test_a_prompt_too_long_is_refused_before_anything_is_sent(text_split, text_server):
     before = round_trips(text_server)
-    line = one_line_error(run_cli("generate", "--edge", str(text_split / "edge"), "--cloud", text_server.url,
-                                  "--prompt", "x" * 600, "--no-chat"), "context holds 512", 1)
+    line = one_line_error(
+        run_cli(
+            "generate",
+            "--edge",
+            str(text_split / "edge"),
+            "--cloud",
+            text_server.url,
+            "--prompt",
+            "x" * 600,
+            "--no-chat",
+        ),
+        "context holds 512",
+        1,
+    )
     assert "600 tokens" in line
     assert round_trips(text_server) == before  # nothing reached the cloud's layers
 
@@ -106,22 +126,57 @@ def test_serve_edge_on_a_busy_port(text_split, text_server):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = run_cli("serve-edge", "--edge", str(text_split / "edge"), "--cloud", text_server.url,
-                       "--port", str(port), "--spec", "none")
+        proc = run_cli(
+            "serve-edge",
+            "--edge",
+            str(text_split / "edge"),
+            "--cloud",
+            text_server.url,
+            "--port",
+            str(port),
+            "--spec",
+            "none",
+        )
     one_line_error(proc, f"cannot listen on 127.0.0.1:{port}", 1)
     assert "serving" not in proc.stderr
 
 
 def test_missing_prompt_file(text_split, text_server, tmp_path):
-    one_line_error(run_cli("generate", "--edge", str(text_split / "edge"), "--cloud", text_server.url,
-                           "--prompt-file", str(tmp_path / "nope.txt")), "nope.txt", 1)
+    one_line_error(
+        run_cli(
+            "generate",
+            "--edge",
+            str(text_split / "edge"),
+            "--cloud",
+            text_server.url,
+            "--prompt-file",
+            str(tmp_path / "nope.txt"),
+        ),
+        "nope.txt",
+        1,
+    )
 
 
 # --- no surprises ------------------------------------------------------------------------------
 
+
 def generate_json(split, server, *args, stdin=None) -> dict:
-    proc = run_cli("generate", "--edge", str(split / "edge"), "--cloud", server.url, "--max-new-tokens", "4",
-                   "--json", "--spec", "none", "--wire-dtype", "fp32", *args, stdin=stdin)
+    proc = run_cli(
+        "generate",
+        "--edge",
+        str(split / "edge"),
+        "--cloud",
+        server.url,
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--spec",
+        "none",
+        "--wire-dtype",
+        "fp32",
+        *args,
+        stdin=stdin,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -140,8 +195,18 @@ def test_prompt_from_stdin_or_a_file_and_chat_by_default(text_split, text_server
 
 
 def test_chat_commands_and_piped_input(text_split, text_server):
-    proc = run_cli("chat", "--edge", str(text_split / "edge"), "--cloud", text_server.url, "--max-new-tokens", "3",
-                   "--spec", "none", stdin="/foo\n/help\nhello\n/exit\n")
+    proc = run_cli(
+        "chat",
+        "--edge",
+        str(text_split / "edge"),
+        "--cloud",
+        text_server.url,
+        "--max-new-tokens",
+        "3",
+        "--spec",
+        "none",
+        stdin="/foo\n/help\nhello\n/exit\n",
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "[unknown command /foo;" in out and "/revoke" in out.split("[unknown command")[1]
@@ -152,9 +217,26 @@ def test_chat_commands_and_piped_input(text_split, text_server):
 def test_serve_edge_logs_requests_and_reports_the_cloud(text_split, tmp_path):
     port, log = free_port(), tmp_path / "stderr.txt"
     with BackgroundServer(text_split / "cloud") as server, open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-edge", "--edge", str(text_split / "edge"),
-                                 "--cloud", server.url, "--port", str(port), "--spec", "none", "--model-name", "tiny"],
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitlm",
+                "serve-edge",
+                "--edge",
+                str(text_split / "edge"),
+                "--cloud",
+                server.url,
+                "--port",
+                str(port),
+                "--spec",
+                "none",
+                "--model-name",
+                "tiny",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
         try:
             health = None
             for _ in range(300):
@@ -167,8 +249,9 @@ def test_serve_edge_logs_requests_and_reports_the_cloud(text_split, tmp_path):
             assert health is not None and health["status"] == "ok" and health["cloud"]["status"] == "ok"
             assert health["cloud"]["fingerprint"] == server.server.manifest.fingerprint
             body = json.dumps({"model": "tiny", "prompt": "secret words", "max_tokens": 2, "temperature": 0})
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
-                                             {"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=30) as r:
                 assert r.status == 200
             server.__exit__(None, None, None)  # the cloud goes away; the edge stays up
@@ -208,26 +291,29 @@ def test_every_flag_has_help_with_its_default():
     assert os.environ.get("SPLITLM_QUIET") in (None, "")  # building the parser changes nothing
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "abc"], "--rtt-ms"),
-    (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "-1"], "--rtt-ms"),
-    (["generate", "--edge", "e", "--prompt", "hi", "--failover-timeout", "0"], "--failover-timeout"),
-    (["generate", "--edge", "e", "--prompt", "hi", "--ping-interval", "-1"], "--ping-interval"),
-    (["serve-cloud", "--shard", "c", "--ping-interval", "inf"], "--ping-interval"),
-    (["train-head", "--edge", "e", "--minutes", "-1"], "--minutes"),
-    (["loadtest", "--seconds", "0"], "--seconds"),
-    (["harden", "--lr", "nan", "--out", "o"], "--lr"),
-    (["bench", "--jitter-ms", "-1"], "--jitter-ms"),
-    (["bench", "--mbps", "0"], "--mbps"),
-    (["serve-cloud", "--shard", "c", "--idle-timeout", "-5"], "--idle-timeout"),
-    (["serve-edge", "--edge", "e", "--prefix-pool-ttl", "-1"], "--prefix-pool-ttl"),
-    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (["bench", "--limit", "x"], "--limit"),
-    (["bench", "--head", "0"], "--head"),
-    (["bench", "--prefill", "--repeats", "0"], "--repeats"),
-    (["loadtest", "--max-batch", "0"], "--max-batch"),
-    (["loadtest", "--tail", "-1"], "--tail"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "abc"], "--rtt-ms"),
+        (["wan", "--upstream", "127.0.0.1:1", "--rtt-ms", "-1"], "--rtt-ms"),
+        (["generate", "--edge", "e", "--prompt", "hi", "--failover-timeout", "0"], "--failover-timeout"),
+        (["generate", "--edge", "e", "--prompt", "hi", "--ping-interval", "-1"], "--ping-interval"),
+        (["serve-cloud", "--shard", "c", "--ping-interval", "inf"], "--ping-interval"),
+        (["train-head", "--edge", "e", "--minutes", "-1"], "--minutes"),
+        (["loadtest", "--seconds", "0"], "--seconds"),
+        (["harden", "--lr", "nan", "--out", "o"], "--lr"),
+        (["bench", "--jitter-ms", "-1"], "--jitter-ms"),
+        (["bench", "--mbps", "0"], "--mbps"),
+        (["serve-cloud", "--shard", "c", "--idle-timeout", "-5"], "--idle-timeout"),
+        (["serve-edge", "--edge", "e", "--prefix-pool-ttl", "-1"], "--prefix-pool-ttl"),
+        (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["bench", "--limit", "x"], "--limit"),
+        (["bench", "--head", "0"], "--head"),
+        (["bench", "--prefill", "--repeats", "0"], "--repeats"),
+        (["loadtest", "--max-batch", "0"], "--max-batch"),
+        (["loadtest", "--tail", "-1"], "--tail"),
+    ],
+)
 def test_a_bad_number_is_refused_by_the_parser(argv, flag, capsys):
     """Out-of-range durations, rates and sizes stop at the parser with the flag named, before any work."""
     from splitlm.cli import build_parser

@@ -41,8 +41,11 @@ def family_questions(tree: ast.AST) -> list[str]:
         elif isinstance(node, ast.Attribute):
             words = [node.attr]
         elif isinstance(node, ast.Compare):
-            words = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)
-                     and isinstance(c.value, str)]
+            words = [
+                c.value
+                for c in [node.left, *node.comparators]
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            ]
         found += [w for w in words if any(f in w.lower() for f in FAMILY_WORDS)]
     return found
 

@@ -1,4 +1,5 @@
 """The README stays short and every relative link in it and in docs/ resolves (files and #anchors)."""
+
 import re
 from pathlib import Path
 

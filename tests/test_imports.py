@@ -1,6 +1,8 @@
 """The package's import graph has no cycles: no module imports (at the top or inside a function)
 one that imports it back, directly or through others. And the layering of the developer guide holds
-where it is cheapest to check: `model` imports nothing else of ours (but the progress bars), the edge never imports cloud/."""
+where it is cheapest to check: `model` imports nothing else of ours (but the progress bars), the edge never
+imports cloud/."""
+
 import ast
 from pathlib import Path
 
@@ -95,4 +97,7 @@ def test_layering():
         if name.startswith("splitlm.edge"):
             assert not any(t.startswith("splitlm.cloud") for t in targets), (name, targets)
         if not name.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench", "splitlm.__main__")):
-            assert not any(t.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench")) for t in targets), (name, targets)
+            assert not any(t.startswith(("splitlm.cli", "splitlm.demo", "splitlm.bench")) for t in targets), (
+                name,
+                targets,
+            )

@@ -1,5 +1,6 @@
 """Both servers' metrics come from prometheus_client registries of their own, and docs/api.md names
 exactly the metrics they export."""
+
 import re
 from pathlib import Path
 from types import SimpleNamespace

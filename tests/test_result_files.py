@@ -40,7 +40,10 @@ def test_two_runs_in_the_same_second_get_distinct_names(tmp_path):
     second = write_json(suffixed(result_base(tmp_path, "bench", time_stamp(created)), ".json"), {"run": 2})
     third = suffixed(result_base(tmp_path, "bench", time_stamp(created)), ".json")
     assert [first.name, second.name, third.name] == [
-        "bench-20250102-030405.json", "bench-20250102-030405-2.json", "bench-20250102-030405-3.json"]
+        "bench-20250102-030405.json",
+        "bench-20250102-030405-2.json",
+        "bench-20250102-030405-3.json",
+    ]
     assert json.loads(first.read_text()) == {"run": 1} and json.loads(second.read_text()) == {"run": 2}
 
 
@@ -55,11 +58,20 @@ def test_write_result_writes_json_plots_markdown_and_the_latest_copy(tmp_path):
         png.write_bytes(b"png")
         return [png]
 
-    written = write_result(tmp_path / "out", "bench", {"run": 1}, stamp="20250102-030405", plots=plots,
-                           markdown=lambda pngs: "# report\n" + "".join(f"![x]({p.name})\n" for p in pngs),
-                           latest="results.json")
+    written = write_result(
+        tmp_path / "out",
+        "bench",
+        {"run": 1},
+        stamp="20250102-030405",
+        plots=plots,
+        markdown=lambda pngs: "# report\n" + "".join(f"![x]({p.name})\n" for p in pngs),
+        latest="results.json",
+    )
     assert [p.name for p in written.paths] == [
-        "bench-20250102-030405.json", "bench-20250102-030405.md", "bench-20250102-030405-overview.png"]
+        "bench-20250102-030405.json",
+        "bench-20250102-030405.md",
+        "bench-20250102-030405-overview.png",
+    ]
     assert written.markdown.read_text() == "# report\n![x](bench-20250102-030405-overview.png)\n"
     assert without_provenance(tmp_path / "out" / "results.json") == {"run": 1}
 
@@ -86,8 +98,13 @@ def test_a_result_records_commit_heads_machine_load_and_command(tmp_path):
     code = prov["code"]
     assert len(code["commit"]) == 40 and isinstance(code["dirty"], bool)  # this checkout
     assert code["dirty"] == bool(code["dirty_files"])
-    assert prov["draft_heads"] == [{"path": str(head.resolve()), "sha256": hashlib.sha256(b"weights").hexdigest(),
-                                    "report": str(head.with_suffix(".json").resolve())}]
+    assert prov["draft_heads"] == [
+        {
+            "path": str(head.resolve()),
+            "sha256": hashlib.sha256(b"weights").hexdigest(),
+            "report": str(head.with_suffix(".json").resolve()),
+        }
+    ]
     assert prov["machine"]["cpu"] and prov["machine"]["cores"] == os.cpu_count()
     assert prov["torch_threads"] == torch.get_num_threads()
     assert len(prov["load_avg"]["start"]) == len(prov["load_avg"]["end"]) == 3
@@ -107,8 +124,9 @@ def test_a_result_records_the_code_as_its_run_started(monkeypatch):
 
 
 def git(repo, *args):
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True
+    )
 
 
 def test_a_dirty_tree_is_flagged(tmp_path, monkeypatch):
@@ -142,6 +160,8 @@ def test_benchmark_scripts_write_through_write_result(writer):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    source = {"failover": root / "src" / "splitlm" / "bench" / "failover.py",
-              "scale-out": root / "benchmarks" / "scale_out_capacity.py"}[writer].read_text()
+    source = {
+        "failover": root / "src" / "splitlm" / "bench" / "failover.py",
+        "scale-out": root / "benchmarks" / "scale_out_capacity.py",
+    }[writer].read_text()
     assert "write_result(" in source and "begin_run(" in source and "json.dump(" not in source

@@ -47,8 +47,10 @@ def is_cited(name: str, text: str, names: set[str]) -> bool:
 
 
 def test_the_citation_rule_reads_names_and_paths():
-    text = "see bench-20261202-111001 and (loadtest-2026-12-01T110451), benchmarks/results/failover.json, " \
-           "[x](../benchmarks/audit/report.md); not bench-2026120-1; prebench-20261202-1110019"
+    text = (
+        "see bench-20261202-111001 and (loadtest-2026-12-01T110451), benchmarks/results/failover.json, "
+        "[x](../benchmarks/audit/report.md); not bench-2026120-1; prebench-20261202-1110019"
+    )
     names = cited_names(text)
     assert names == {"bench-20261202-111001", "loadtest-2026-12-01T110451"}
     assert is_cited("benchmarks/results/failover.json", text, names)

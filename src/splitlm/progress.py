@@ -41,12 +41,12 @@ def shown() -> bool:
     return not is_quiet() and sys.stderr.isatty()
 
 
-def bar(total: float | None = None, desc: str = "", unit: str = "it", *, unit_bytes: bool = False,
-        leave: bool = False) -> tqdm:
+def bar(
+    total: float | None = None, desc: str = "", unit: str = "it", *, unit_bytes: bool = False, leave: bool = False
+) -> tqdm:
     """A tqdm bar (a no-op object when not shown); use as a context manager, `.update(n)`."""
     scale = dict(unit="B", unit_scale=True, unit_divisor=1024) if unit_bytes else dict(unit=unit)
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not shown(), leave=leave, dynamic_ncols=True,
-                **scale)
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not shown(), leave=leave, dynamic_ncols=True, **scale)
 
 
 def track(items: Iterable[T], desc: str = "", total: int | None = None, unit: str = "it") -> Iterator[T]:

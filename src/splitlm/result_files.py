@@ -90,8 +90,11 @@ def file_digest(path: str | Path) -> str:
 def head_entry(path: Path) -> dict:
     """A draft head as a result records it: its path, SHA-256 and training report (next to it, if any)."""
     report = path.with_suffix(".json")
-    return {"path": str(path), "sha256": file_digest(path) if path.is_file() else None,
-            "report": str(report) if report.is_file() else None}
+    return {
+        "path": str(path),
+        "sha256": file_digest(path) if path.is_file() else None,
+        "report": str(report) if report.is_file() else None,
+    }
 
 
 def git(*args: str) -> str | None:
@@ -134,8 +137,8 @@ def torch_threads() -> int | None:
 
 
 def provenance(heads: list[str | Path] | None = None) -> dict:
-    """What produced a result: code (commit, dirty; as the run started), draft heads (`heads` and those noted by the loader),
-    machine, torch threads, load average at the start (`begin_run`; None if no start was noted) and now,
+    """What produced a result: code (commit, dirty; as the run started), draft heads (`heads` and those noted by the
+    loader), machine, torch threads, load average at the start (`begin_run`; None if no start was noted) and now,
     and the command."""
     start: RunStart | None = _run["start"]
     argv = start.argv if start else list(sys.argv)
@@ -144,8 +147,12 @@ def provenance(heads: list[str | Path] | None = None) -> dict:
         "schema": PROVENANCE_SCHEMA,
         "code": start.code if start and start.code else code_state(),
         "draft_heads": [head_entry(p) for p in paths.values()],
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "torch_threads": torch_threads(),
         "load_avg": {"start": start.load_avg if start else None, "end": load_average()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start.time)) if start else None,
@@ -204,10 +211,18 @@ def write_json(path: str | Path, doc: dict) -> Path:
     return path
 
 
-def write_result(out: str | Path, kind: str, doc: dict, *, stamp: str | None = None,
-                 markdown: str | Callable[[list[Path]], str] | None = None, markdown_name: str | None = None,
-                 plots: Callable[[Path], list[Path]] | None = None, latest: str | None = None,
-                 heads: list[str | Path] | None = None) -> Written:
+def write_result(
+    out: str | Path,
+    kind: str,
+    doc: dict,
+    *,
+    stamp: str | None = None,
+    markdown: str | Callable[[list[Path]], str] | None = None,
+    markdown_name: str | None = None,
+    plots: Callable[[Path], list[Path]] | None = None,
+    latest: str | None = None,
+    heads: list[str | Path] | None = None,
+) -> Written:
     """Write one run's result: `<base>.json`, then the plots (`plots(base)` writes them and returns
     their paths), then the Markdown report (a text, or made from the plots' paths) at `<base>.md`
     (or `out/<markdown_name>`), and a copy of the JSON as `out/<latest>`. `base` is `out/<kind>-<stamp>`

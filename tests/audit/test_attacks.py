@@ -19,8 +19,9 @@ from splitlm.audit.views import SplitView, batched
 @pytest.fixture(scope="module")
 def corpus(audit_model, audit_docs):
     model, encode = audit_model
-    return build_corpus(audit_docs, encode, model.cfg.vocab_size, seq_len=16, max_train_tokens=4096,
-                        max_eval_tokens=256)
+    return build_corpus(
+        audit_docs, encode, model.cfg.vocab_size, seq_len=16, max_train_tokens=4096, max_eval_tokens=256
+    )
 
 
 def test_corpus_splits_by_document():
@@ -71,8 +72,12 @@ def test_whitebox_recovers_an_undefended_tiny_model(audit_model, corpus):
     # candidates from the cheap attacks: the truth is not handed to the search
     h_train = batched(view.up, corpus.train).flatten(0, 1)
     probe = LinearProbe(h_train, corpus.train.flatten(), model.embed_tokens.weight)
-    cands = merge_candidates([probe.rank(up.flatten(0, 1), 48), rank_lens(up.flatten(0, 1), model, 48)],
-                             corpus.frequent(48), 48, truth.numel())  # 48 of the 256 tokens per position
+    cands = merge_candidates(
+        [probe.rank(up.flatten(0, 1), 48), rank_lens(up.flatten(0, 1), model, 48)],
+        corpus.frequent(48),
+        48,
+        truth.numel(),
+    )  # 48 of the 256 tokens per position
     ranked = whitebox(view.public_head, view.embed, up, cands.view(8, 16, -1))
     r = recovery(ranked, truth)
     assert r["top1"] >= 0.95

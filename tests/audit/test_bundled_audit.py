@@ -12,8 +12,9 @@ def test_whitebox_reads_the_bundled_model_uplink():
     from splitlm.audit.run import load_for_audit
 
     model, encode, _ = load_for_audit("default")
-    corpus = build_corpus(default_documents(), encode, model.cfg.vocab_size, seq_len=16, max_train_tokens=8192,
-                          max_eval_tokens=64)
+    corpus = build_corpus(
+        default_documents(), encode, model.cfg.vocab_size, seq_len=16, max_train_tokens=8192, max_eval_tokens=64
+    )
     view = SplitView(model, 2, 2)
     probe = LinearProbe(batched(view.up, corpus.train).flatten(0, 1), corpus.train.flatten(), model.embed_tokens.weight)
     truth = corpus.held_out  # [4, 16]

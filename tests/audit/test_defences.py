@@ -12,7 +12,12 @@ from splitlm.audit.views import SplitView, batched
 
 def test_parse_defences():
     assert [d.name for d in parse_defences("none, noise:0.5,quant:4,harden,harden:7,none")] == [
-        "none", "noise:0.5", "quant:4", "harden", "harden:7"]
+        "none",
+        "noise:0.5",
+        "quant:4",
+        "harden",
+        "harden:7",
+    ]
     for bad in ("noise", "noise:-1", "quant:1", "quant:x", "blur:3", "harden:-2", "none:1"):
         with pytest.raises(SplitLMError, match="unknown defence"):
             parse_defence(bad)
@@ -46,19 +51,44 @@ def test_harden_moves_the_uplink_and_keeps_the_other_weights(audit_model, audit_
     assert moved > 0.1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # public weights untouched
     names = set(head_state(result.head))
-    assert names == {"model." + k[len("stack."):] for k in before if k.startswith(("stack.layers.0.", "stack.layers.1."))}
+    assert names == {
+        "model." + k[len("stack.") :] for k in before if k.startswith(("stack.layers.0.", "stack.layers.1."))
+    }
 
 
 def test_audit_rows_adaptive_attackers_and_output_leakage(audit_model, audit_docs):
     model, encode = audit_model
-    config = AuditConfig(heads=[1, 2], tail=2, defences=parse_defences("none,noise:2"), seq_len=16,
-                         max_train_tokens=4096, max_eval_tokens=256, whitebox_tokens=128, down_whitebox_tokens=32,
-                         candidates=48, probe_epochs=1, output_prompts=2, output_tokens=16, output_tails=[1, 2])
+    config = AuditConfig(
+        heads=[1, 2],
+        tail=2,
+        defences=parse_defences("none,noise:2"),
+        seq_len=16,
+        max_train_tokens=4096,
+        max_eval_tokens=256,
+        whitebox_tokens=128,
+        down_whitebox_tokens=32,
+        candidates=48,
+        probe_epochs=1,
+        output_prompts=2,
+        output_tokens=16,
+        output_tails=[1, 2],
+    )
     doc = run_audit(model, encode, audit_docs, config)
     rows = doc["rows"]
     attacks = {r["attack"] for r in rows}
-    assert {"freq", "nn", "lens", "probe-linear", "probe-mlp", "whitebox", "down-nn", "down-lens",
-            "down-lens-next", "down-whitebox", "tail-output"} <= attacks
+    assert {
+        "freq",
+        "nn",
+        "lens",
+        "probe-linear",
+        "probe-mlp",
+        "whitebox",
+        "down-nn",
+        "down-lens",
+        "down-lens-next",
+        "down-whitebox",
+        "tail-output",
+    } <= attacks
     for r in rows:
         assert {"head", "attack", "defence", "attacker", "top1", "top5"} <= set(r)
         assert 0.0 <= r["top1"] <= r["top5"] <= 1.0
@@ -67,15 +97,20 @@ def test_audit_rows_adaptive_attackers_and_output_leakage(audit_model, audit_doc
     assert not any(r["attacker"] == "adaptive" for r in rows if r["defence"] == "none")
 
     def top1(k, attack, defence, who="fixed"):
-        return next(r["top1"] for r in rows
-                    if (r["head"], r["attack"], r["defence"], r["attacker"]) == (k, attack, defence, who))
+        return next(
+            r["top1"]
+            for r in rows
+            if (r["head"], r["attack"], r["defence"], r["attacker"]) == (k, attack, defence, who)
+        )
+
     for k in (1, 2):
         assert top1(k, "whitebox", "none") >= 0.95
         assert top1(k, "whitebox", "noise:2") < top1(k, "whitebox", "none") - 0.3
         # the attacker that reruns the noise on its own activations does at least as well with its best attack
         # (linear probe trained on its own noisy activations, or the white-box search scored by the noise's likelihood)
-        assert max(top1(k, a, "noise:2", "adaptive") for a in ("probe-linear", "whitebox")) >= \
-            max(top1(k, a, "noise:2") for a in ("probe-linear", "whitebox"))
+        assert max(top1(k, a, "noise:2", "adaptive") for a in ("probe-linear", "whitebox")) >= max(
+            top1(k, a, "noise:2") for a in ("probe-linear", "whitebox")
+        )
         # with the public tail the cloud reads the edge's next-token choice, noise or not
         assert top1(k, "tail-output", "none") == top1(k, "tail-output", "noise:2") == 1.0
     q = {(x["head"], x["defence"]): x for x in doc["quality"]}

@@ -23,13 +23,15 @@ def test_the_public_tail_reads_every_output_and_generated_token(audit_model, tra
     model, _ = audit_model
     assert all(len(t.generated) == 20 for t in traces) and any(len(s.ids) > 1 for t in traces for s in t.steps[1:])
     for t in traces:  # the recorded rows are what the model computed: the edge's outputs are the generated tokens
-        assert [t.steps[0].out[-1]] + [s.out[r] for s in t.steps[1:-1] for r in s.keep] == \
-            t.generated[:len(t.generated) - len(t.steps[-1].keep)]
+        assert [t.steps[0].out[-1]] + [s.out[r] for s in t.steps[1:-1] for r in s.keep] == t.generated[
+            : len(t.generated) - len(t.steps[-1].keep)
+        ]
         assert cloud_outputs(model, t, 2) == [s.out for s in t.steps]
 
     class NoProbe:  # a probe that never names a token: generated text must come from the downlink
         def rank(self, h, k):
             return torch.full((h.shape[0], k), -1)
+
     rows = output_leakage(model, traces, [1], [1, 2], {1: NoProbe()})
     for m in (1, 2):
         gen = next(r for r in rows if r["kind"] == "generated" and r["tail"] == m)
@@ -59,11 +61,21 @@ def test_metadata_counts_and_classifies_step_shapes():
         t = Trace(label, [5] * 4, steps=[Step([5] * 4, [0, 1, 2, 3], None, [7] * 4, {}, True)])
         pos = 4
         for a in accepted:
-            t.steps.append(Step([7] * (a + 2), list(range(pos, pos + a + 2)), None, [7] * (a + 2), {}, False,
-                                keep=list(range(a + 1))))
+            t.steps.append(
+                Step(
+                    [7] * (a + 2),
+                    list(range(pos, pos + a + 2)),
+                    None,
+                    [7] * (a + 2),
+                    {},
+                    False,
+                    keep=list(range(a + 1)),
+                )
+            )
             pos += a + 1
         t.generated = [7] * (1 + sum(a + 1 for a in accepted))
         return t
+
     traces = [trace("code", [3, 2, 3, 0]) for _ in range(4)] + [trace("prose", [0, 0, 1, 0, 0, 0]) for _ in range(4)]
     assert known_count(traces[0]) == 1 + 4 + 3 + 4 + 1 == len(traces[0].generated)  # the last step accepted nothing
     assert classify(traces, ["mean_accepted", "accept_rate"]) == 1.0

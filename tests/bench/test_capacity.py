@@ -19,13 +19,16 @@ from splitlm.transport.client import CloudClient
 
 @pytest.fixture(scope="module")
 def recorded(tiny_split, tmp_path_factory):
-    """(trace of 3 tiny-model generations with --spec auto, its file, the server's forwards and tokens while recording)."""
+    """(trace of 3 tiny-model generations with --spec auto, its file, the server's forwards and tokens while
+    recording)."""
     from splitlm.cloud.server import BackgroundServer
 
     edge_dir = tiny_split / "edge"
     prompts = prompt_ids(edge_dir, "", 256)[:3]
-    with BackgroundServer(tiny_split / "cloud") as server, \
-            Edge(edge_dir, server.url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge:
+    with (
+        BackgroundServer(tiny_split / "cloud") as server,
+        Edge(edge_dir, server.url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge,
+    ):
         stats = server.server.stats
         before = (stats.forwards, stats.tokens)
         trace = record_trace(edge, prompts, as_spec("auto"), 10, 0.0)
@@ -72,8 +75,16 @@ def test_virtual_edges_replay_the_recorded_pass_shapes(tiny_split, recorded):
 
 def test_a_two_point_capacity_curve(tiny_split, recorded, tmp_path):
     _, path, _ = recorded
-    config = CapacityConfig(sessions=[1, 3], rtt_ms=20, seconds=1.0, warmup_s=0.3, max_batch=4,
-                            edge=str(tiny_split / "edge"), trace=str(path), out=str(tmp_path))
+    config = CapacityConfig(
+        sessions=[1, 3],
+        rtt_ms=20,
+        seconds=1.0,
+        warmup_s=0.3,
+        max_batch=4,
+        edge=str(tiny_split / "edge"),
+        trace=str(path),
+        out=str(tmp_path),
+    )
     doc = run_capacity(config)
     assert doc["schema"] == "splitlm.capacity/1" and [p["sessions"] for p in doc["curve"]] == [1, 3]
     for point in doc["curve"]:

@@ -13,8 +13,17 @@ def test_percentile():
 
 
 def test_loadtest_batched_and_baseline(tiny_split):
-    doc = run_loadtest(LoadConfig(sessions=3, max_new_tokens=6, rtt_ms=20, max_batch=4, prefill_tokens=40, prefill_chunk=16,
-                                  edge=str(tiny_split / "edge")))
+    doc = run_loadtest(
+        LoadConfig(
+            sessions=3,
+            max_new_tokens=6,
+            rtt_ms=20,
+            max_batch=4,
+            prefill_tokens=40,
+            prefill_chunk=16,
+            edge=str(tiny_split / "edge"),
+        )
+    )
     batched, single = doc["configurations"]
     assert (batched["name"], single["name"]) == ("batched", "max-batch-1")
     assert single["cloud_args"][:4] == ["--max-batch", "1", "--prefill-chunk", "16"]
@@ -26,8 +35,15 @@ def test_loadtest_batched_and_baseline(tiny_split):
         p = r["prefill_interference"]
         assert p["prefill_tokens"] == 40 and p["prefill_error"] is None and p["errors"] == 0
         assert p["chunk_tokens"] == 16 and p["chunk_compute_ms"] > 0
-    for key in ("sessions", "aggregate_tok_s", "per_session_tok_s", "step_latency_ms", "ttft_s", "errors",
-                "identical_outputs"):
+    for key in (
+        "sessions",
+        "aggregate_tok_s",
+        "per_session_tok_s",
+        "step_latency_ms",
+        "ttft_s",
+        "errors",
+        "identical_outputs",
+    ):
         assert doc[key] == batched[key], key
     assert doc["speedup"] > 0
     assert "| batched | 3 |" in markdown(doc)
@@ -35,9 +51,26 @@ def test_loadtest_batched_and_baseline(tiny_split):
 
 def test_loadtest_against_a_running_cloud_prints_json(tiny_split, tmp_path, capsys):
     with BackgroundServer(tiny_split / "cloud") as server:
-        rc = main(["loadtest", "--edge", str(tiny_split / "edge"), "--cloud", server.url, "--sessions", "2",
-                   "--max-new-tokens", "3", "--rtt-ms", "10", "--prefill-tokens", "0", "--out", str(tmp_path),
-                   "--json"])
+        rc = main(
+            [
+                "loadtest",
+                "--edge",
+                str(tiny_split / "edge"),
+                "--cloud",
+                server.url,
+                "--sessions",
+                "2",
+                "--max-new-tokens",
+                "3",
+                "--rtt-ms",
+                "10",
+                "--prefill-tokens",
+                "0",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == "splitlm.loadtest/1" and doc["identical_outputs"] == 2 and doc["errors"] == 0

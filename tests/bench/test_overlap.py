@@ -21,7 +21,10 @@ def index() -> WarmupIndex:
 
 
 def test_a_request_is_its_user_turn():
-    chat = "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n"
+    chat = (
+        "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\n"
+        "Name a colour.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert request_text(chat) == "Name a colour." and request_text("def f():\n") == "def f():\n"
 
 
@@ -31,8 +34,17 @@ def test_near_twins_of_warmup_requests_are_found(index):
     assert exact.score == 1.0 and "palindrome" in exact.request
     assert index.nearest("p", "Write a Python function that checks if a string is a palindrome!").score >= NEAR_TWIN
     assert index.nearest("p", "Why is the sky blue at noon but red at sunset?").score < NEAR_TWIN
-    report = markdown([index.check("set", [("twin", "write a python function that checks whether a string is a "
-                                                   "palindrome"), ("other", "Describe a quiet harbour at dawn.")])])
+    report = markdown(
+        [
+            index.check(
+                "set",
+                [
+                    ("twin", "write a python function that checks whether a string is a palindrome"),
+                    ("other", "Describe a quiet harbour at dawn."),
+                ],
+            )
+        ]
+    )
     assert "| set | 2 | 1 | 0 | 1.00 |" in report and "| twin | 1.00 |" in report
 
 

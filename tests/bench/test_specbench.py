@@ -41,8 +41,9 @@ def test_the_reader_maps_mt_bench_and_selects_evenly_spaced_questions(tmp_path):
     mt = [q for q in chosen if q.category == "mt_bench"]
     assert Counter(q.subcategory for q in mt) == dict.fromkeys(specbench.MT_BENCH, 2)  # stratified
     assert [q.question_id for q in mt][:3] == [81, 86, 91]  # positions 0, 5, 10 of 80, by question_id
-    assert specbench.select(questions, ["qa", "rag"], 3) == \
-        [q for q in specbench.select(questions, per_category=3) if q.category in ("qa", "rag")]
+    assert specbench.select(questions, ["qa", "rag"], 3) == [
+        q for q in specbench.select(questions, per_category=3) if q.category in ("qa", "rag")
+    ]
     with pytest.raises(SplitLMError, match="no question in poetry"):
         specbench.select(questions, ["poetry"])
 
@@ -58,8 +59,13 @@ def test_a_mode_cap_runs_the_same_questions_as_the_smaller_subset(tmp_path):
 def test_second_turns_follow_their_first_with_its_answer(tmp_path):
     prompts = specbench.load_spec_bench(write_questions(tmp_path / "q.jsonl", 1), ["mt_bench", "qa"], 2)
     assert [(p.id, p.follows) for p in prompts] == [
-        ("sb-81", None), ("sb-81-t2", "sb-81"), ("sb-85", None), ("sb-85-t2", "sb-85"), ("sb-105", None),
-        ("sb-109", None)]
+        ("sb-81", None),
+        ("sb-81-t2", "sb-81"),
+        ("sb-85", None),
+        ("sb-85-t2", "sb-85"),
+        ("sb-105", None),
+        ("sb-109", None),
+    ]
     assert all(p.chat for p in prompts)
 
     class Tokenizer:  # a chat template that spells the messages out
@@ -74,6 +80,7 @@ def test_second_turns_follow_their_first_with_its_answer(tmp_path):
         def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
             class Encoded:
                 input_ids = [ord(c) for c in text]
+
             return Encoded()
 
     tok = Tokenizer()
@@ -85,16 +92,28 @@ def test_second_turns_follow_their_first_with_its_answer(tmp_path):
 
 
 def _row(mode: str, pid: str, cat: str, tokens: int, trips: int, seconds: float) -> dict:
-    return {"mode": mode, "prompt_id": pid, "category": cat, "rtt_ms": 80.0, "decode_tokens": tokens,
-            "round_trips": trips, "decode_s": seconds, "tokens_per_round_trip": tokens / trips}
+    return {
+        "mode": mode,
+        "prompt_id": pid,
+        "category": cat,
+        "rtt_ms": 80.0,
+        "decode_tokens": tokens,
+        "round_trips": trips,
+        "decode_s": seconds,
+        "tokens_per_round_trip": tokens / trips,
+    }
 
 
 def test_summary_per_category_against_split_seq_on_the_same_questions():
-    runs = [_row("split-seq", "sb-1", "qa", 10, 10, 1.0), _row("split-seq", "sb-2", "qa", 10, 10, 3.0),
-            _row("split-seq", "sb-3", "rag", 10, 10, 1.0),
-            _row("auto", "sb-1", "qa", 10, 4, 0.5), _row("auto", "sb-2", "qa", 10, 5, 1.0),
-            _row("auto", "sb-3", "rag", 12, 4, 0.5),
-            _row("recycle", "sb-1", "qa", 10, 5, 0.5)]  # capped: one question
+    runs = [
+        _row("split-seq", "sb-1", "qa", 10, 10, 1.0),
+        _row("split-seq", "sb-2", "qa", 10, 10, 3.0),
+        _row("split-seq", "sb-3", "rag", 10, 10, 1.0),
+        _row("auto", "sb-1", "qa", 10, 4, 0.5),
+        _row("auto", "sb-2", "qa", 10, 5, 1.0),
+        _row("auto", "sb-3", "rag", 12, 4, 0.5),
+        _row("recycle", "sb-1", "qa", 10, 5, 0.5),
+    ]  # capped: one question
     doc = {"runs": runs, "environment": {"model": {"name": "SmolLM2-135M-Instruct"}}}
     section = specbench.summary(doc)
     assert section["categories"] == ["qa", "rag"]
@@ -136,11 +155,33 @@ def test_a_spec_bench_run_on_the_bundled_model(bundled_dir, tmp_path, capsys):
     from splitlm.cli import main
 
     path = tmp_path / "question.jsonl"
-    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Name a colour.", "Another?"]})
-                    + "\n" + json.dumps({"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]}) + "\n")
-    argv = ["bench", "--prompts", str(path), "--max-new-tokens", "6", "--rtt-ms", "0", "--wire-dtype", "fp32",
-            "--out", str(tmp_path / "out"), "--no-plots", "--no-memory", "--modes", "split-seq,auto-nowarmup",
-            "--mode-questions", "auto-nowarmup=1", "--categories", "mt_bench"]
+    path.write_text(
+        json.dumps({"question_id": 1, "category": "writing", "turns": ["Name a colour.", "Another?"]})
+        + "\n"
+        + json.dumps({"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]})
+        + "\n"
+    )
+    argv = [
+        "bench",
+        "--prompts",
+        str(path),
+        "--max-new-tokens",
+        "6",
+        "--rtt-ms",
+        "0",
+        "--wire-dtype",
+        "fp32",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-plots",
+        "--no-memory",
+        "--modes",
+        "split-seq,auto-nowarmup",
+        "--mode-questions",
+        "auto-nowarmup=1",
+        "--categories",
+        "mt_bench",
+    ]
     assert main(argv) == 0
     assert "## Spec-Bench, by category" in capsys.readouterr().out
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -150,10 +191,14 @@ def test_a_spec_bench_run_on_the_bundled_model(bundled_dir, tmp_path, capsys):
     assert all(r["exact_match"] for r in runs.values())  # fp32 wire: the reference's tokens
     tok = AutoTokenizer.from_pretrained(bundled_dir)
     answer = tok.decode(runs["split-seq", "sb-1"]["token_ids"], skip_special_tokens=True)
-    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": answer},
-                {"role": "user", "content": "Another?"}]
-    expected = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False).input_ids
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Another?"},
+    ]
+    expected = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
     assert doc["prompts"][1]["prompt_tokens"] == len(expected)
     cells = doc["spec_bench"]["modes"]
     assert doc["spec_bench"]["categories"] == ["mt_bench"] and cells["split-seq"]["mt_bench"]["questions"] == 1

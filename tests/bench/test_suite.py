@@ -32,14 +32,17 @@ def test_shipped_prompt_set():
     assert all(set(item) == {"id", "category", "prompt", "chat"} for item in raw)
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "not found"),
-    ("{not json", "not valid JSON"),
-    ("[]", "non-empty JSON list"),
-    ('[{"id": "a", "category": "code"}]', "prompt"),
-    ('[{"id": "a", "category": "code", "prompt": "x", "chat": "yes"}]', "chat"),
-    ('[{"id": "a", "category": "c", "prompt": "x"}, {"id": "a", "category": "c", "prompt": "y"}]', "duplicate"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "not found"),
+        ("{not json", "not valid JSON"),
+        ("[]", "non-empty JSON list"),
+        ('[{"id": "a", "category": "code"}]', "prompt"),
+        ('[{"id": "a", "category": "code", "prompt": "x", "chat": "yes"}]', "chat"),
+        ('[{"id": "a", "category": "c", "prompt": "x"}, {"id": "a", "category": "c", "prompt": "y"}]', "duplicate"),
+    ],
+)
 def test_bad_prompt_files(tmp_path, content, message):
     path = tmp_path / "prompts.json"
     if content is not None:
@@ -59,12 +62,15 @@ def test_modes_and_sweep_parsing():
             parse_rtt_list(bad)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompts", "/nonexistent/prompts.json"], "prompt file not found"),
-    (["--modes", "warp"], "unknown benchmark mode"),
-    (["--sweep", "20,x"], "bad --sweep"),
-    (["--topology", "split-head", "--tail", "1"], "keeps no tail layers"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompts", "/nonexistent/prompts.json"], "prompt file not found"),
+        (["--modes", "warp"], "unknown benchmark mode"),
+        (["--sweep", "20,x"], "bad --sweep"),
+        (["--topology", "split-head", "--tail", "1"], "keeps no tail layers"),
+    ],
+)
 def test_cli_user_errors_exit_1(capsys, argv, message):
     assert main(["bench", *argv]) == 1
     assert message in capsys.readouterr().err
@@ -79,9 +85,20 @@ def _synthetic_rows() -> list[dict]:
             ref = [5, 6, 7, 8, 9]
             local = ModeRun(ref, ttft_s=0.1, decode_s=4 * 0.05, steps=4, edge_s=0.2)
             step = rtt / 1000 + 0.06
-            split = ModeRun(ref if i == 0 else [5, 6, 0, 0, 0], ttft_s=0.2, decode_s=4 * step, steps=4, round_trips=4,
-                            network_s=4 * rtt / 1000, cloud_s=4 * 0.04, edge_s=4 * 0.02, bytes_up=4 * 1200,
-                            bytes_down=4 * 1300, prefill_bytes_up=3 * 1200, prefill_bytes_down=1300)
+            split = ModeRun(
+                ref if i == 0 else [5, 6, 0, 0, 0],
+                ttft_s=0.2,
+                decode_s=4 * step,
+                steps=4,
+                round_trips=4,
+                network_s=4 * rtt / 1000,
+                cloud_s=4 * 0.04,
+                edge_s=4 * 0.02,
+                bytes_up=4 * 1200,
+                bytes_down=4 * 1300,
+                prefill_bytes_up=3 * 1200,
+                prefill_bytes_down=1300,
+            )
             rows.append(prompt_row("local-hf", rtt, p, local, ref, (5, 5)))
             rows.append(prompt_row("split-seq", rtt, p, split, ref, (4, 5)))
     return rows
@@ -110,18 +127,42 @@ def test_report_and_plots_from_synthetic_doc(tmp_path):
     from splitlm.bench.suite import write_results
 
     results = aggregate(_synthetic_rows())
-    doc = {"schema": "splitlm.bench/1", "created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
-           "config": {"rtts_ms": [20.0, 80.0, 200.0], "modes": ["local-hf", "split-seq"], "prompts": "x.json",
-                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": True},
-           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
-                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
-                           "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]}},
-           "prompts": [{"id": "p0"}, {"id": "p1"}], "memory": {"split-seq": {"peak_rss_mb": 300.0}},
-           "results": results, "step_model": fit_sweep(results), "runs": []}
+    doc = {
+        "schema": "splitlm.bench/1",
+        "created": "2025-01-02T03:04:05+0000",
+        "duration_s": 1.0,
+        "config": {
+            "rtts_ms": [20.0, 80.0, 200.0],
+            "modes": ["local-hf", "split-seq"],
+            "prompts": "x.json",
+            "max_new_tokens": 5,
+            "wire_dtype": "fp16",
+            "jitter_ms": 0.0,
+            "mbps": None,
+            "sweep": True,
+        },
+        "environment": {
+            "cpu": "test CPU",
+            "cpu_count": 2,
+            "torch": "t",
+            "transformers": "t",
+            "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
+            "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]},
+        },
+        "prompts": [{"id": "p0"}, {"id": "p1"}],
+        "memory": {"split-seq": {"peak_rss_mb": 300.0}},
+        "results": results,
+        "step_model": fit_sweep(results),
+        "runs": [],
+    }
     paths = write_results(doc, tmp_path)
     names = {p.name for p in paths}
-    assert names == {"bench-20250102-030405.json", "bench-20250102-030405.md",
-                     "bench-20250102-030405-overview.png", "bench-20250102-030405-sweep.png"}
+    assert names == {
+        "bench-20250102-030405.json",
+        "bench-20250102-030405.md",
+        "bench-20250102-030405-overview.png",
+        "bench-20250102-030405-sweep.png",
+    }
     assert all(p.stat().st_size > 0 for p in paths)
     assert json.loads((tmp_path / "results.json").read_text())["schema"] == "splitlm.bench/1"
     md = (tmp_path / "bench-20250102-030405.md").read_text()
@@ -131,8 +172,22 @@ def test_report_and_plots_from_synthetic_doc(tmp_path):
 @pytest.mark.slow
 def test_tiny_bench_run_on_bundled_model(bundled_dir, tmp_path, capsys):
     rtt = 20
-    argv = ["bench", "--limit", "2", "--max-new-tokens", "8", "--rtt-ms", str(rtt), "--wire-dtype", "fp32",
-            "--out", str(tmp_path), "--no-plots", "--modes", "local-hf,split-seq"]
+    argv = [
+        "bench",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--rtt-ms",
+        str(rtt),
+        "--wire-dtype",
+        "fp32",
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+        "--modes",
+        "local-hf,split-seq",
+    ]
     assert main(argv) == 0
     assert "## Overall" in capsys.readouterr().out
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -140,9 +195,21 @@ def test_tiny_bench_run_on_bundled_model(bundled_dir, tmp_path, capsys):
     assert len(doc["runs"]) == 4 and len(doc["prompts"]) == 2
     overall = {r["mode"]: r for r in doc["results"] if r["category"] == "all"}
     assert set(overall) == {"local-hf", "split-seq"}
-    fields = {"tokens_per_round_trip", "tok_s", "ttft_s", "bytes_up_per_token", "bytes_down_per_token",
-              "agreement", "exact_match", "network_s_per_step", "cloud_s_per_step", "edge_s_per_step",
-              "serialize_s_per_step", "edge_peak_rss_mb", "efficiency"}
+    fields = {
+        "tokens_per_round_trip",
+        "tok_s",
+        "ttft_s",
+        "bytes_up_per_token",
+        "bytes_down_per_token",
+        "agreement",
+        "exact_match",
+        "network_s_per_step",
+        "cloud_s_per_step",
+        "edge_s_per_step",
+        "serialize_s_per_step",
+        "edge_peak_rss_mb",
+        "efficiency",
+    }
     assert fields <= overall["split-seq"].keys()
     assert {r["category"] for r in doc["results"]} == {"all", "code", "structured"}
     seq = overall["split-seq"]
@@ -188,19 +255,49 @@ def test_report_shows_measured_and_computed_downlink():
 
     rows = _synthetic_rows()
     results = aggregate(rows)
-    split = {"topology": "split-head", "d_end": 288, "vocab": "en", "vocab_size": 48585,
-             "full_logits_bytes_per_token": 98304}
+    split = {
+        "topology": "split-head",
+        "d_end": 288,
+        "vocab": "en",
+        "vocab_size": 48585,
+        "full_logits_bytes_per_token": 98304,
+    }
     for r in results:
         r.update(split if r["mode"] == "split-seq" else {"topology": None, "vocab": None})
-    doc = {"created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
-           "config": {"rtts_ms": [80.0], "modes": ["local-hf", "split-seq"], "prompts": "x.json",
-                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": False},
-           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
-                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "vocab_size": 49152,
-                                     "weights_dtype": "fp32"},
-                           "split": {"head": 2, "tail": 0, "cloud_layers": [2, 30], "topology": "split-head",
-                                     "d_end": 288, "vocab": "en"}},
-           "prompts": [{"id": "p0"}], "memory": {}, "results": results, "step_model": {}, "runs": []}
+    doc = {
+        "created": "2025-01-02T03:04:05+0000",
+        "duration_s": 1.0,
+        "config": {
+            "rtts_ms": [80.0],
+            "modes": ["local-hf", "split-seq"],
+            "prompts": "x.json",
+            "max_new_tokens": 5,
+            "wire_dtype": "fp16",
+            "jitter_ms": 0.0,
+            "mbps": None,
+            "sweep": False,
+        },
+        "environment": {
+            "cpu": "test CPU",
+            "cpu_count": 2,
+            "torch": "t",
+            "transformers": "t",
+            "model": {"name": "m", "layers": 30, "hidden_size": 576, "vocab_size": 49152, "weights_dtype": "fp32"},
+            "split": {
+                "head": 2,
+                "tail": 0,
+                "cloud_layers": [2, 30],
+                "topology": "split-head",
+                "d_end": 288,
+                "vocab": "en",
+            },
+        },
+        "prompts": [{"id": "p0"}],
+        "memory": {},
+        "results": results,
+        "step_model": {},
+        "runs": [],
+    }
     md = markdown_report(doc)
     assert "split-head: edge layers [0,2) + LM-head columns [0,288)" in md and "vocabulary subset en" in md
     line = next(x for x in md.splitlines() if x.startswith("| split-seq | 20 | split-head d=288 | en | 48585 |"))
@@ -214,8 +311,20 @@ def test_pipelining_fractions_and_report_table():
     rows = _synthetic_rows()
     for i, cat in enumerate(("code", "creative")):  # 10 round trips, 4 of them pipelined, 3 dropped, 2 missed
         p = Prompt(f"p{i}", cat, "x", ids=[1, 2, 3])
-        run = ModeRun([5, 6, 7, 8, 9], ttft_s=0.2, decode_s=0.5, steps=5, round_trips=5, network_s=0.2,
-                      pipelined=2, discarded=2 - i, missed=1, spec_steps=5, tree_nodes=20 + 10 * i, window_tokens=5 * i)
+        run = ModeRun(
+            [5, 6, 7, 8, 9],
+            ttft_s=0.2,
+            decode_s=0.5,
+            steps=5,
+            round_trips=5,
+            network_s=0.2,
+            pipelined=2,
+            discarded=2 - i,
+            missed=1,
+            spec_steps=5,
+            tree_nodes=20 + 10 * i,
+            window_tokens=5 * i,
+        )
         rows.append(prompt_row("pipelined", 80.0, p, run, [5, 6, 7, 8, 9], (5, 5)))
     results = aggregate(rows)
     piped = next(r for r in results if r["mode"] == "pipelined" and r["category"] == "all")
@@ -224,13 +333,33 @@ def test_pipelining_fractions_and_report_table():
     assert next(r for r in results if r["mode"] == "split-seq")["pipelined_fraction"] == 0
     assert piped["mean_tree_nodes"] == pytest.approx(5.0) and piped["mean_window_tokens"] == pytest.approx(0.5)
     assert next(r for r in results if r["mode"] == "split-seq")["mean_tree_nodes"] is None
-    doc = {"created": "2025-01-02T03:04:05+0000", "duration_s": 1.0,
-           "config": {"rtts_ms": [80.0], "modes": ["split-seq", "pipelined"], "prompts": "x.json",
-                      "max_new_tokens": 5, "wire_dtype": "fp16", "jitter_ms": 0.0, "mbps": None, "sweep": False},
-           "environment": {"cpu": "test CPU", "cpu_count": 2, "torch": "t", "transformers": "t",
-                           "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
-                           "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]}},
-           "prompts": [{"id": "p0"}], "memory": {}, "results": results, "step_model": {}, "runs": []}
+    doc = {
+        "created": "2025-01-02T03:04:05+0000",
+        "duration_s": 1.0,
+        "config": {
+            "rtts_ms": [80.0],
+            "modes": ["split-seq", "pipelined"],
+            "prompts": "x.json",
+            "max_new_tokens": 5,
+            "wire_dtype": "fp16",
+            "jitter_ms": 0.0,
+            "mbps": None,
+            "sweep": False,
+        },
+        "environment": {
+            "cpu": "test CPU",
+            "cpu_count": 2,
+            "torch": "t",
+            "transformers": "t",
+            "model": {"name": "m", "layers": 30, "hidden_size": 576, "weights_dtype": "fp32"},
+            "split": {"head": 2, "tail": 2, "cloud_layers": [2, 28]},
+        },
+        "prompts": [{"id": "p0"}],
+        "memory": {},
+        "results": results,
+        "step_model": {},
+        "runs": [],
+    }
     md = markdown_report(doc)
     table = md.split("## Pipelining")[1]
     assert "| pipelined | 80 |" in table and "| 40.0 % | 75.0 % | 50.0 % |" in table
@@ -239,14 +368,33 @@ def test_pipelining_fractions_and_report_table():
 
 @pytest.mark.slow
 def test_bench_with_a_bf16_cloud_records_where_each_side_ran(bundled_dir, tmp_path, capsys):
-    argv = ["bench", "--limit", "1", "--max-new-tokens", "8", "--rtt-ms", "0", "--modes", "split-seq,auto",
-            "--device", "cpu", "--cloud-dtype", "bf16", "--out", str(tmp_path), "--no-plots", "--no-memory",
-            "--no-train-head"]
+    argv = [
+        "bench",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--rtt-ms",
+        "0",
+        "--modes",
+        "split-seq,auto",
+        "--device",
+        "cpu",
+        "--cloud-dtype",
+        "bf16",
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+        "--no-memory",
+        "--no-train-head",
+    ]
     assert main(argv) == 0
     capsys.readouterr()
     doc = json.loads((tmp_path / "results.json").read_text())
-    assert doc["environment"]["compute"] == {"edge": {"device": "cpu", "dtype": "fp32"},
-                                             "cloud": {"device": "cpu", "dtype": "bf16"}}
+    assert doc["environment"]["compute"] == {
+        "edge": {"device": "cpu", "dtype": "fp32"},
+        "cloud": {"device": "cpu", "dtype": "bf16"},
+    }
     assert doc["config"]["cloud_dtype"] == "bf16"
     seq = next(r for r in doc["results"] if r["mode"] == "split-seq" and r["category"] == "all")
     assert seq["agreement"] >= 0.75  # bf16 middle layers: close to, not exactly, the fp32 model
@@ -277,8 +425,11 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     trained = []
-    monkeypatch.setattr(train_head_module, "train_head", lambda model, edge, log, out=None: trained.append(edge) or
-                        {"seconds": 1.0, "heldout": {"conditional": [0.5]}})
+    monkeypatch.setattr(
+        train_head_module,
+        "train_head",
+        lambda model, edge, log, out=None: trained.append(edge) or {"seconds": 1.0, "heldout": {"conditional": [0.5]}},
+    )
     manifest = SimpleNamespace(model_hash="ab" * 16)
     edge = tmp_path / "edge"
     edge.mkdir()
@@ -300,9 +451,23 @@ def test_unconstrained_auto_compared_at_the_constrained_answers_length(bundled_d
     """`auto-json-length` decodes unconstrained `auto` up to the length of the constrained answer to the
     same prompt; the structured summary gives the ratios against it; listed without a `+json` mode
     before it, the bench says what is missing."""
-    argv = ["bench", "--prompts", str(ROOT / "benchmarks" / "prompts-json.json"), "--limit", "2",
-            "--max-new-tokens", "40", "--rtt-ms", "0", "--wire-dtype", "fp32", "--out", str(tmp_path), "--no-plots",
-            "--no-memory"]
+    argv = [
+        "bench",
+        "--prompts",
+        str(ROOT / "benchmarks" / "prompts-json.json"),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "40",
+        "--rtt-ms",
+        "0",
+        "--wire-dtype",
+        "fp32",
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+        "--no-memory",
+    ]
     assert main([*argv, "--modes", "auto-json-length,auto+json"]) == 1
     assert "list a +json mode before it" in capsys.readouterr().err
     assert main([*argv, "--modes", "none+json,auto-json-length,auto+json"]) == 0
@@ -315,6 +480,7 @@ def test_unconstrained_auto_compared_at_the_constrained_answers_length(bundled_d
     row = doc["structured"]["rtts"][0]
     assert set(row["modes"]) == {"auto+json", "auto-json-length", "none+json"}
     assert row["vs_auto_same_length"]["tau"] == pytest.approx(
-        row["modes"]["auto+json"]["tokens_per_round_trip"] / row["modes"]["auto-json-length"]["tokens_per_round_trip"])
+        row["modes"]["auto+json"]["tokens_per_round_trip"] / row["modes"]["auto-json-length"]["tokens_per_round_trip"]
+    )
     assert row["targets"]["tau_at_least_1.3x_same_length"] == (row["vs_auto_same_length"]["tau"] >= 1.3)
     assert row["targets"]["tok_s_at_least_auto_same_length"] == (row["vs_auto_same_length"]["tok_s"] >= 1.0)

@@ -281,9 +281,7 @@ def test_websocket_through_emulator() -> None:
 def test_bind_failure_raises(echo_server: _Server) -> None:
     with WanEmulator(upstream=echo_server.server_address, config=WanConfig(rtt_ms=0)) as first:
         with pytest.raises(OSError):
-            WanEmulator(
-                upstream=echo_server.server_address, config=WanConfig(rtt_ms=0), listen=first.address
-            ).start()
+            WanEmulator(upstream=echo_server.server_address, config=WanConfig(rtt_ms=0), listen=first.address).start()
 
 
 def test_cli_runs_until_ctrl_c(echo_server: _Server) -> None:
@@ -300,14 +298,16 @@ def test_cli_runs_until_ctrl_c(echo_server: _Server) -> None:
     )
     argv = ["--listen", f"127.0.0.1:{port}", "--upstream", f"{host}:{up_port}", "--rtt-ms", "20"]
     # a shell that starts pytest in the background leaves SIGINT ignored, and children inherit that
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stderr is not None
         banner = proc.stderr.readline()
-        assert (
-            banner.strip() == f"wan: 127.0.0.1:{port} -> {host}:{up_port}  rtt=20ms jitter=0ms bw=unlimited"
-        )
+        assert banner.strip() == f"wan: 127.0.0.1:{port} -> {host}:{up_port}  rtt=20ms jitter=0ms bw=unlimited"
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(b"hi")
             assert _recv_exactly(sock, 2) == b"hi"
@@ -371,9 +371,7 @@ def test_bad_config_raises(kwargs: dict) -> None:
 def test_cli_arguments() -> None:
     parser = argparse.ArgumentParser()
     add_wan_arguments(parser)
-    args = parser.parse_args(
-        ["--listen", "0.0.0.0:9000", "--upstream", "h:8765", "--rtt-ms", "80", "--mbps", "50"]
-    )
+    args = parser.parse_args(["--listen", "0.0.0.0:9000", "--upstream", "h:8765", "--rtt-ms", "80", "--mbps", "50"])
     assert args.listen == ("0.0.0.0", 9000)
     assert args.upstream == ("h", 8765)
     assert (args.rtt_ms, args.jitter_ms, args.mbps, args.seed) == (80.0, 0.0, 50.0, None)
@@ -426,7 +424,9 @@ def test_drop_prob_cuts_connections_at_random(echo_server: _Server) -> None:
 def test_fault_options() -> None:
     parser = argparse.ArgumentParser()
     add_wan_arguments(parser)
-    args = parser.parse_args(["--upstream", "h:1", "--rtt-ms", "5", "--drop-after-bytes", "4096", "--drop-prob", "0.01"])
+    args = parser.parse_args(
+        ["--upstream", "h:1", "--rtt-ms", "5", "--drop-after-bytes", "4096", "--drop-prob", "0.01"]
+    )
     assert (args.drop_after_bytes, args.drop_prob) == (4096, 0.01)
     with pytest.raises(ValueError):
         WanConfig(rtt_ms=1, drop_prob=2)

@@ -23,8 +23,16 @@ from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Control, Forward
 from splitlm.transport.policy import CachePolicy
 
-PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 100], [1, 2, 3, 4, 5, 6, 7, 8],
-           [250, 17], [(11 * i) % 200 + 3 for i in range(37)]]  # mixed lengths (the last one is chunked)
+PROMPTS = [
+    [5, 6, 7],
+    [9, 3, 8, 1],
+    [12, 40],
+    [7, 7, 7, 7, 7],
+    [100, 3, 100, 3, 100],
+    [1, 2, 3, 4, 5, 6, 7, 8],
+    [250, 17],
+    [(11 * i) % 200 + 3 for i in range(37)],
+]  # mixed lengths (the last one is chunked)
 # no window:N here: under a window the cloud's context depends on how tokens were grouped into steps,
 # so its output follows the drafts, and `auto`'s drafts learn from the edge's earlier answers
 POLICIES = ["session", "none", "sealed", "session"]
@@ -33,8 +41,11 @@ POLICIES = ["session", "none", "sealed", "session"]
 CUDA = pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("device, padded", [("cpu", None), ("cpu", True), pytest.param("cuda", None, marks=CUDA)],
-                         ids=["per-session-attention", "padded-attention", "cuda"])
+@pytest.mark.parametrize(
+    "device, padded",
+    [("cpu", None), ("cpu", True), pytest.param("cuda", None, marks=CUDA)],
+    ids=["per-session-attention", "padded-attention", "cuda"],
+)
 def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, padded):
     """8 concurrent greedy sessions, `auto` speculation (one of them pipelined), mixed prompt lengths and
     cache policies, against one batching cloud: every output equals the session's output alone; also
@@ -43,17 +54,23 @@ def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, pa
     batch = BatchConfig(max_batch=8, prefill_chunk=16)
     with BackgroundServer(tiny_split / "cloud", batch=batch, device=device, dtype="fp32") as server:
         server.server.model.middle.pad_attention = padded
-        edges = [Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p, device="cpu", dtype="fp32")
-                 for p in POLICIES]
+        edges = [
+            Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p, device="cpu", dtype="fp32")
+            for p in POLICIES
+        ]
         try:
+
             def run(i):
                 spec = SpecConfig("auto", pipeline=i == 5)
                 return edges[i % 4].generate(PROMPTS[i], max_new_tokens=20, stop_at_eos=False, spec=spec).token_ids
 
             solo = [run(i) for i in range(8)]  # one at a time: every pass holds one request
             registry = server.server.metrics.registry
-            assert (registry.get_sample_value("splitlm_cloud_batch_size_sum")
-                    == registry.get_sample_value("splitlm_cloud_batch_size_count") > 0)
+            assert (
+                registry.get_sample_value("splitlm_cloud_batch_size_sum")
+                == registry.get_sample_value("splitlm_cloud_batch_size_count")
+                > 0
+            )
             results, errors = [None] * 8, []
             barrier = threading.Barrier(8)
 
@@ -75,8 +92,9 @@ def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, pa
                 e.close()
         assert not errors
         assert results == solo
-        assert (registry.get_sample_value("splitlm_cloud_batch_size_sum")
-                > registry.get_sample_value("splitlm_cloud_batch_size_count")), "no pass held more than one session"
+        assert registry.get_sample_value("splitlm_cloud_batch_size_sum") > registry.get_sample_value(
+            "splitlm_cloud_batch_size_count"
+        ), "no pass held more than one session"
         assert server.server.sessions.sessions == {}
 
 
@@ -119,9 +137,11 @@ def requests(d: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     n = 3 + seed % 5
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    return [Forward(torch.randn(n, d, generator=g), torch.arange(n), context=seed % 2),
-            Forward(torch.randn(3, d, generator=g), torch.tensor([n, n + 1, n + 1]), tree),
-            Forward(torch.randn(1, d, generator=g), torch.tensor([n + 2]), keep=[0, 2])]
+    return [
+        Forward(torch.randn(n, d, generator=g), torch.arange(n), context=seed % 2),
+        Forward(torch.randn(3, d, generator=g), torch.tensor([n, n + 1, n + 1]), tree),
+        Forward(torch.randn(1, d, generator=g), torch.tensor([n + 2]), keep=[0, 2]),
+    ]
 
 
 def test_a_packed_pass_equals_each_request_alone(cloud):
@@ -212,8 +232,10 @@ def test_chunked_prefill_equals_one_pass(cloud):
     layers = len(cloud.middle.layers)
     whole, chunked = (table.open(b"a", "fp32", layers) for _ in range(2))
     g = torch.Generator().manual_seed(3)
-    reqs = [Forward(torch.randn(50, d, generator=g), torch.arange(50), context=7),
-            Forward(torch.randn(1, d, generator=g), torch.tensor([50]))]
+    reqs = [
+        Forward(torch.randn(50, d, generator=g), torch.arange(50), context=7),
+        Forward(torch.randn(1, d, generator=g), torch.tensor([50])),
+    ]
     timings = []
     sched = Scheduler(cloud, BatchConfig(prefill_chunk=8), on_pass=timings.append)
     try:

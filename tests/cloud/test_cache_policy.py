@@ -115,8 +115,14 @@ def test_window_is_enforced_and_cannot_be_loosened(tiny_split, tiny_server):
                 edge.client.policy(session.link.id, PolicyChange(looser))
             assert e.value.code == ErrorCode.POLICY
         with pytest.raises(CloudError) as e:  # more new tokens than the window
-            cloud_forward(edge.client, session.link.id, torch.zeros(9, edge.cfg.hidden_size), list(range(200, 209)), "fp32",
-                          control=Control(cache=True))
+            cloud_forward(
+                edge.client,
+                session.link.id,
+                torch.zeros(9, edge.cfg.hidden_size),
+                list(range(200, 209)),
+                "fp32",
+                control=Control(cache=True),
+            )
         assert e.value.code == ErrorCode.POLICY
         assert str(state.policy) == "window:8" and state.cache.length <= 8
         session.tighten("none")
@@ -164,21 +170,28 @@ def test_control_tuple_is_validated(tiny_split, tiny_server):
     with edge_for(tiny_split, tiny_server, "none") as edge:
         session = edge.open_session()
         h = torch.zeros(1, edge.cfg.hidden_size)
+
         def forward_frame(control):  # the control map as given: a malformed one goes up as it is
             frame = Forward(h, torch.tensor([0])).to_frame(session.link.id, "fp32")
             frame.meta["control"] = control
             return frame
 
-        cases = [({"cache": True}, ErrorCode.POLICY),  # policy none: no cached history
-                 ({"cache": False, "split": 3}, ErrorCode.BAD_REQUEST),  # the shard starts at layer 2
-                 ({"cache": False, "dtype": "fp64"}, ErrorCode.BAD_REQUEST),
-                 ({"cache": "yes"}, ErrorCode.BAD_REQUEST), ("x", ErrorCode.BAD_REQUEST)]
+        cases = [
+            ({"cache": True}, ErrorCode.POLICY),  # policy none: no cached history
+            ({"cache": False, "split": 3}, ErrorCode.BAD_REQUEST),  # the shard starts at layer 2
+            ({"cache": False, "dtype": "fp64"}, ErrorCode.BAD_REQUEST),
+            ({"cache": "yes"}, ErrorCode.BAD_REQUEST),
+            ("x", ErrorCode.BAD_REQUEST),
+        ]
         for control, code in cases:
             with pytest.raises(CloudError) as e:
                 edge.client.request(forward_frame(control))
             assert e.value.code == code, control
-        reply = edge.client.request(Forward(h, torch.tensor([0]), control=Control(cache=False, split=2, dtype="int8"))
-                                    .to_frame(session.link.id, "fp32"))
+        reply = edge.client.request(
+            Forward(h, torch.tensor([0]), control=Control(cache=False, split=2, dtype="int8")).to_frame(
+                session.link.id, "fp32"
+            )
+        )
         out = Result.from_frame(reply, h.numel()).tensors["hidden"]
         assert reply.meta["tensors"][0]["dtype"] == "int8" and out.shape == (1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:
@@ -197,8 +210,14 @@ def test_a_window_shorter_than_the_context_forgets_its_start(tiny_split, tiny_se
             session = edge.open_session()
             state = cloud_session(tiny_server, session)
             for lo, hi in ((0, 8), (8, 16), (16, 17)):
-                out = cloud_forward(session.link.client, session.link.id, rows[lo:hi], list(range(lo, hi)), "fp32",
-                                    control=Control(cache=True)).tensors["hidden"]
+                out = cloud_forward(
+                    session.link.client,
+                    session.link.id,
+                    rows[lo:hi],
+                    list(range(lo, hi)),
+                    "fp32",
+                    control=Control(cache=True),
+                ).tensors["hidden"]
                 assert state.cache.length == (min(hi, 8) if policy == "window:8" else hi)
             outputs[policy] = out[-1]
             session.close()
@@ -221,9 +240,11 @@ def test_a_short_window_sends_a_long_prompt_in_chunks(tiny_split, tiny_server):
 def test_quantised_sessions_run(tiny_split, tiny_server, wire):
     """int8/fp8 on the wire: the cloud receives that codec, the uplink costs about half of fp16's bytes
     or less, and greedy tokens stay (nearly) those of the fp32 wire."""
+
     def generate(wire_dtype):
-        with Edge(tiny_split / "edge", tiny_server.url, wire_dtype=wire_dtype,
-                  cloud_key=tiny_server.fingerprint) as edge:
+        with Edge(
+            tiny_split / "edge", tiny_server.url, wire_dtype=wire_dtype, cloud_key=tiny_server.fingerprint
+        ) as edge:
             return edge.generate(PROMPT, max_new_tokens=32, stop_at_eos=False, spec="none")
 
     exact, half, result = generate("fp32"), generate("fp16"), generate(wire)

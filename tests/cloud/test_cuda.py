@@ -30,7 +30,7 @@ def full_model_greedy(path, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.mark.parametrize("mode", ["none", "auto"])

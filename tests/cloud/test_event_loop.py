@@ -24,6 +24,7 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
         def wrapped(*args, **kwargs):
             seen[name].add(threading.current_thread().name)
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(Channel, "open", spy("open", Channel.open))

@@ -98,7 +98,9 @@ class Fuzzer:
             self.raw.seq += 1
             return HEADER.pack(b"SPLM", 2, 3, FLAG_ENCRYPTED, 0, self.raw.seq, 0, 16) + self.rng.randbytes(16)
         self.raw.seq += 1  # a HELLO with flipped bits
-        data = bytearray(encode_frame(Frame(MsgType.HELLO, seq=self.raw.seq, meta={"version": 2, "fingerprint": self.fp})))
+        data = bytearray(
+            encode_frame(Frame(MsgType.HELLO, seq=self.raw.seq, meta={"version": 2, "fingerprint": self.fp}))
+        )
         data[r.randrange(len(data))] ^= 1 << r.randrange(8)
         return bytes(data)
 
@@ -117,10 +119,30 @@ class Fuzzer:
         r = self.rng
         foreign = self.foreign()
         session = r.choice([0, self.sid, r.getrandbits(64)] + (foreign[:1] if foreign else []))
-        vocab = [None, True, -1, 0, 7, 2**63, 1.5, float("nan"), "fp32", "x" * 40, b"\x00\xff", [], [1, 2], [[1]],
-                 {"a": 1}, [0.5, "a"]]
-        meta = {k: r.choice(vocab) for k in r.sample(["tensors", "positions", "mask", "keep", "crop", "wire_dtype",
-                                                       "version", "name"], r.randint(0, 4))}
+        vocab = [
+            None,
+            True,
+            -1,
+            0,
+            7,
+            2**63,
+            1.5,
+            float("nan"),
+            "fp32",
+            "x" * 40,
+            b"\x00\xff",
+            [],
+            [1, 2],
+            [[1]],
+            {"a": 1},
+            [0.5, "a"],
+        ]
+        meta = {
+            k: r.choice(vocab)
+            for k in r.sample(
+                ["tensors", "positions", "mask", "keep", "crop", "wire_dtype", "version", "name"], r.randint(0, 4)
+            )
+        }
         payload = b""
         if r.random() < 0.5:
             t = r.randint(0, 4)
@@ -145,7 +167,7 @@ class Fuzzer:
             for _ in range(r.randint(1, 3)):
                 data[r.randrange(len(data))] ^= 1 << r.randrange(8)
         elif kind == 3:
-            data = data[:r.randrange(len(data))]
+            data = data[: r.randrange(len(data))]
         else:
             data += r.randbytes(r.randint(1, 40))
         return bytes(data)
@@ -173,8 +195,19 @@ class Fuzzer:
         if kind == 8:  # random header fields around a random body
             body = self.random_bytes(60)
             split = r.randint(0, len(body))
-            return [HEADER.pack(b"SPLM", r.choice([2, 2, 1, 3]), r.randint(0, 12), r.getrandbits(16), r.getrandbits(64),
-                                r.getrandbits(64), split, len(body) - split) + body]
+            return [
+                HEADER.pack(
+                    b"SPLM",
+                    r.choice([2, 2, 1, 3]),
+                    r.randint(0, 12),
+                    r.getrandbits(16),
+                    r.getrandbits(64),
+                    r.getrandbits(64),
+                    split,
+                    len(body) - split,
+                )
+                + body
+            ]
         if kind == 9 and r.random() < 0.01:  # oversized: the WebSocket layer closes with 1009
             return [bytes(MAX_FRAME + 1)]
         data = raw.encode(self.authentic_garbage())
@@ -197,18 +230,33 @@ def test_fuzzer_frames_are_each_answered_or_the_connection_closed(server, shard_
     assert fuzzer.answered + fuzzer.closed == fuzzer.sent >= 300
 
 
-frame_fields = st.fixed_dictionaries({
-    "type": st.integers(0, 12), "flags": st.integers(0, 3), "session": st.integers(0, 2**64 - 1),
-    "seq": st.integers(0, 2**64 - 1), "version": st.sampled_from([2, 2, 2, 1, 255]),
-    "meta": st.dictionaries(st.sampled_from(["tensors", "positions", "mask", "keep", "crop", "wire_dtype", "e", "s"]),
-                            st.one_of(st.none(), st.integers(-3, 3), st.binary(max_size=33), st.text(max_size=5),
-                                      st.lists(st.integers(-1, 600), max_size=4)), max_size=4),
-    "payload": st.binary(max_size=64), "seal": st.booleans(),
-})
+frame_fields = st.fixed_dictionaries(
+    {
+        "type": st.integers(0, 12),
+        "flags": st.integers(0, 3),
+        "session": st.integers(0, 2**64 - 1),
+        "seq": st.integers(0, 2**64 - 1),
+        "version": st.sampled_from([2, 2, 2, 1, 255]),
+        "meta": st.dictionaries(
+            st.sampled_from(["tensors", "positions", "mask", "keep", "crop", "wire_dtype", "e", "s"]),
+            st.one_of(
+                st.none(),
+                st.integers(-3, 3),
+                st.binary(max_size=33),
+                st.text(max_size=5),
+                st.lists(st.integers(-1, 600), max_size=4),
+            ),
+            max_size=4,
+        ),
+        "payload": st.binary(max_size=64),
+        "seal": st.booleans(),
+    }
+)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(st.lists(frame_fields, min_size=1, max_size=6), st.booleans())
 def test_hypothesis_frames_against_the_live_server(server, shard_fp, frames, handshake_first):
     raw = Raw(server.url)
@@ -220,8 +268,13 @@ def test_hypothesis_frames_against_the_live_server(server, shard_fp, frames, han
             raw.seq += 1
             data = raw.channel.seal(Frame(MsgType(f["type"]), f["session"] or 0, raw.seq, f["meta"], f["payload"]))
         else:
-            data = HEADER.pack(b"SPLM", f["version"], f["type"], f["flags"], f["session"], f["seq"], len(meta),
-                               len(f["payload"])) + meta + f["payload"]
+            data = (
+                HEADER.pack(
+                    b"SPLM", f["version"], f["type"], f["flags"], f["session"], f["seq"], len(meta), len(f["payload"])
+                )
+                + meta
+                + f["payload"]
+            )
         try:
             raw.ws.send(data)
             reply = raw.recv(timeout=20)
@@ -269,16 +322,29 @@ def test_10000_fuzzed_frames_leave_an_honest_session_unchanged(server, tiny_spli
         elapsed = time.perf_counter() - start
     assert not errors, errors
     sent = sum(f.sent for f in fuzzers)
-    print(f"\n{sent} fuzzed frames in {elapsed:.1f} s, {sum(f.closed for f in fuzzers)} connections closed by "
-          f"the cloud, {len(outputs)} honest generations during the fuzzing")
+    print(
+        f"\n{sent} fuzzed frames in {elapsed:.1f} s, {sum(f.closed for f in fuzzers)} connections closed by "
+        f"the cloud, {len(outputs)} honest generations during the fuzzing"
+    )
     assert sent >= 10_000
     assert sum(f.internal for f in fuzzers) == 0
     assert sum(f.answered + f.closed for f in fuzzers) == sent
     assert all(out == baseline for out in outputs)
     assert server.server.stats.errors >= 9000
     codes = sum((f.codes for f in fuzzers), Counter())
-    for name in ("BAD_FRAME", "VERSION_MISMATCH", "BAD_REQUEST", "UNKNOWN_SESSION", "DECRYPT_FAILED", "REPLAY",
-                 "OUT_OF_ORDER", "NOT_ENCRYPTED", "NOT_READY", "RESULT", "OPENED"):
+    for name in (
+        "BAD_FRAME",
+        "VERSION_MISMATCH",
+        "BAD_REQUEST",
+        "UNKNOWN_SESSION",
+        "DECRYPT_FAILED",
+        "REPLAY",
+        "OUT_OF_ORDER",
+        "NOT_ENCRYPTED",
+        "NOT_READY",
+        "RESULT",
+        "OPENED",
+    ):
         assert codes[name] > 0, (name, codes)
     # every rejection is logged with a reason, briefly, and never with tensor contents
     messages = [r.getMessage() for r in caplog.records if r.name == "splitlm.cloud.servicer"]

@@ -81,7 +81,9 @@ def test_a_session_with_a_forward_in_flight_is_never_preempted_and_capacity_when
                 c2.open(Open("fp32"))
             assert e.value.code == ErrorCode.CAPACITY
             values = scrape_metrics(cloud.scrape().decode())
-            assert values["splitlm_cloud_num_requests_running"] == 1 and values["splitlm_cloud_num_requests_waiting"] == 1
+            assert (
+                values["splitlm_cloud_num_requests_running"] == 1 and values["splitlm_cloud_num_requests_waiting"] == 1
+            )
             assert values["splitlm_cloud_kv_cache_usage_perc"] == 1.0
             assert values["splitlm_cloud_num_preemptions_total"] == 1
             gate.set()
@@ -157,5 +159,8 @@ def test_twelve_edges_on_a_budget_for_four_sessions_all_match_their_solo_runs(ti
         assert cloud.stats.preemptions > 0 and sum(r.stats.preemptions for r in results) > 0
         codes = scrape_metrics(cloud.scrape().decode())
         refused = {k for k, v in codes.items() if k.startswith("splitlm_cloud_errors_total") and v}
-        assert refused <= {'splitlm_cloud_errors_total{code="PREEMPTED"}', 'splitlm_cloud_errors_total{code="CAPACITY"}'}
+        assert refused <= {
+            'splitlm_cloud_errors_total{code="PREEMPTED"}',
+            'splitlm_cloud_errors_total{code="CAPACITY"}',
+        }
         wait_for(lambda: cloud.sessions.kv_reserved == 0, "every session to end with its connection")

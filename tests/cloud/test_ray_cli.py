@@ -1,6 +1,7 @@
 """`splitlm serve-cloud --ray` as a user runs it: a Ray instance of its own, and attached by address
 to a running local cluster (`ray start --head`); generating against each (`splitlm generate`, then
-an edge in this process) gives the tokens of the single-process cloud. The cluster is this test's own `ray start --head --block` process,
+an edge in this process) gives the tokens of the single-process cloud. The cluster is this test's own `ray start
+--head --block` process,
 stopped by SIGTERM (which ends the processes it started), never `ray stop` (which would end every
 Ray instance on the machine)."""
 
@@ -34,15 +35,22 @@ MAX_NEW = 12
 def ray_env() -> dict[str, str]:
     """Token authentication (Ray's default for clusters) with a token of this test's own, in the
     environment only: nothing is written to ~/.ray."""
-    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-            "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # no drain wait at SIGTERM
+    return {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    }  # no drain wait at SIGTERM
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_chat_split) -> list[int]:
     """The single-process cloud's greedy tokens."""
-    with BackgroundServer(tiny_chat_split / "cloud") as server, \
-            Edge(tiny_chat_split / "edge", server.url, wire_dtype="fp32") as edge:
+    with (
+        BackgroundServer(tiny_chat_split / "cloud") as server,
+        Edge(tiny_chat_split / "edge", server.url, wire_dtype="fp32") as edge,
+    ):
         return edge.generate(PROMPT, MAX_NEW, stop_at_eos=False).token_ids
 
 
@@ -50,9 +58,24 @@ def expected(tiny_chat_split) -> list[int]:
 def serve_cloud(shard: Path, ray_arg: list[str], env: dict, log: Path):
     port = free_port()
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard),
-                                 "--port", str(port), "--threads", "1", *ray_arg],
-                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitlm",
+                "serve-cloud",
+                "--shard",
+                str(shard),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                *ray_arg,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         try:
             wait_healthy(port, proc, timeout_s=180, log=log)
@@ -69,10 +92,34 @@ def serve_cloud(shard: Path, ray_arg: list[str], env: dict, log: Path):
 
 
 def generate(split: Path, url: str, env: dict) -> list[int]:
-    out = subprocess.run([sys.executable, "-m", "splitlm", "generate", "--edge", str(split / "edge"), "--cloud", url,
-                          "--prompt", PROMPT, "--no-chat", "--max-new-tokens", str(MAX_NEW), "--ignore-eos",
-                          "--wire-dtype", "fp32", "--threads", "1", "--json", "-q"],
-                         env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitlm",
+            "generate",
+            "--edge",
+            str(split / "edge"),
+            "--cloud",
+            url,
+            "--prompt",
+            PROMPT,
+            "--no-chat",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--ignore-eos",
+            "--wire-dtype",
+            "fp32",
+            "--threads",
+            "1",
+            "--json",
+            "-q",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["token_ids"]
 
@@ -89,12 +136,26 @@ def ray_cluster(env: dict) -> str:
         pytest.skip("no `ray` command next to this Python")
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
     port = free_port()
-    proc = subprocess.Popen([str(RAY), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
-                             f"--dashboard-agent-listen-port={free_port()}",
-                             "--object-store-memory=100000000"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(RAY),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=100000000",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not (Path(temp) / "ray_current_cluster").is_file():  # written once the head is up
@@ -115,8 +176,9 @@ def ray_cluster(env: dict) -> str:
 
 
 def test_serve_cloud_ray_attaches_to_a_running_cluster_by_address(tiny_chat_split, expected, ray_env, tmp_path):
-    with ray_cluster(ray_env) as address, \
-            serve_cloud(tiny_chat_split / "cloud", ["--ray", address], ray_env,
-                        tmp_path / "cloud.txt") as url, \
-            Edge(tiny_chat_split / "edge", url, wire_dtype="fp32") as edge:  # no second CLI start-up
+    with (
+        ray_cluster(ray_env) as address,
+        serve_cloud(tiny_chat_split / "cloud", ["--ray", address], ray_env, tmp_path / "cloud.txt") as url,
+        Edge(tiny_chat_split / "edge", url, wire_dtype="fp32") as edge,
+    ):  # no second CLI start-up
         assert edge.generate(PROMPT, MAX_NEW, stop_at_eos=False).token_ids == expected

@@ -16,16 +16,27 @@ ray = pytest.importorskip("ray")
 
 from splitlm.cloud.ray_cloud import RayConfig, RayFrontDoor, actor_name  # noqa: E402
 
-PROMPTS = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7], [100, 3, 100, 3, 100],
-           [(11 * i) % 200 + 3 for i in range(37)]]  # mixed lengths (the last one is chunked: prefill_chunk 16)
+PROMPTS = [
+    [5, 6, 7],
+    [9, 3, 8, 1],
+    [12, 40],
+    [7, 7, 7, 7, 7],
+    [100, 3, 100, 3, 100],
+    [(11 * i) % 200 + 3 for i in range(37)],
+]  # mixed lengths (the last one is chunked: prefill_chunk 16)
 POLICIES = ["session", "none"]
 BATCH = BatchConfig(max_batch=8, prefill_chunk=16)
 
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, namespace="splitlm-test",
-             log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        namespace="splitlm-test",
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -45,8 +56,9 @@ def generate_all(split, url: str, max_new: int, concurrent: bool) -> list[list[i
     def run(i):
         spec = SpecConfig("auto", pipeline=i == 3)
         try:
-            results[i] = edges[i % 2].generate(PROMPTS[i], max_new_tokens=max_new, stop_at_eos=False,
-                                               spec=spec).token_ids
+            results[i] = (
+                edges[i % 2].generate(PROMPTS[i], max_new_tokens=max_new, stop_at_eos=False, spec=spec).token_ids
+            )
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -141,7 +153,9 @@ def test_split_head_on_three_stages_and_no_sealed_caches(tiny_split_head, ray_in
     config = RayConfig(replicas=1, stages=3, namespace="splitlm-test")
     with BackgroundServer(tiny_split_head / "cloud", server_cls=RayFrontDoor, ray=config) as server:
         assert run(server.url) == expected
-        with Edge(tiny_split_head / "edge", server.url, cache_policy="sealed") as edge, \
-                pytest.raises(CloudError) as err:
+        with (
+            Edge(tiny_split_head / "edge", server.url, cache_policy="sealed") as edge,
+            pytest.raises(CloudError) as err,
+        ):
             edge.generate(PROMPTS[0], max_new_tokens=2)
         assert err.value.code == ErrorCode.POLICY

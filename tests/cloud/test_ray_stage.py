@@ -27,8 +27,13 @@ def test_a_later_stage_repeating_the_edits_holds_the_same_entries():
     repeats them (with the same appends) ends with the same positions, length and pending block."""
     head, later = StageCache(1, sid=7), KVCache(1)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    steps = [lambda c: c.keep([1, 0]), lambda c: c.crop(3), lambda c: c.retain_last(4), lambda c: c.clear(),
-             lambda c: setattr(c, "pending_start", c.length - 1)]
+    steps = [
+        lambda c: c.keep([1, 0]),
+        lambda c: c.crop(3),
+        lambda c: c.retain_last(4),
+        lambda c: c.clear(),
+        lambda c: setattr(c, "pending_start", c.length - 1),
+    ]
     for i, edit in enumerate(steps * 2):
         append(head, 3, g1, 10 * i)
         apply_edits(later, head.drain())

@@ -77,8 +77,12 @@ def fingerprint(tiny_split):
 
 def forward_frame(session, t=2, d=64, positions=None, **meta):
     specs, payload = pack_tensors({"hidden": torch.randn(t, d)}, "fp32")
-    return Frame(MsgType.FORWARD, session, meta={"tensors": specs, "positions": positions or list(range(t)), **meta},
-                 payload=payload)
+    return Frame(
+        MsgType.FORWARD,
+        session,
+        meta={"tensors": specs, "positions": positions or list(range(t)), **meta},
+        payload=payload,
+    )
 
 
 def test_healthz(tiny_server, fingerprint):
@@ -229,6 +233,7 @@ def test_idle_connections_are_closed(tiny_split, fingerprint):
 
 # -- authentication and the encrypted channel under attack (issue 5) ---------------------------------------
 
+
 def test_a_client_without_the_private_key_is_refused(tiny_split, fingerprint):
     """Mallory announces Alice's public key (it is public) but cannot derive the keys."""
     alice, mallory = generate_identity(), generate_identity()
@@ -252,8 +257,9 @@ def test_a_client_without_the_private_key_is_refused(tiny_split, fingerprint):
 
 def test_a_missing_client_credential_is_refused(tiny_server, fingerprint):
     raw = Raw(tiny_server.url)
-    reply = raw.send(Frame(MsgType.HELLO, meta={"version": 2, "fingerprint": fingerprint,
-                                                "e": generate_identity().public_bytes}))
+    reply = raw.send(
+        Frame(MsgType.HELLO, meta={"version": 2, "fingerprint": fingerprint, "e": generate_identity().public_bytes})
+    )
     assert reply.meta["code"] == ErrorCode.AUTH_FAILED and "'s'" in reply.meta["message"]
     with pytest.raises(ConnectionClosed):
         raw.ws.recv(timeout=5)

@@ -34,7 +34,9 @@ def test_result_holds_h_end_and_partial_logits_for_the_asked_rows(raw, wire):
     reply = raw.send(forward_frame(opened.session, t=5, rows=[4, 1]))
     assert reply.type == MsgType.RESULT and reply.meta["cache_len"] == 5
     assert {s["name"]: (s["dtype"], s["shape"]) for s in reply.meta["tensors"]} == {
-        "hidden": (wire, [2, D_END]), "logits": (wire, [2, 4])}
+        "hidden": (wire, [2, D_END]),
+        "logits": (wire, [2, 4]),
+    }
     out = unpack_tensors(reply, 10**6)
     assert torch.isfinite(out["logits"]).all()
     every = raw.send(forward_frame(raw.send(Frame(MsgType.OPEN)).session, t=3))  # no vocab, no rows: all of both

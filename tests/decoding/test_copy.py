@@ -31,8 +31,8 @@ class PieceTokenizer:
     def tokenize_str(self, text: str) -> list[int]:
         out, i = [], 0
         while i < len(text):
-            n = next(n for n in range(min(self.longest, len(text) - i), 0, -1) if text[i:i + n] in self.ids)
-            out.append(self.ids[text[i:i + n]])
+            n = next(n for n in range(min(self.longest, len(text) - i), 0, -1) if text[i : i + n] in self.ids)
+            out.append(self.ids[text[i : i + n]])
             i += n
         return out
 
@@ -40,9 +40,27 @@ class PieceTokenizer:
         return "".join(self.pieces[t] for t in tokens)
 
 
-WORDS = ["<s>", " penicillin", " Maria", "Maria", " O", "ka", "for", " pen", "pen", "icillin", " and", " latex", '{"', "name",
-         '":', ' "', '",', "aria"]
-TOK = PieceTokenizer(WORDS + sorted(set("Note:Maria Okafor, a 54 penicillin and latex.{}\"")))
+WORDS = [
+    "<s>",
+    " penicillin",
+    " Maria",
+    "Maria",
+    " O",
+    "ka",
+    "for",
+    " pen",
+    "pen",
+    "icillin",
+    " and",
+    " latex",
+    '{"',
+    "name",
+    '":',
+    ' "',
+    '",',
+    "aria",
+]
+TOK = PieceTokenizer(WORDS + sorted(set('Note:Maria Okafor, a 54 penicillin and latex.{}"')))
 PROMPT = "Note: Maria Okafor, a 54, penicillin and latex."
 
 
@@ -76,7 +94,7 @@ def test_nothing_is_copied_from_inside_a_word_or_outside_a_string():
 
 
 def test_a_number_is_also_copied_without_its_thousands_separators():
-    tok = PieceTokenizer(sorted(set("R ,;{}\":0123456789abcdefghijklmnopqrstuvwxyz")))
+    tok = PieceTokenizer(sorted(set('R ,;{}":0123456789abcdefghijklmnopqrstuvwxyz')))
     prompt = tok.tokenize_str("Rent 1,450; 48,000 to 58,000 in 1,2345")
 
     def copies(output: str) -> list[str]:
@@ -146,7 +164,9 @@ def test_auto_with_copies_decodes_what_sequential_decoding_does(model):
         outs = []
         for d in (Drafter(), drafter):
             out = []
-            for new in speculative_decode(LocalSession(model), prompt, 48, set(), d, StepBudget(max_nodes=64), SpecStats()):
+            for new in speculative_decode(
+                LocalSession(model), prompt, 48, set(), d, StepBudget(max_nodes=64), SpecStats()
+            ):
                 out += new
             outs.append(out)
         assert outs[0] == outs[1]

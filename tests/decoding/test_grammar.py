@@ -33,13 +33,18 @@ from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.loading import load_model
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "active": {"type": "boolean"},
-    "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 2}},
-    "required": ["name", "age", "role", "active", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "role", "active", "tags"],
+    "additionalProperties": False,
+}
 REGEX = r"[a-z]{2,5}-[0-9]{3}( ok)?"
 
 
@@ -63,8 +68,16 @@ def decode_text(tok, ids: list[int]) -> str:
 def sequential(model, gt, spec, prompt, n, sampling=None, logprobs=None):
     gstats = GrammarStats()
     out = []
-    for new in constrained_sequential(LocalSession(model), prompt, n, set(), compile_grammar(spec, gt).start(),
-                                      gstats, sampling=sampling, logprobs=logprobs):
+    for new in constrained_sequential(
+        LocalSession(model),
+        prompt,
+        n,
+        set(),
+        compile_grammar(spec, gt).start(),
+        gstats,
+        sampling=sampling,
+        logprobs=logprobs,
+    ):
         out += new
     return out, gstats
 
@@ -74,8 +87,18 @@ def speculative(model, gt, spec, prompt, n, drafter, sampling=None, step_cap=Non
     out = []
     session = LocalSession(model)
     session.max_step_tokens = step_cap  # a cloud window's cap on the tokens of one step
-    for new in constrained_decode(session, prompt, n, set(), drafter, StepBudget(),
-                                  stats, compile_grammar(spec, gt).start(), gstats, sampling=sampling):
+    for new in constrained_decode(
+        session,
+        prompt,
+        n,
+        set(),
+        drafter,
+        StepBudget(),
+        stats,
+        compile_grammar(spec, gt).start(),
+        gstats,
+        sampling=sampling,
+    ):
         out += new
     return out, stats, gstats
 
@@ -90,7 +113,7 @@ class NoisyOracle(Drafter):
 
     def propose(self):
         done = len(self.context) - self.prompt_len
-        truth = self.reference[done:done + self.rng.randrange(0, 10)]
+        truth = self.reference[done : done + self.rng.randrange(0, 10)]
         if truth and self.rng.random() < 0.4:
             truth[self.rng.randrange(len(truth))] = self.rng.randrange(self.vocab)
         tree = TokenTree.root_only(self.context[-1])
@@ -129,8 +152,10 @@ def test_sequential_is_argmax_over_the_allowed_tokens(setup, spec):
     assert gstats.forced_tokens > 0 or spec.kind == "regex"
 
 
-CASES = [(m, 0) for m in ("none", "ngram", "suffix", "recycle", "auto", "lookahead", "auto-window")] + \
-    [("auto", 1), ("auto", 2)]
+CASES = [(m, 0) for m in ("none", "ngram", "suffix", "recycle", "auto", "lookahead", "auto-window")] + [
+    ("auto", 1),
+    ("auto", 2),
+]
 
 
 @pytest.mark.parametrize(("mode", "which"), CASES, ids=[f"{m}-{['schema', 'regex', 'object'][w]}" for m, w in CASES])
@@ -175,9 +200,14 @@ def test_auto_with_a_head_drafts_after_forced_chains_and_equals_sequential(setup
     model, tok, gt = setup
     example = tok('{"name": "ab", "age": 7, "role": "user", "active": true, "tags": ["a"]}').input_ids
     torch.manual_seed(0)
-    memory = DraftMemory.seeded(SuffixIndex([example * 3]),
-                                HeadRunner(DraftHead(model.cfg.hidden_size, 32, torch.arange(len(tok))),
-                                           model.embed_tokens.weight, model.embed_tokens.weight))
+    memory = DraftMemory.seeded(
+        SuffixIndex([example * 3]),
+        HeadRunner(
+            DraftHead(model.cfg.hidden_size, 32, torch.arange(len(tok))),
+            model.embed_tokens.weight,
+            model.embed_tokens.weight,
+        ),
+    )
     calls = []
     inner = HeadDrafter.propose_after
     monkeypatch.setattr(HeadDrafter, "propose_after", lambda self, *a, **k: calls.append(a) or inner(self, *a, **k))
@@ -190,9 +220,12 @@ def test_auto_with_a_head_drafts_after_forced_chains_and_equals_sequential(setup
     assert calls  # open chain ends inside trees were drafted after
 
 
-LONG = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}},
-                                         "count": {"type": "integer"}},
-        "required": ["notes", "count"], "additionalProperties": False}
+LONG = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}}, "count": {"type": "integer"}},
+    "required": ["notes", "count"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("limit", [23, 31, 40])
@@ -212,7 +245,7 @@ def test_near_the_length_limit_the_answer_is_closed_the_same_way_by_every_mode(s
             out, _, _ = speculative(model, gt, spec, prompt, limit, drafter, sampling)
             assert out == reference
     if len(unlimited) > limit + 64:  # far from the limit nothing changes
-        assert sequential(model, gt, spec, prompt, limit + 64)[0][:limit - 8] == unlimited[:limit - 8]
+        assert sequential(model, gt, spec, prompt, limit + 64)[0][: limit - 8] == unlimited[: limit - 8]
 
 
 def test_closing_is_short_and_leaves_the_state_alone(setup):
@@ -238,14 +271,14 @@ def test_rejected_drafts_are_never_sent_and_forced_nodes_are_certain(setup):
     tree.add(1, opening[0], 0.9)  # under a rejected node: gone with it
     walked = constrain(tree, state)
     assert walked.rejected == 2
-    assert walked.tree.tokens[1:len(opening) + 1] == opening  # added as a chain of certain nodes
+    assert walked.tree.tokens[1 : len(opening) + 1] == opening  # added as a chain of certain nodes
     assert all(walked.tree.certain(i) for i in range(1, len(opening) + 1))
     assert bad not in walked.tree.tokens
     allowed = walked.allowed(list(range(len(walked.tree))), len(tok))
     assert allowed[0].sum() == 1 and allowed[0, opening[0]]
     budget = StepBudget()
     choice = budget.choose(walked.tree)
-    assert choice.reach[1:len(opening) + 1] == [1.0] * len(opening)  # the budget counts them as certain
+    assert choice.reach[1 : len(opening) + 1] == [1.0] * len(opening)  # the budget counts them as certain
 
 
 def test_a_graft_walks_only_the_new_nodes_through_the_grammar(setup):
@@ -326,7 +359,7 @@ def test_a_drafted_word_break_inside_a_string_gets_the_strings_close(setup):
         assert node is not None and walked.tree.scores[node] == VALUE_END_SCORES[lead]
         assert not walked.tree.certain(node)
         chain, at = [], node
-        while (kids := walked.tree.kids().get(at, [])):
+        while kids := walked.tree.kids().get(at, []):
             (at,) = kids
             assert walked.tree.certain(at)
             chain.append(walked.tree.tokens[at])
@@ -392,10 +425,22 @@ def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
     reference, _ = sequential(model, gt, spec, prompt, 40, logprobs=seq_rec)
     opening = compile_grammar(spec, gt).start().forced_chain(32)
     for rec in (spec_rec, None):
-        steps = list(constrained_decode(LocalSession(model), prompt, 40, set(), Drafter(), StepBudget(), SpecStats(),
-                                        compile_grammar(spec, gt).start(), GrammarStats(), logprobs=rec))
+        steps = list(
+            constrained_decode(
+                LocalSession(model),
+                prompt,
+                40,
+                set(),
+                Drafter(),
+                StepBudget(),
+                SpecStats(),
+                compile_grammar(spec, gt).start(),
+                GrammarStats(),
+                logprobs=rec,
+            )
+        )
         assert [t for new in steps for t in new] == reference
-        assert tok.decode(steps[0][:len(opening) + 1]) == '{"name": "' and len(steps[0]) == len(opening) + 2
+        assert tok.decode(steps[0][: len(opening) + 1]) == '{"name": "' and len(steps[0]) == len(opening) + 2
     assert [t.token for t in spec_rec.tokens] == reference
     for a, b in zip(spec_rec.tokens, seq_rec.tokens, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in b.top]
@@ -431,13 +476,25 @@ def test_a_prefill_guess_the_model_does_not_take_is_cropped(setup):
     space = next(t for t in state.allowed().nonzero().flatten().tolist() if tok.decode([t]) == " ")
     assert tok.decode([state.likely()]) == ' "'
     reference = []
-    for new in constrained_sequential(SpaceLover(model, space), prompt, 30, set(), compile_grammar(spec, gt).start(),
-                                      GrammarStats()):
+    for new in constrained_sequential(
+        SpaceLover(model, space), prompt, 30, set(), compile_grammar(spec, gt).start(), GrammarStats()
+    ):
         reference += new
     assert reference[len(opening)] == space  # sequential takes the space, not the guessed ` "`
     session = SpaceLover(model, space)
-    steps = list(constrained_decode(session, prompt, 30, set(), make_drafter(SpecConfig("auto")), StepBudget(),
-                                    SpecStats(), compile_grammar(spec, gt).start(), GrammarStats()))
+    steps = list(
+        constrained_decode(
+            session,
+            prompt,
+            30,
+            set(),
+            make_drafter(SpecConfig("auto")),
+            StepBudget(),
+            SpecStats(),
+            compile_grammar(spec, gt).start(),
+            GrammarStats(),
+        )
+    )
     assert steps[0] == opening + [space]  # the guess was not taken: the space is the prefill's pick
     assert [t for new in steps for t in new] == reference
     assert session.length == len(prompt) + len(reference) - 1  # every cache entry is an emitted token's
@@ -452,10 +509,14 @@ def test_compile_errors_and_response_formats(setup):
         GrammarSpec("xml")
     assert grammar_from_format(None) is None and grammar_from_format({"type": "text"}) is None
     assert grammar_from_format({"type": "json_object"}) == GrammarSpec.json_object()
-    wrapped = grammar_from_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}})
+    wrapped = grammar_from_format(
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+    )
     assert wrapped.schema == SCHEMA and wrapped.name == "p"
     assert grammar_from_format(SCHEMA).schema == SCHEMA
-    assert list(grammar_from_format(SCHEMA).schema["properties"]) == list(SCHEMA["properties"])  # the order is the output's
+    assert list(grammar_from_format(SCHEMA).schema["properties"]) == list(
+        SCHEMA["properties"]
+    )  # the order is the output's
     pydantic = pytest.importorskip("pydantic")
 
     class Person(pydantic.BaseModel):
@@ -485,11 +546,18 @@ def test_objects_that_list_their_properties_take_no_other_keys(setup):
 def test_closed_objects_keeps_what_a_schema_says_about_other_keys():
     inner = {"type": "object", "properties": {"x": {"type": "string"}}}
     closed = {**inner, "additionalProperties": False}
-    schema = {"type": "object", "$defs": {"Inner": inner},
-              "properties": {"ref": {"$ref": "#/$defs/Inner"}, "maybe": {"anyOf": [inner, {"type": "null"}]},
-                             "many": {"type": "array", "items": inner}, "open": {**inner, "additionalProperties": True},
-                             "both": {"allOf": [inner, {"properties": {"y": {"type": "integer"}}}]},
-                             "named": {**inner, "patternProperties": {"^z": {}}}}}
+    schema = {
+        "type": "object",
+        "$defs": {"Inner": inner},
+        "properties": {
+            "ref": {"$ref": "#/$defs/Inner"},
+            "maybe": {"anyOf": [inner, {"type": "null"}]},
+            "many": {"type": "array", "items": inner},
+            "open": {**inner, "additionalProperties": True},
+            "both": {"allOf": [inner, {"properties": {"y": {"type": "integer"}}}]},
+            "named": {**inner, "patternProperties": {"^z": {}}},
+        },
+    }
     out = closed_objects(schema)
     assert out["additionalProperties"] is False and out["$defs"]["Inner"] == closed
     props = out["properties"]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def docs_modes() -> list[str]:
     """The modes in the table of docs/speculative.md, in order."""
     text = (ROOT / "docs" / "speculative.md").read_text()
-    table = text[text.index("| mode | drafts from |"):].split("\n\n")[0].splitlines()[2:]
+    table = text[text.index("| mode | drafts from |") :].split("\n\n")[0].splitlines()[2:]
     return [re.match(r"\| `([^`]+)` \|", row).group(1) for row in table]
 
 
@@ -26,8 +26,9 @@ def test_the_docs_list_the_registered_modes():
     assert docs_modes() == list(SPEC_MODES)
 
 
-@pytest.mark.parametrize("command", [["generate", "--edge", "e", "--prompt", "p"], ["chat", "--edge", "e"],
-                                     ["serve-edge", "--edge", "e"]])
+@pytest.mark.parametrize(
+    "command", [["generate", "--edge", "e", "--prompt", "p"], ["chat", "--edge", "e"], ["serve-edge", "--edge", "e"]]
+)
 def test_the_cli_offers_the_registered_modes(command, capsys, monkeypatch):
     from splitlm.cli import build_parser
 
@@ -79,8 +80,13 @@ def test_every_mode_builds_its_drafter():
 
 def test_drafters_declare_their_capabilities():
     plain = Drafter()
-    assert (plain.extras, plain.guided, plain.lookahead, plain.window_gain, plain.adapts_window) == \
-        (0, False, None, 0.0, False)
+    assert (plain.extras, plain.guided, plain.lookahead, plain.window_gain, plain.adapts_window) == (
+        0,
+        False,
+        None,
+        0.0,
+        False,
+    )
     la = LookaheadDrafter(width=3)
     assert la.lookahead is la
     combined = CombinedDrafter([NgramDrafter(), la])

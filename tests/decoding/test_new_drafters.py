@@ -33,8 +33,9 @@ def model(tmp_path_factory):
 
 def run(model, prompt, n, drafter, cost="measured"):
     stats, out = SpecStats(), []
-    for new in speculative_decode(LocalSession(model), prompt, n, set(), drafter,
-                                  StepBudget(max_nodes=128, cost=cost), stats):
+    for new in speculative_decode(
+        LocalSession(model), prompt, n, set(), drafter, StepBudget(max_nodes=128, cost=cost), stats
+    ):
         out.extend(new)
     return out, stats
 
@@ -44,8 +45,9 @@ def memory_for(model, rng):
     mem = DraftMemory.seeded(corpus)
     d = model.cfg.hidden_size
     torch.manual_seed(0)
-    mem.head = HeadRunner(DraftHead(d, 32, torch.arange(0, 64, 2)), model.embed_tokens.weight,
-                          model.embed_tokens.weight)
+    mem.head = HeadRunner(
+        DraftHead(d, 32, torch.arange(0, 64, 2)), model.embed_tokens.weight, model.embed_tokens.weight
+    )
     return mem
 
 
@@ -91,13 +93,13 @@ def test_suffix_index_finds_every_occurrence_of_the_longest_match():
         ranges = ix.match(ctx)
         for m, lo, hi in ranges:
             pat = ctx[-m:]
-            ends = sorted(i + m for i in range(len(text) - m + 1) if text[i:i + m] == pat)
+            ends = sorted(i + m for i in range(len(text) - m + 1) if text[i : i + m] == pat)
             got = sorted(len(text) - int(p) for p in ix.sa[lo:hi])  # forward index after the match
             assert got == ends
         longest = ranges[-1][0] if ranges else 0
         if longest < len(ctx):
-            pat = ctx[-(longest + 1):]
-            assert not any(text[i:i + len(pat)] == pat for i in range(len(text)))
+            pat = ctx[-(longest + 1) :]
+            assert not any(text[i : i + len(pat)] == pat for i in range(len(text)))
         for cont in ix.continuations(*ranges[-1][1:], depth=4, limit=50) if ranges else []:
             assert -1 not in cont and 0 < len(cont) <= 4
 
@@ -109,15 +111,21 @@ def test_context_automaton_matches_brute_force():
         tok = rng.randrange(4)
         sam.add(tok)
         text.append(tok)
-        query = text[-rng.randrange(1, 10):] + [rng.randrange(4)]
+        query = text[-rng.randrange(1, 10) :] + [rng.randrange(4)]
         state, length = sam.match(query)
-        best = max((n for n in range(1, len(query) + 1)
-                    if any(text[i:i + n] == query[-n:] for i in range(len(text) - n + 1))), default=0)
+        best = max(
+            (
+                n
+                for n in range(1, len(query) + 1)
+                if any(text[i : i + n] == query[-n:] for i in range(len(text) - n + 1))
+            ),
+            default=0,
+        )
         assert length == best
         if length:
             e = sam.end[state]  # the latest end of the match
-            assert text[e - length + 1:e + 1] == query[-length:]
-            assert not any(text[i - length + 1:i + 1] == query[-length:] for i in range(e + 1, len(text)))
+            assert text[e - length + 1 : e + 1] == query[-length:]
+            assert not any(text[i - length + 1 : i + 1] == query[-length:] for i in range(e + 1, len(text)))
 
 
 def test_recycle_table_seeds_from_bigrams_and_learns_from_passes():
@@ -193,8 +201,18 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
         for i in range(30):
             words = " ".join(rng.choice(["def", "return", "x", "=", "(", ")", ":"]) for _ in range(40))
             f.write(json.dumps({"prompt": f"q{i}: ", "text": words}) + "\n")
-    report = train_head(str(audit_model_dir), split / "edge", warmup=warm, max_tokens=3000, vocab=64, inner=32,
-                        minutes=0.2, batch=64, lr=5e-3, out=tmp_path / "results")
+    report = train_head(
+        str(audit_model_dir),
+        split / "edge",
+        warmup=warm,
+        max_tokens=3000,
+        vocab=64,
+        inner=32,
+        minutes=0.2,
+        batch=64,
+        lr=5e-3,
+        out=tmp_path / "results",
+    )
     head = load_head(split / "edge")
     # its report: next to the head, next to the cache's copy, and in the results directory, with the head's digest
     beside = json.loads((split / "edge" / "draft_head.json").read_text())
@@ -219,8 +237,17 @@ def head_drafter_at(model, seed=2):
 
     d = model.cfg.hidden_size
     torch.manual_seed(seed)
-    drafter = HeadDrafter(HeadRunner(DraftHead(d, 32, torch.arange(0, 64)), model.embed_tokens.weight,
-                                     model.embed_tokens.weight, dtype=torch.float32), min_reach=0.0, width=1, k=2)
+    drafter = HeadDrafter(
+        HeadRunner(
+            DraftHead(d, 32, torch.arange(0, 64)),
+            model.embed_tokens.weight,
+            model.embed_tokens.weight,
+            dtype=torch.float32,
+        ),
+        min_reach=0.0,
+        width=1,
+        k=2,
+    )
     drafter.reset([5, 6, 7])
     drafter.hidden = torch.randn(d)
     return drafter
@@ -232,7 +259,7 @@ def test_head_guided_by_the_merged_tree_goes_deeper_along_the_others_votes(model
     # the head's own first-ranked chain (width 1: the likeliest child is expanded), each token
     # voted for at 0.95 by "other drafters"
     chain, node = [], 0
-    while (kids := [i for i in range(len(alone)) if alone.parents[i] == node]):
+    while kids := [i for i in range(len(alone)) if alone.parents[i] == node]:
         node = kids[0]
         chain.append(alone.tokens[node])
     guide = TokenTree.root_only(7)

@@ -44,7 +44,7 @@ class Scripted(Drafter):
         tree = TokenTree.root_only(ctx[-1])
         on_track = self.truth[: len(ctx)] == ctx
         if on_track and rng.random() < self.right:
-            path = self.truth[len(ctx): len(ctx) + rng.randrange(1, 7)]
+            path = self.truth[len(ctx) : len(ctx) + rng.randrange(1, 7)]
             if path and rng.random() < 0.5:  # a decoy that leaves the truth somewhere, trusted more
                 decoy = list(path)
                 decoy[rng.randrange(len(decoy))] = rng.randrange(3, VOCAB)
@@ -70,8 +70,18 @@ def pipelined(edge, prompt, n, drafter, sampling=None, max_nodes=None, eos=(), s
     session = session or edge.open_session()
     out = []
     try:
-        for new in pipelined_decode(session, prompt, n, set(eos), drafter, StepBudget(fixed_nodes=max_nodes), stats,
-                                    cached=cached, sampling=sampling, always_bet=True):
+        for new in pipelined_decode(
+            session,
+            prompt,
+            n,
+            set(eos),
+            drafter,
+            StepBudget(fixed_nodes=max_nodes),
+            stats,
+            cached=cached,
+            sampling=sampling,
+            always_bet=True,
+        ):
             out.extend(new)
     finally:
         if own:
@@ -126,7 +136,7 @@ class Learner(Scripted):
         ctx, mine = self.proposed[-1]
         assert self.context == ctx and tree.tokens[0] == ctx[-1]
         assert set(tree.paths()) <= set(mine.paths())  # what the budget kept of it
-        assert new == self.truth[len(ctx): len(ctx) + len(new)]  # greedy: the true continuation
+        assert new == self.truth[len(ctx) : len(ctx) + len(new)]  # greedy: the true continuation
         self.learned += 1
 
 
@@ -138,8 +148,9 @@ def test_the_learning_drafter_learns_each_step_it_drafted_and_bets_go_to_the_oth
     learner, better = Learner(prompt + reference, rng, 8, 0.9), Scripted(prompt + reference, rng, 8, 0.9)
     stats, session, out = SpecStats(), edge.open_session(), []
     try:
-        for new in pipelined_decode(session, prompt, 40, set(), learner, StepBudget(fixed_nodes=6), stats,
-                                    always_bet=True, bet_drafter=better):
+        for new in pipelined_decode(
+            session, prompt, 40, set(), learner, StepBudget(fixed_nodes=6), stats, always_bet=True, bet_drafter=better
+        ):
             out.extend(new)
     finally:
         session.close()
@@ -256,8 +267,16 @@ def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
     reference = sequential(edge, prompt, 30)
     session = edge.open_session()
     try:
-        steps = pipelined_decode(session, prompt, 30, set(), Scripted(prompt + reference, rng, 6, 0.9),
-                                 StepBudget(), SpecStats(), always_bet=True)
+        steps = pipelined_decode(
+            session,
+            prompt,
+            30,
+            set(),
+            Scripted(prompt + reference, rng, 6, 0.9),
+            StepBudget(),
+            SpecStats(),
+            always_bet=True,
+        )
         first = []
         for new in steps:
             first.extend(new)
@@ -268,8 +287,9 @@ def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
         follow = prompt + first + [5, 6, 7]
         expected = sequential(edge, follow, 16)
         cached = len(prompt) + len(first) - 1  # the caches hold the context except its last token
-        second, _ = pipelined(edge, follow, 16, Scripted(follow + expected, rng, 10, 0.7), session=session,
-                              cached=cached)
+        second, _ = pipelined(
+            edge, follow, 16, Scripted(follow + expected, rng, 10, 0.7), session=session, cached=cached
+        )
         assert second == expected
     finally:
         session.close()
@@ -283,8 +303,10 @@ def test_split_head_and_sealed_pipelined_equal_sequential(tiny_split_head, split
         reference = sequential(e, prompt, 24)
         out, stats = pipelined(e, prompt, 24, Scripted(prompt + reference, rng, 8, 0.8))
         assert out == reference and stats.pipelined > 0
-    with BackgroundServer(tiny_split / "cloud") as server, \
-            Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as e:
+    with (
+        BackgroundServer(tiny_split / "cloud") as server,
+        Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as e,
+    ):
         reference = sequential(e, prompt, 24)
         session = e.open_session()
         assert session.pipelines
@@ -309,8 +331,13 @@ def test_window_policies_do_not_pipeline(edge):
     prompt = [9, 10, 9, 10, 9, 10, 9]  # generate falls back to one step at a time, same output
     session = edge.open_session(cache_policy="window:64")
     try:
-        out = [t for new, _ in edge.generate_ids(prompt, 12, stop_at_eos=False, session=session,
-                                                 spec=SpecConfig("ngram", pipeline=True)) for t in new]
+        out = [
+            t
+            for new, _ in edge.generate_ids(
+                prompt, 12, stop_at_eos=False, session=session, spec=SpecConfig("ngram", pipeline=True)
+            )
+            for t in new
+        ]
     finally:
         session.close()
     assert out == sequential(edge, prompt, 12)

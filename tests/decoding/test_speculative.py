@@ -17,16 +17,18 @@ from splitlm.model.loading import load_model
 
 @pytest.fixture(scope="module", params=[0, 1])
 def model(request, tmp_path_factory):
-    path = make_tiny_llama(tmp_path_factory.mktemp(f"spec-{request.param}"), seed=10 + request.param,
-                           vocab_size=64)  # a small vocabulary: greedy text repeats, drafts get accepted
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp(f"spec-{request.param}"), seed=10 + request.param, vocab_size=64
+    )  # a small vocabulary: greedy text repeats, drafts get accepted
     return load_model(path)[0]
 
 
 def run(model, prompt, n, drafter, max_nodes=None):
     stats = SpecStats()
     out = []
-    for new in speculative_decode(LocalSession(model), prompt, n, set(), drafter, StepBudget(fixed_nodes=max_nodes),
-                                  stats):
+    for new in speculative_decode(
+        LocalSession(model), prompt, n, set(), drafter, StepBudget(fixed_nodes=max_nodes), stats
+    ):
         out.extend(new)
     return out, stats
 
@@ -46,7 +48,7 @@ class NoisyOracle(Drafter):
 
     def propose(self):
         done = len(self.context) - self.prompt_len  # generated so far (root included)
-        truth = self.reference[done:done + self.rng.randrange(0, 8)]
+        truth = self.reference[done : done + self.rng.randrange(0, 8)]
         if truth and self.rng.random() < 0.5:
             truth[self.rng.randrange(len(truth))] = self.rng.randrange(3, 64)
         tree = TokenTree.root_only(self.context[-1])
@@ -114,8 +116,9 @@ def test_ngram_tree_has_branches():
     tree = d.propose()
     # the suffix (1, 2) was followed by 3 and by 4: two branches under the root
     assert sorted(tree.tokens[i] for i in range(1, len(tree)) if tree.parents[i] == 0) == [3, 4]
-    assert all(tree.scores[i] <= tree.scores[max(tree.parents[i], 0)] or tree.parents[i] == 0
-               for i in range(1, len(tree)))
+    assert all(
+        tree.scores[i] <= tree.scores[max(tree.parents[i], 0)] or tree.parents[i] == 0 for i in range(1, len(tree))
+    )
 
 
 def test_keep_after_partial_acceptance_equals_recompute(model):

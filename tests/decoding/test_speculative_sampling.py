@@ -66,8 +66,16 @@ class FixedTreeDrafter(Drafter):
 
 
 def run_once(model, prompt, guesses, cfg) -> list[int]:
-    steps = speculative_decode(LocalSession(model), prompt, 2, set(), FixedTreeDrafter(guesses),
-                               StepBudget(fixed_nodes=5), SpecStats(), sampling=cfg)
+    steps = speculative_decode(
+        LocalSession(model),
+        prompt,
+        2,
+        set(),
+        FixedTreeDrafter(guesses),
+        StepBudget(fixed_nodes=5),
+        SpecStats(),
+        sampling=cfg,
+    )
     return [t for step in steps for t in step]
 
 
@@ -96,8 +104,10 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tmp_path):
         counts1[out[0]] += 1
         counts2[out[1]] += 1
     p2 = sum(p1[x] * target(prompt + [x]) for x in range(16))  # the second token's marginal
-    print(f"\nTV first token {tv(counts1, p1):.3f} over {int(counts1.sum())}, "
-          f"after the tree {tv(counts2, p2):.3f} over {int(counts2.sum())}")
+    print(
+        f"\nTV first token {tv(counts1, p1):.3f} over {int(counts1.sum())}, "
+        f"after the tree {tv(counts2, p2):.3f} over {int(counts2.sum())}"
+    )
     assert tv(counts1, p1) < 0.05
     assert tv(counts2, p2) < 0.05
 
@@ -105,10 +115,23 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tmp_path):
 def test_greedy_with_sampling_config_stays_token_identical(tmp_path):
     model = load_model(make_tiny_llama(tmp_path / "m", seed=5, vocab_size=48))[0]
     prompt = [3, 4, 5, 3, 4, 5, 3]
-    ref = list(speculative_decode(LocalSession(model), prompt, 20, set(), make_drafter(SpecConfig("none")),
-                                  StepBudget(), SpecStats()))
-    out = list(speculative_decode(LocalSession(model), prompt, 20, set(), make_drafter(SpecConfig("ngram")),
-                                  StepBudget(), SpecStats(), sampling=SamplingConfig(seed=1)))
+    ref = list(
+        speculative_decode(
+            LocalSession(model), prompt, 20, set(), make_drafter(SpecConfig("none")), StepBudget(), SpecStats()
+        )
+    )
+    out = list(
+        speculative_decode(
+            LocalSession(model),
+            prompt,
+            20,
+            set(),
+            make_drafter(SpecConfig("ngram")),
+            StepBudget(),
+            SpecStats(),
+            sampling=SamplingConfig(seed=1),
+        )
+    )
     assert [t for s in out for t in s] == [t for s in ref for t in s]
 
 
@@ -123,9 +146,33 @@ def test_same_seed_same_tokens_as_sequential_sampling_whatever_the_drafter(tmp_p
         ref = [t for s in sample_decode(LocalSession(model), prompt, 24, set(), cfg) for t in s]
         for mode in ("ngram", "lookahead"):
             stats = SpecStats()
-            out = [t for s in speculative_decode(LocalSession(model), prompt, 24, set(), make_drafter(SpecConfig(mode)),
-                                                 StepBudget(fixed_nodes=8), stats, sampling=cfg) for t in s]
+            out = [
+                t
+                for s in speculative_decode(
+                    LocalSession(model),
+                    prompt,
+                    24,
+                    set(),
+                    make_drafter(SpecConfig(mode)),
+                    StepBudget(fixed_nodes=8),
+                    stats,
+                    sampling=cfg,
+                )
+                for t in s
+            ]
             assert out == ref, (seed, mode)
-        fixed = [t for s in speculative_decode(LocalSession(model), prompt, 24, set(), FixedTreeDrafter(ref[1:4]),
-                                               StepBudget(fixed_nodes=5), SpecStats(), sampling=cfg) for t in s]
+        fixed = [
+            t
+            for s in speculative_decode(
+                LocalSession(model),
+                prompt,
+                24,
+                set(),
+                FixedTreeDrafter(ref[1:4]),
+                StepBudget(fixed_nodes=5),
+                SpecStats(),
+                sampling=cfg,
+            )
+            for t in s
+        ]
         assert fixed == ref

@@ -21,8 +21,23 @@ def test_instructions_are_fixed_and_varied():
 def test_instructions_stay_clear_of_the_benchmark_prompts_subjects():
     # docs/speculative.md: the warm-up list is not tuned to benchmarks/prompts*.json
     text = " ".join(instructions()).lower()
-    for subject in ("planet", "lighthouse", "fizzbuzz", "stack", "queue", "houseplant", "rainbow", "twinkle",
-                    "budget", "interview", "penguin", "dragon", "astronaut", "debounce", "bakery"):
+    for subject in (
+        "planet",
+        "lighthouse",
+        "fizzbuzz",
+        "stack",
+        "queue",
+        "houseplant",
+        "rainbow",
+        "twinkle",
+        "budget",
+        "interview",
+        "penguin",
+        "dragon",
+        "astronaut",
+        "debounce",
+        "bakery",
+    ):
         assert subject not in text, subject
 
 

@@ -22,8 +22,9 @@ def save_lora(model_dir, out, layers, targets=("q_proj", "v_proj", "down_proj"),
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), layers_to_transform=layers,
-                                         lora_dropout=0.0))
+    lora = get_peft_model(
+        hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), layers_to_transform=layers, lora_dropout=0.0)
+    )
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in lora.named_parameters():
@@ -64,8 +65,9 @@ def test_edge_adapter_matches_peft_on_the_full_model(tiny_llama, tiny_split, tmp
     assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_adapted_split_generates_peft_tokens_and_sends_nothing_of_the_adapter(tiny_llama, tiny_split, tmp_path,
-                                                                           monkeypatch):
+def test_adapted_split_generates_peft_tokens_and_sends_nothing_of_the_adapter(
+    tiny_llama, tiny_split, tmp_path, monkeypatch
+):
     """Greedy through a real cloud: the adapted edge emits what peft's full model emits. Every frame the
     edge sends (in plaintext, before sealing) has the same shape as without the adapter and holds none
     of its bytes; the cloud's shard files and its model's weights stay as they were."""
@@ -100,8 +102,9 @@ def test_adapted_split_generates_peft_tokens_and_sends_nothing_of_the_adapter(ti
     from safetensors.torch import load_file
 
     lora = load_file(adapter / "adapter_model.safetensors")
-    needles = [t.reshape(-1)[:8].to(dtype).numpy().tobytes() for t in lora.values() for dtype in
-               (torch.float32, torch.float16)]
+    needles = [
+        t.reshape(-1)[:8].to(dtype).numpy().tobytes() for t in lora.values() for dtype in (torch.float32, torch.float16)
+    ]
     assert all(n not in payload for _, _, payload in frames["adapted"] for n in needles)
 
 
@@ -120,8 +123,19 @@ def test_cli_refuses_a_cloud_adapter(tiny_llama, tiny_split, tmp_path, capsys):
     from splitlm.cli import main
 
     adapter = save_lora(tiny_llama, tmp_path / "lora", [3])
-    code = main(["generate", "--edge", str(tiny_split / "edge"), "--cloud", "ws://127.0.0.1:9", "--edge-adapter",
-                 str(adapter), "--prompt", "x"])
+    code = main(
+        [
+            "generate",
+            "--edge",
+            str(tiny_split / "edge"),
+            "--cloud",
+            "ws://127.0.0.1:9",
+            "--edge-adapter",
+            str(adapter),
+            "--prompt",
+            "x",
+        ]
+    )
     assert code == 1 and "which the cloud runs" in capsys.readouterr().err
 
 
@@ -135,15 +149,49 @@ def test_train_adapter_fits_the_text_on_edge_layers_only(audit_model_dir, tmp_pa
     split = split_model(str(audit_model_dir), head=2, tail=1, out=tmp_path / "split")
     text = tmp_path / "notes.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    assert main(["train-adapter", "--model", str(audit_model_dir), "--edge", str(split / "edge"), "--text", str(text),
-                 "--out", str(tmp_path / "lora"), "--steps", "12", "--seq-len", "48", "--lr", "3e-3"]) == 0
+    assert (
+        main(
+            [
+                "train-adapter",
+                "--model",
+                str(audit_model_dir),
+                "--edge",
+                str(split / "edge"),
+                "--text",
+                str(text),
+                "--out",
+                str(tmp_path / "lora"),
+                "--steps",
+                "12",
+                "--seq-len",
+                "48",
+                "--lr",
+                "3e-3",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["layers"] == [0, 1, 5] and report["loss_after"] < report["loss_before"]
     edge = load_edge(split / "edge")
     info = apply_edge_adapter(edge, tmp_path / "lora")
     assert set(info.layers) == {0, 1, 5}
-    assert main(["train-adapter", "--model", str(audit_model_dir), "--edge", str(split / "edge"), "--text",
-                 str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 1
+    assert (
+        main(
+            [
+                "train-adapter",
+                "--model",
+                str(audit_model_dir),
+                "--edge",
+                str(split / "edge"),
+                "--text",
+                str(tmp_path / "missing.txt"),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 1
+    )
     assert "cannot read the training text" in capsys.readouterr().err
 
 

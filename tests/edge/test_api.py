@@ -28,10 +28,31 @@ def api(bundled_split, bundled_server, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve-edge") / "stderr.txt"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-edge", "--edge", str(bundled_split / "edge"),
-                                 "--cloud", bundled_server.url, "--port", str(port), "--model-name", MODEL,
-                                 "--spec", "ngram", "--wire-dtype", "fp32", "--threads", "1"],
-                                env={**os.environ, "SPLITLM_API_KEY": KEY}, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitlm",
+                "serve-edge",
+                "--edge",
+                str(bundled_split / "edge"),
+                "--cloud",
+                bundled_server.url,
+                "--port",
+                str(port),
+                "--model-name",
+                MODEL,
+                "--spec",
+                "ngram",
+                "--wire-dtype",
+                "fp32",
+                "--threads",
+                "1",
+            ],
+            env={**os.environ, "SPLITLM_API_KEY": KEY},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         try:
             wait_healthy(port, proc, timeout_s=120)
@@ -78,8 +99,9 @@ def test_greedy_chat_matches_transformers_streamed_or_not(client, bundled_hf):
     assert reply.choices[0].finish_reason == ("stop" if expected[-1] == tok.eos_token_id else "length")
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(expected)
     assert reply.usage.total_tokens == len(ids) + len(expected)
-    text, finish, usage = stream_chat(client, model=MODEL, messages=messages, temperature=0, max_tokens=16,
-                                      stream_options={"include_usage": True})
+    text, finish, usage = stream_chat(
+        client, model=MODEL, messages=messages, temperature=0, max_tokens=16, stream_options={"include_usage": True}
+    )
     assert text == reply.choices[0].message.content
     assert finish == reply.choices[0].finish_reason
     assert usage.completion_tokens == reply.usage.completion_tokens
@@ -90,21 +112,28 @@ def test_completions_with_stop_strings(client):
     full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
     text = full.choices[0].text
     assert full.choices[0].finish_reason == "length" and len(text) > 8
-    stop = text[len(text) // 2: len(text) // 2 + 3]  # cut somewhere inside what greedy decoding produces
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # cut somewhere inside what greedy decoding produces
     cut = text[: text.index(stop)]
-    stopped = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
-                                        stop=["\u2603never", stop])
+    stopped = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=["\u2603never", stop]
+    )
     assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=stop,
-                                              stream=True))
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut  # the stop string's beginning was held back
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
 def test_seeded_sampling_repeats(client):
     def sample(seed):
-        return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=1.5, top_p=0.95,
-                                         seed=seed, max_tokens=10).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Once upon a time", temperature=1.5, top_p=0.95, seed=seed, max_tokens=10
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(5)
     assert sample(5) == first
@@ -113,8 +142,9 @@ def test_seeded_sampling_repeats(client):
 
 def test_two_concurrent_streams_do_not_mix(client):
     prompts = ["Count from one to ten in words:", "List the colours of the rainbow:"]
-    solo = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=14).choices[0].text
-            for p in prompts]
+    solo = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=14).choices[0].text for p in prompts
+    ]
     assert solo[0] != solo[1]
     out, spans = [None, None], [None, None]
     barrier = threading.Barrier(2)
@@ -122,8 +152,9 @@ def test_two_concurrent_streams_do_not_mix(client):
     def run(i):
         barrier.wait()
         pieces, times = [], []
-        for chunk in client.completions.create(model=MODEL, prompt=prompts[i], temperature=0, max_tokens=14,
-                                               stream=True):
+        for chunk in client.completions.create(
+            model=MODEL, prompt=prompts[i], temperature=0, max_tokens=14, stream=True
+        ):
             pieces.append(chunk.choices[0].text)
             times.append(time.monotonic())
         out[i], spans[i] = "".join(pieces), (times[1], times[-1])
@@ -143,16 +174,19 @@ def error_body(exc):
     return body["error"]
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(temperature=5), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
-    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(max_tokens=10**6), "messages"),
-    (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature=5), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=2), "n"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(max_tokens=10**6), "messages"),
+        (dict(messages=[]), "messages"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    ],
+)
 def test_bad_requests_get_openai_errors(client, kwargs, param):
     args = {**dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4), **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
@@ -173,9 +207,14 @@ def test_unknown_model_wrong_key_bad_json_and_unknown_route(api, client):
     basic = urllib.request.Request(api + "/v1/models", headers={"Authorization": "Basic dTpw"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(basic, timeout=10)
-    assert e.value.code == 401 and "must read 'Bearer KEY', not 'Basic'" in json.loads(e.value.read())["error"]["message"]
-    for path, data, status in [("/v1/chat/completions", b"{not json", 400), ("/v1/nothing", b"{}", 404),
-                               ("/v1/completions", b'{"model": "smol", "prompt": 3}', 400)]:
+    assert (
+        e.value.code == 401 and "must read 'Bearer KEY', not 'Basic'" in json.loads(e.value.read())["error"]["message"]
+    )
+    for path, data, status in [
+        ("/v1/chat/completions", b"{not json", 400),
+        ("/v1/nothing", b"{}", 404),
+        ("/v1/completions", b'{"model": "smol", "prompt": 3}', 400),
+    ]:
         req = urllib.request.Request(api + path, data=data, headers={"Authorization": f"Bearer {KEY}"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
@@ -201,6 +240,7 @@ def test_metrics(api, client):
 
 def test_spec_decode_counters_of_a_repetitive_request(api, client):
     """A request that makes the model repeat moves vLLM's speculative-decoding counters consistently."""
+
     def scrape():
         with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
             return scrape_metrics(r.read().decode())
@@ -209,8 +249,9 @@ def test_spec_decode_counters_of_a_repetitive_request(api, client):
         return sum(x for k, x in v.items() if k.startswith(f"splitlm_edge_spec_decode_num_{name}_total"))
 
     before = scrape()
-    reply = client.completions.create(model=MODEL, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", temperature=0,
-                                      max_tokens=24)
+    reply = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,", temperature=0, max_tokens=24
+    )
     after = scrape()
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta["splitlm_edge_generation_tokens_total"] == reply.usage.completion_tokens
@@ -229,8 +270,9 @@ def test_a_client_that_goes_away_stops_its_generation(api, client, bundled_serve
         with urllib.request.urlopen(api + "/metrics", timeout=10) as r:
             return scrape_metrics(r.read().decode())["splitlm_edge_num_requests_running"]
 
-    stream = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1000,
-                                       stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4, 5,", temperature=0, max_tokens=1000, stream=True
+    )
     next(iter(stream))
     assert in_flight() == 1
     stream.close()
@@ -248,22 +290,38 @@ def test_bundled_tool_round_trip_and_json(client):
     the schema, its result sent back as `role: tool`, a final answer."""
     import jsonschema
 
-    weather = {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                       "required": ["city", "unit"], "additionalProperties": False}}}
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
     ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-    reply = client.chat.completions.create(model=MODEL, messages=ask, tools=[weather], tool_choice="required",
-                                           temperature=0, max_tokens=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=[weather], tool_choice="required", temperature=0, max_tokens=120
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
-    results = [{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "sky": "sunny"}'}
-               for c in choice.message.tool_calls]
-    final = client.chat.completions.create(model=MODEL, messages=[*ask, choice.message.model_dump(exclude_none=True),
-                                                                  *results],
-                                           tools=[weather], temperature=0, max_tokens=24)
+    results = [
+        {"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "sky": "sunny"}'}
+        for c in choice.message.tool_calls
+    ]
+    final = client.chat.completions.create(
+        model=MODEL,
+        messages=[*ask, choice.message.model_dump(exclude_none=True), *results],
+        tools=[weather],
+        temperature=0,
+        max_tokens=24,
+    )
     assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
     assert final.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt

@@ -21,8 +21,9 @@ uvicorn = pytest.importorskip("uvicorn")
 
 
 def post(url, body):
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
@@ -97,8 +98,10 @@ class SlowPool:
 @pytest.fixture(scope="module")
 def slow_api(tiny_chat_split):
     """serve-edge over the tiny model with a tokenizer (a piece of text per token), slowed down."""
-    with BackgroundServer(tiny_chat_split / "cloud") as cloud, \
-            Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
+    with (
+        BackgroundServer(tiny_chat_split / "cloud") as cloud,
+        Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge,
+    ):
         api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
         api.pool = SlowPool(api.pool)
         try:
@@ -126,21 +129,26 @@ def send(url, body: bytes, length: int | None = None) -> socket.socket:
     """A raw POST /v1/completions that declares `length` bytes (default: the body's) and sends `body`."""
     where = urllib.parse.urlsplit(url)
     client = socket.create_connection((where.hostname, where.port))
-    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body)
+    client.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body
+    )
     return client
 
 
 def test_a_client_that_goes_away_stops_its_generation_streamed_or_not(slow_api):
     gone = 'splitlm_edge_requests_total{endpoint="/v1/completions",status="499"}'
     for stream in (False, True):
-        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0,
-                           "stream": stream}).encode()
+        body = json.dumps(
+            {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "stream": stream}
+        ).encode()
         client = send(slow_api, body)
         wait_for(lambda: metrics(slow_api)["splitlm_edge_num_requests_running"] == 1)
         time.sleep(0.5)  # some pieces out
         client.close()
-        assert wait_for(lambda: metrics(slow_api)["splitlm_edge_num_requests_running"] == 0) < 5  # 400 tokens: 10 s or more
+        assert (
+            wait_for(lambda: metrics(slow_api)["splitlm_edge_num_requests_running"] == 0) < 5
+        )  # 400 tokens: 10 s or more
     before = metrics(slow_api)[gone]
     assert before >= 1  # the non-streamed one (the stream had its 200 by then)
     body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
@@ -179,8 +187,9 @@ def test_an_internal_error_is_a_500_and_the_connection_stays_open(slow_api, monk
 
 
 def test_a_body_nested_past_the_recursion_limit_is_a_400(slow_api):
-    req = urllib.request.Request(slow_api + "/v1/completions", data=b"[" * 100_000 + b"]" * 100_000,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        slow_api + "/v1/completions", data=b"[" * 100_000 + b"]" * 100_000, headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["code"] == "invalid_json"

@@ -50,8 +50,9 @@ def test_spec_stats_count_drafts_by_position():
 
 
 def complete(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         if not body.get("stream"):
             return json.loads(r.read())["usage"]
@@ -85,8 +86,9 @@ def test_real_requests_move_the_counters_consistently(tiny_split, tiny_server):
     drafts = v["splitlm_edge_spec_decode_num_drafts_total"]
     proposed = v["splitlm_edge_spec_decode_num_draft_tokens_total"]
     accepted = v["splitlm_edge_spec_decode_num_accepted_tokens_total"]
-    per_pos = [v[k] for k in sorted((k for k in v if "accepted_tokens_per_pos" in k),
-                                    key=lambda k: int(k.split('"')[1]))]
+    per_pos = [
+        v[k] for k in sorted((k for k in v if "accepted_tokens_per_pos" in k), key=lambda k: int(k.split('"')[1]))
+    ]
     decode_steps = v["splitlm_edge_round_trips_total"] - n  # one prefill round trip per (short) prompt
     assert 0 < drafts <= decode_steps and drafts <= proposed
     assert 0 < accepted <= proposed

@@ -38,9 +38,24 @@ def test_two_turns_reuse_the_cache_and_match_the_full_model(bundled_split, bundl
 def test_generate_gives_the_same_tokens_under_every_cache_policy(bundled_split, bundled_server, capsys):
     outputs = {}
     for policy in ("session", "none", "sealed", "window:4096"):
-        code = main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt",
-                     "def add(a, b):", "--max-new-tokens", "24", "--json", "--wire-dtype", "fp32",
-                     "--cache-policy", policy])
+        code = main(
+            [
+                "generate",
+                "--edge",
+                str(bundled_split / "edge"),
+                "--cloud",
+                bundled_server.url,
+                "--prompt",
+                "def add(a, b):",
+                "--max-new-tokens",
+                "24",
+                "--json",
+                "--wire-dtype",
+                "fp32",
+                "--cache-policy",
+                policy,
+            ]
+        )
         assert code == 0
         outputs[policy] = json.loads(capsys.readouterr().out)["token_ids"]
     assert len({tuple(v) for v in outputs.values()}) == 1, outputs

@@ -22,5 +22,6 @@ def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_se
         assert edge.drafting.budgets(SpecConfig("auto")) is plain
         assert edge.drafting.budgets(SpecConfig("auto"), constrained=True) is not plain
         assert edge.drafting.budgets(SpecConfig("auto", memory="auto+json")) is not plain
-        assert edge.drafting.budgets(SpecConfig("auto", memory="auto+json"), constrained=True) is not \
-            edge.drafting.budgets(SpecConfig("auto", memory="auto+json"))
+        assert edge.drafting.budgets(
+            SpecConfig("auto", memory="auto+json"), constrained=True
+        ) is not edge.drafting.budgets(SpecConfig("auto", memory="auto+json"))

@@ -165,8 +165,11 @@ def test_generate_fails_over_to_the_next_cloud(tiny_chat_split, clouds, monkeypa
     assert stats.failovers == 1 and stats.failover_s > 0
 
 
-@pytest.mark.parametrize("point,spec,sampling", [("spec", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
-                         ids=["spec-greedy", "pipelined-seeded"])
+@pytest.mark.parametrize(
+    "point,spec,sampling",
+    [("spec", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
+    ids=["spec-greedy", "pipelined-seeded"],
+)
 def test_generate_waits_for_the_same_cloud_to_restart(tiny_chat_split, clouds, monkeypatch, point, spec, sampling):
     clouds.up()
     urls = [clouds.url(0)]
@@ -208,8 +211,11 @@ def converse(split, urls, spec, sampling, monkeypatch=None, clouds=None, point=N
     return answers, failovers
 
 
-@pytest.mark.parametrize("point,spec,sampling", [("prefill", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
-                         ids=["prefill-greedy", "pipelined-seeded"])
+@pytest.mark.parametrize(
+    "point,spec,sampling",
+    [("prefill", NGRAM, None), ("pipelined", PIPELINED, SEEDED)],
+    ids=["prefill-greedy", "pipelined-seeded"],
+)
 def test_conversation_fails_over_with_its_history(tiny_chat_split, clouds, monkeypatch, point, spec, sampling):
     """The cloud that held the first turn dies in the second: the new one gets the history replayed."""
     clouds.up()
@@ -220,15 +226,20 @@ def test_conversation_fails_over_with_its_history(tiny_chat_split, clouds, monke
 
 
 def sse_text(response) -> tuple[str, list[dict]]:
-    events = [json.loads(line[6:]) for line in response.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [
+        json.loads(line[6:])
+        for line in response.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
     return text, events
 
 
-@pytest.mark.parametrize("point,body", [("spec", {"temperature": 0}),
-                                        ("pipelined", {"temperature": 0.9, "seed": 3})],
-                         ids=["spec-greedy", "pipelined-seeded"])
+@pytest.mark.parametrize(
+    "point,body",
+    [("spec", {"temperature": 0}), ("pipelined", {"temperature": 0.9, "seed": 3})],
+    ids=["spec-greedy", "pipelined-seeded"],
+)
 def test_streamed_api_continues_without_an_error_event(tiny_chat_split, clouds, monkeypatch, point, body):
     from starlette.testclient import TestClient
 
@@ -236,8 +247,14 @@ def test_streamed_api_continues_without_an_error_event(tiny_chat_split, clouds, 
 
     clouds.up()
     spec = PIPELINED if point == "pipelined" else NGRAM
-    request = {"model": "tiny", "messages": [{"role": "user", "content": "abcabc abcabc"}], "max_tokens": 20,
-               "stream": True, "stream_options": {"include_usage": True}, **body}
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "abcabc abcabc"}],
+        "max_tokens": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
 
     def stream() -> tuple[str, list[dict]]:
         with edge_for(tiny_chat_split, [clouds.url(0), clouds.url(1)]) as edge:
@@ -288,8 +305,9 @@ def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds
 
     clouds.up()
     fired = arm(monkeypatch, clouds, "spec")
-    with Edge(tiny_chat_split / "edge", [clouds.url(0)], wire_dtype="fp32", device="cpu",
-              failover_timeout_s=1.0) as edge:
+    with Edge(
+        tiny_chat_split / "edge", [clouds.url(0)], wire_dtype="fp32", device="cpu", failover_timeout_s=1.0
+    ) as edge:
         with pytest.raises(CloudError, match="failover gave up after 1 s"):
             edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
     assert fired
@@ -331,12 +349,15 @@ def test_generations_with_a_link_cut_or_a_cloud_killed_at_random_all_match(tiny_
     try:
         for cloud in clouds:
             cloud.start()
-        with WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=2)) as wan0, \
-                WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=2)) as wan1:
+        with (
+            WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=2)) as wan0,
+            WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=2)) as wan1,
+        ):
             rig = Rig(clouds, [wan0, wan1])
             with edge_for(tiny_chat_split, rig.urls) as edge:
-                report = fault_runs(edge, rig, PROMPT, cuts=12, kills=4, cases=cases_for("ngram"),
-                                    max_new_tokens=24, repeats=1, seed=3)
+                report = fault_runs(
+                    edge, rig, PROMPT, cuts=12, kills=4, cases=cases_for("ngram"), max_new_tokens=24, repeats=1, seed=3
+                )
     finally:
         for cloud in clouds:
             cloud.stop()
@@ -351,6 +372,7 @@ def cut_once(edge, wan, prompt, spec, sampling=None, at: float = 0.7, n: int = 2
     """The undisturbed output, and the output with the link cut once at fraction `at` of its traffic.
     `spec` must send the same trees each time (a fixed tree size): a step budget that sizes trees
     by what it learned would send less the second time, and the cut could fall after the answer."""
+
     def traffic() -> int:
         return wan.bytes_up + wan.bytes_down
 
@@ -373,8 +395,10 @@ def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
     from splitlm.bench.wan import WanConfig, WanEmulator
 
     port = int(tiny_server.url.rsplit(":", 1)[1])
-    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
-            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge:
+    with (
+        WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan,
+        Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge,
+    ):
         want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16))
     assert r.stats.failovers == 1 and wan.cuts == 1 and len(r.token_ids) == len(want)
     if policy != "window:8":
@@ -385,15 +409,18 @@ def test_replay_rebuilds_a_context_longer_than_one_forward(tiny_split, monkeypat
     """The cloud takes 16 tokens per forward: the replayed 60-token context goes up in chunks."""
     rebuilt = []
     rebuild = replay_module.rebuild
-    monkeypatch.setattr(replay_module, "rebuild", lambda link, upto, then: rebuilt.append(rebuild(link, upto, then))
-                        or rebuilt[-1])
+    monkeypatch.setattr(
+        replay_module, "rebuild", lambda link, upto, then: rebuilt.append(rebuild(link, upto, then)) or rebuilt[-1]
+    )
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.server import BackgroundServer
     from splitlm.cloud.sessions import ServerLimits
 
-    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=16)) as server, \
-            WanEmulator(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=0)) as wan, \
-            Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+    with (
+        BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=16)) as server,
+        WanEmulator(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=0)) as wan,
+        Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge,
+    ):
         want, r = cut_once(edge, wan, list(range(3, 63)), SpecConfig("none"), at=0.9)
     assert r.token_ids == want and r.stats.failovers == 1
     assert rebuilt and rebuilt[0] >= 48
@@ -403,7 +430,9 @@ def test_replay_on_a_split_head_cloud(tiny_split_head, split_head_server):
     from splitlm.bench.wan import WanConfig, WanEmulator
 
     port = int(split_head_server.url.rsplit(":", 1)[1])
-    with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan, \
-            Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge:
+    with (
+        WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan,
+        Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge,
+    ):
         want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16), SEEDED)
     assert r.token_ids == want and r.stats.failovers == 1

@@ -16,8 +16,10 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 def edge(tiny_split):
     from splitlm.cloud.server import BackgroundServer
 
-    with BackgroundServer(tiny_split / "cloud") as server, \
-            Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as e:
+    with (
+        BackgroundServer(tiny_split / "cloud") as server,
+        Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as e,
+    ):
         yield e
 
 
@@ -35,7 +37,7 @@ def test_greedy_logprobs_equal_sequential_and_transformers(edge, tiny_llama):
     sequential = run(edge, "none")
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([PROMPT + sequential.token_ids])).logits[0, len(PROMPT) - 1:-1]  # [n, V]
+        logits = hf(torch.tensor([PROMPT + sequential.token_ids])).logits[0, len(PROMPT) - 1 : -1]  # [n, V]
     expected = torch.log_softmax(logits, -1)
     for i, t in enumerate(sequential.logprobs):
         assert t.logprob == pytest.approx(float(expected[i, t.token]), abs=1e-4)
@@ -75,8 +77,13 @@ def test_pipelined_logprobs_follow_the_bets(edge):
     stats = SpecStats()
     session = edge.open_session()
     try:
-        out = [t for new in pipelined_decode(session, PROMPT, 24, set(), drafter, budget, stats, logprobs=rec,
-                                             always_bet=True) for t in new]
+        out = [
+            t
+            for new in pipelined_decode(
+                session, PROMPT, 24, set(), drafter, budget, stats, logprobs=rec, always_bet=True
+            )
+            for t in new
+        ]
     finally:
         session.close()
     assert stats.pipelined > 0  # steps were sent on bets

@@ -47,9 +47,11 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
     tree = causal_mask(5)
     tree[3, 1:3] = False  # row 3 branches off after row 0: it sees rows 0 and 3 only
     tree[4, 1:3] = False
-    steps = [(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), None, None),
-             (torch.tensor([[40, 41, 42, 43, 44]]), torch.tensor([11, 12, 13, 12, 13]), tree, [0, 3, 4]),
-             (torch.tensor([[7]]), torch.tensor([13]), None, None)]
+    steps = [
+        (torch.tensor([PROMPT]), torch.arange(len(PROMPT)), None, None),
+        (torch.tensor([[40, 41, 42, 43, 44]]), torch.tensor([11, 12, 13, 12, 13]), tree, [0, 3, 4]),
+        (torch.tensor([[7]]), torch.tensor([13]), None, None),
+    ]
     with torch.no_grad():
         for ids, pos, mask, keep in steps:
             out = {}
@@ -70,11 +72,16 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
             assert torch.allclose(t.view(i)[0], o.view(i)[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "lookahead", SpecConfig("lookahead", pipeline=True)],
-                         ids=["none", "ngram", "lookahead", "lookahead-pipelined"])
+@pytest.mark.parametrize(
+    "spec",
+    ["none", "ngram", "lookahead", SpecConfig("lookahead", pipeline=True)],
+    ids=["none", "ngram", "lookahead", "lookahead-pipelined"],
+)
 def test_onnx_edge_is_token_identical_to_the_torch_edge(onnx_split, onnx_server, spec):
-    with Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref, \
-            Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx:
+    with (
+        Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref,
+        Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx,
+    ):
         for prompt in (PROMPT, [200, 3, 77, 150, 9], [37, 148, 219, 208, 198, 19, 68, 33, 129]):
             want = ref.generate(prompt, 20, spec=spec, stop_at_eos=False)
             got = onnx.generate(prompt, 20, spec=spec, stop_at_eos=False)
@@ -118,11 +125,41 @@ def test_cli_export_and_generate_on_onnx(tiny_split, tmp_path, capsys):
     assert main(["export-onnx", "--edge", str(tmp_path / "edge")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["precisions"] == ["fp32"] and set(report["files_mb"]) == {"head.fp32", "tail.fp32"}
-    assert main(["generate", "--edge", str(tmp_path / "edge"), "--cloud", "ws://127.0.0.1:9", "--device", "onnx",
-                 "--dtype", "bf16", "--prompt", "x"]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--edge",
+                str(tmp_path / "edge"),
+                "--cloud",
+                "ws://127.0.0.1:9",
+                "--device",
+                "onnx",
+                "--dtype",
+                "bf16",
+                "--prompt",
+                "x",
+            ]
+        )
+        == 1
+    )
     assert "drop --dtype" in capsys.readouterr().err
-    assert main(["generate", "--edge", str(tmp_path / "edge"), "--cloud", "ws://127.0.0.1:9", "--device", "onnx:int8",
-                 "--prompt", "x"]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "--edge",
+                str(tmp_path / "edge"),
+                "--cloud",
+                "ws://127.0.0.1:9",
+                "--device",
+                "onnx:int8",
+                "--prompt",
+                "x",
+            ]
+        )
+        == 1
+    )
     assert "--int8" in capsys.readouterr().err
 
 
@@ -137,10 +174,13 @@ def bundled_onnx(bundled_split, tmp_path_factory):
 
 @pytest.mark.slow
 def test_bundled_onnx_edge_is_token_identical(bundled_onnx, bundled_server):
-    """The bundled model, greedy, with no speculation and with `auto`: the ONNX fp32 edge emits the torch edge's tokens."""
+    """The bundled model, greedy, with no speculation and with `auto`: the ONNX fp32 edge emits the torch edge's
+    tokens."""
     edge_dir = bundled_onnx
-    with Edge(edge_dir, bundled_server.url, device="cpu", dtype="fp32") as ref, \
-            Edge(edge_dir, bundled_server.url, device="onnx") as onnx:
+    with (
+        Edge(edge_dir, bundled_server.url, device="cpu", dtype="fp32") as ref,
+        Edge(edge_dir, bundled_server.url, device="onnx") as onnx,
+    ):
         for spec in ("none", "auto"):
             for prompt in BUNDLED_PROMPTS:
                 want = ref.generate(prompt, 24, spec=spec).token_ids
@@ -161,8 +201,10 @@ def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_ser
     that lost a tenth of the documented agreement or more."""
     prompts = json.loads((Path(__file__).parents[2] / "benchmarks" / "prompts-tuning.json").read_text())[:4]
     hits = total = 0
-    with Edge(bundled_onnx, bundled_server.url, device="cpu", dtype="fp32", wire_dtype="fp32") as ref, \
-            Edge(bundled_onnx, bundled_server.url, device="onnx:int8", wire_dtype="fp32") as int8:
+    with (
+        Edge(bundled_onnx, bundled_server.url, device="cpu", dtype="fp32", wire_dtype="fp32") as ref,
+        Edge(bundled_onnx, bundled_server.url, device="onnx:int8", wire_dtype="fp32") as int8,
+    ):
         for p in prompts:
             ids = ref.encode(p["prompt"], chat=p["chat"])
             want = ref.generate(ids, 32, spec="none", stop_at_eos=False).token_ids
@@ -171,18 +213,32 @@ def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_ser
                 logits = session.forward(ids + want[:-1]).out  # [T, V], teacher-forced
             finally:
                 session.close()
-            got = logits[len(ids) - 1:].argmax(-1).tolist()
+            got = logits[len(ids) - 1 :].argmax(-1).tolist()
             hits += sum(a == b for a, b in zip(got, want, strict=True))
             total += len(want)
     assert hits / total >= INT8_AGREEMENT_BOUND, f"int8 agreement {hits}/{total}"
 
 
-GEMMA3 = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1, head_dim=16,
-              query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=30.0,
-              layer_types=["sliding_attention", "full_attention", "full_attention"] * 2,
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+GEMMA3 = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=5,
+    final_logit_softcapping=30.0,
+    layer_types=["sliding_attention", "full_attention", "full_attention"] * 2,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+    },
+)
 
 
 def test_gemma3_graphs_with_sliding_windows_match_torch(tmp_path):

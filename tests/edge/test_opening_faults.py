@@ -46,8 +46,12 @@ def opening(tiny_split, clouds):
         hello = wan.bytes_up
         hello_ok = wan.bytes_up + wan.bytes_down
         client.close()
-    ends = {"upgrade-request": request, "upgrade-response": request + response, "hello": response + hello,
-            "hello-ok": hello_ok}
+    ends = {
+        "upgrade-request": request,
+        "upgrade-response": request + response,
+        "hello": response + hello,
+        "hello-ok": hello_ok,
+    }
     return ends, generate(tiny_split, [b.url])[0].token_ids
 
 
@@ -74,9 +78,12 @@ def test_a_cloud_dying_during_open_hands_over_to_the_next(tiny_split, clouds, op
     """The connection is up (the edge keeps it in its pool); the link dies while OPEN is in flight."""
     a, b = clouds
     _, solo = opening
-    with WanEmulator(("127.0.0.1", int(a.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=2)) as wan, \
-            Edge(tiny_split / "edge", [wan.url_for("ws"), b.url], wire_dtype="fp32", device="cpu",
-                 failover_timeout_s=10) as edge:
+    with (
+        WanEmulator(("127.0.0.1", int(a.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=2)) as wan,
+        Edge(
+            tiny_split / "edge", [wan.url_for("ws"), b.url], wire_dtype="fp32", device="cpu", failover_timeout_s=10
+        ) as edge,
+    ):
         wan.cut_after(8)  # the next bytes to cross the link are OPEN's
         r = edge.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, spec=SpecConfig("ngram"))
         assert wan.cuts == 1
@@ -114,9 +121,25 @@ def test_no_cloud_reachable_is_one_line_and_exit_1(tiny_split):
         urls = f"{dead.url_for('ws')},ws://127.0.0.1:{free_port()}"
         with pytest.raises(CloudError, match="none of the 2 clouds could be reached"):
             Edge(tiny_split / "edge", urls, device="cpu")
-        proc = subprocess.run([sys.executable, "-m", "splitlm", "generate", "--edge", str(tiny_split / "edge"),
-                               "--cloud", urls, "--prompt", "hi", "--device", "cpu"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitlm",
+                "generate",
+                "--edge",
+                str(tiny_split / "edge"),
+                "--cloud",
+                urls,
+                "--prompt",
+                "hi",
+                "--device",
+                "cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "none of the 2 clouds could be reached" in errors[0], proc.stderr

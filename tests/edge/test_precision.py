@@ -59,7 +59,7 @@ def test_bf16_cloud_agrees_with_the_fp32_model(fp32_edge_bf16_cloud, bundled_hf)
                 logits = session.forward(ids + continuation[:-1]).out  # one round trip
             finally:
                 session.close()
-            predicted = logits[len(ids) - 1:].argmax(-1).tolist()
+            predicted = logits[len(ids) - 1 :].argmax(-1).tolist()
             hits += sum(p == c for p, c in zip(predicted, continuation, strict=True))
             total += len(continuation)
     finally:

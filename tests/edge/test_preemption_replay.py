@@ -37,6 +37,7 @@ def cloud(tiny_split):
 
 def preempt(server: BackgroundServer, sid: int) -> None:
     """Free session `sid` on the cloud's event loop, as a full budget would, once it is idle there."""
+
     async def free() -> None:
         table = server.server.sessions
         while table.sessions[sid].active:
@@ -73,18 +74,22 @@ def run(split, server, spec, sampling, policy, point=None, monkeypatch=None):
     return r
 
 
-CASES = [("before-a-step", SpecConfig("ngram"), None, "session"),
-         ("before-a-pipelined-step", SpecConfig("ngram", pipeline=True), None, "session"),
-         ("before-a-step", SpecConfig("ngram", pipeline=True), None, "session"),  # a bet follows
-         ("before-a-step", SpecConfig("ngram"), SamplingConfig(temperature=0.9, seed=7), "session"),
-         ("before-a-step", SpecConfig("ngram"), None, "sealed"),
-         ("before-a-step", SpecConfig("ngram"), None, "none")]
+CASES = [
+    ("before-a-step", SpecConfig("ngram"), None, "session"),
+    ("before-a-pipelined-step", SpecConfig("ngram", pipeline=True), None, "session"),
+    ("before-a-step", SpecConfig("ngram", pipeline=True), None, "session"),  # a bet follows
+    ("before-a-step", SpecConfig("ngram"), SamplingConfig(temperature=0.9, seed=7), "session"),
+    ("before-a-step", SpecConfig("ngram"), None, "sealed"),
+    ("before-a-step", SpecConfig("ngram"), None, "none"),
+]
 
 
-@pytest.mark.parametrize("point,spec,sampling,policy", CASES,
-                         ids=["step", "pipelined", "pipelined-bet-owed", "seeded", "sealed", "none"])
-def test_a_preempted_session_replays_and_its_output_is_unchanged(tiny_split, cloud, monkeypatch, point, spec,
-                                                                sampling, policy):
+@pytest.mark.parametrize(
+    "point,spec,sampling,policy", CASES, ids=["step", "pipelined", "pipelined-bet-owed", "seeded", "sealed", "none"]
+)
+def test_a_preempted_session_replays_and_its_output_is_unchanged(
+    tiny_split, cloud, monkeypatch, point, spec, sampling, policy
+):
     want = run(tiny_split, cloud, spec, sampling, policy)
     before, dropped = cloud.server.stats.replays, []
     drop_replies = CloudClient.drop_replies

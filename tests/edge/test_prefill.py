@@ -34,8 +34,10 @@ def prefill_logits(edge: Edge, ids: list[int], policy: str | None = None):
 @pytest.mark.parametrize("chunk", [32, 45])
 def test_streamed_prefill_equals_one_forward(tiny_split, tiny_server, tiny_hf, chunk):
     url, edge_dir = tiny_server.url, tiny_split / "edge"
-    with Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one, \
-            Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=chunk) as streamed:
+    with (
+        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one,
+        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=chunk) as streamed,
+    ):
         expected, run, trips = prefill_logits(one, PROMPT)
         assert run is None and trips == 1
         logits, run, trips = prefill_logits(streamed, PROMPT)
@@ -51,8 +53,10 @@ def test_streamed_prefill_equals_one_forward(tiny_split, tiny_server, tiny_hf, c
 
 def test_split_head_streams_rows_only_for_the_last_chunk(tiny_split_head, split_head_server, tiny_hf):
     url, edge_dir = split_head_server.url, tiny_split_head / "edge"
-    with Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one, \
-            Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=40) as streamed:
+    with (
+        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one,
+        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=40) as streamed,
+    ):
         expected, _, _ = prefill_logits(one, PROMPT)
         logits, run, _ = prefill_logits(streamed, PROMPT)
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
@@ -114,16 +118,24 @@ def test_bundled_model_streamed_is_token_identical(bundled_split, bundled_server
 
 # -- the plan -------------------------------------------------------------------------------------
 
+
 def stages(head=0.001, up=0.0, cloud=0.004, down=0.0, tail=0.001, fixed=0.0, per_past=0.0, rtt=0.08) -> Stages:
-    return Stages((fixed, head, per_past / 4), (0.0, up, 0.0), (fixed, cloud, per_past), (0.0, down, 0.0),
-                  (fixed, tail, per_past / 4), rtt)
+    return Stages(
+        (fixed, head, per_past / 4),
+        (0.0, up, 0.0),
+        (fixed, cloud, per_past),
+        (0.0, down, 0.0),
+        (fixed, tail, per_past / 4),
+        rtt,
+    )
 
 
 def test_one_chunk_runs_the_stages_one_after_another():
     st = stages(up=0.0002, down=0.0002, fixed=0.003, per_past=1e-5)
     n = 500
     assert simulate([n], st, 100) == pytest.approx(
-        sum(st.t(s, n, 100) for s in (st.head, st.up, st.cloud, st.down, st.tail)) + st.rtt_s)
+        sum(st.t(s, n, 100) for s in (st.head, st.up, st.cloud, st.down, st.tail)) + st.rtt_s
+    )
 
 
 def test_streamed_takes_the_slowest_stage_plus_one_chunk_through_the_others():

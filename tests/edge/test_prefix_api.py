@@ -41,8 +41,10 @@ def cloud(tiny_chat_split):
 def clients(tiny_chat_split, cloud):
     """(reusing, cold): two servers over one edge, with and without the pool."""
     with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
-        apis = [EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(ttl_s=0))),
-                EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(sessions=0)))]
+        apis = [
+            EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(ttl_s=0))),
+            EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(sessions=0))),
+        ]
         try:
             with serving_client(apis[0].app) as warm, serving_client(apis[1].app) as cold:
                 yield warm, cold, apis[0]
@@ -86,7 +88,7 @@ def test_a_four_turn_conversation_reused_equals_cold(clients, caplog):
     assert cached[0] == 0
     # each later turn reuses the turns before it (up to where the re-rendered answer's ids part)
     lengths = [len(m["content"]) for m in messages]
-    assert all(cached[i] > sum(lengths[:2 * i]) for i in range(1, 4)), cached
+    assert all(cached[i] > sum(lengths[: 2 * i]) for i in range(1, 4)), cached
     v = metrics(api)
     assert v["splitlm_edge_prefix_cache_hits_total"] == sum(cached)
     assert v["splitlm_edge_prefix_cache_queries_total"] >= sum(cached) + 4
@@ -121,8 +123,9 @@ def test_extra_body_cache_policy(clients):
 
 
 def test_a_request_may_not_loosen_the_server_policy(tiny_chat_split, cloud):
-    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint,
-              cache_policy="none") as edge:
+    with Edge(
+        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"
+    ) as edge:
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram"))
         try:
             with serving_client(api.app) as client:
@@ -140,21 +143,25 @@ def test_a_request_may_not_loosen_the_server_policy(tiny_chat_split, cloud):
 def test_a_cancelled_stream_then_a_retry(tiny_chat_split, cloud):
     """The client drops a stream mid-way (over a 40 ms link, so that it is mid-way): the state keeps
     the prompt and nothing of the half-finished answer; the retry reuses it and equals cold."""
-    with WanEmulator(upstream=("127.0.0.1", cloud.server.port), config=WanConfig(rtt_ms=40)) as wan, \
-            Edge(tiny_chat_split / "edge", wan.url_for("ws"), wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
+    with (
+        WanEmulator(upstream=("127.0.0.1", cloud.server.port), config=WanConfig(rtt_ms=40)) as wan,
+        Edge(tiny_chat_split / "edge", wan.url_for("ws"), wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge,
+    ):
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="none", prefix_pool=PoolLimits(ttl_s=0)))
         messages = [{"role": "user", "content": "count: a b c d e f g h"}]
         ids = edge.encode_messages(messages)
         try:
             with serving_client(api.app) as client:
-                stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                        max_tokens=400, stream=True)
+                stream = client.chat.completions.create(
+                    model=MODEL, messages=messages, temperature=0, max_tokens=400, stream=True
+                )
                 for _, _chunk in zip(range(4), stream, strict=False):
                     pass
                 stream.close()
                 deadline = time.monotonic() + 20
-                while (api.pool.usage().sessions == 0 or metrics(api)["splitlm_edge_num_requests_running"]) \
-                        and time.monotonic() < deadline:
+                while (
+                    api.pool.usage().sessions == 0 or metrics(api)["splitlm_edge_num_requests_running"]
+                ) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 [entry] = api.pool.entries
                 assert entry.ids == ids and entry.session.length == len(ids)  # cancelled: the prompt, no answer
@@ -172,8 +179,11 @@ def test_usage_in_the_completions_route(clients):
     again = warm.completions.create(model=MODEL, prompt=prompt + [13], temperature=0, max_tokens=6)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == len(prompt)
-    assert again.choices[0].text == cold.completions.create(model=MODEL, prompt=prompt + [13], temperature=0,
-                                                            max_tokens=6).choices[0].text
-    with urllib.request.urlopen(urllib.request.Request(str(warm.base_url).rstrip("/").rsplit("/v1", 1)[0]
-                                                       + "/metrics"), timeout=10) as r:
+    assert (
+        again.choices[0].text
+        == cold.completions.create(model=MODEL, prompt=prompt + [13], temperature=0, max_tokens=6).choices[0].text
+    )
+    with urllib.request.urlopen(
+        urllib.request.Request(str(warm.base_url).rstrip("/").rsplit("/v1", 1)[0] + "/metrics"), timeout=10
+    ) as r:
         assert "splitlm_edge_prefix_cache_hits_total" in r.read().decode()

@@ -103,8 +103,9 @@ def test_an_interrupted_prefill_stops_between_chunks_and_a_retry_equals_cold(tin
         asked.append(1)
         return len(asked) == 3
 
-    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint,
-              prefill_chunk=8) as chunked:
+    with Edge(
+        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, prefill_chunk=8
+    ) as chunked:
         pool = PrefixPool(chunked, PoolLimits(ttl_s=0))
         try:
             stopped, text = run(pool, A, interrupt=interrupt)
@@ -226,8 +227,9 @@ def test_none_never_reuses_and_window_only_within_its_window(edge, cloud):
 
 
 def test_a_server_wide_none_never_pools(tiny_chat_split, cloud):
-    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint,
-              cache_policy="none") as edge:
+    with Edge(
+        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"
+    ) as edge:
         pool = PrefixPool(edge, PoolLimits(ttl_s=0))
         try:
             for _ in range(2):
@@ -240,8 +242,9 @@ def test_a_server_wide_none_never_pools(tiny_chat_split, cloud):
 def test_a_lost_cloud_is_replayed_and_a_forgotten_session_prefilled_afresh(tiny_chat_split):
     cloud = BackgroundServer(tiny_chat_split / "cloud").__enter__()
     port = cloud.server.port
-    edge = Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint,
-                failover_timeout_s=10.0)
+    edge = Edge(
+        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=10.0
+    )
     pool = PrefixPool(edge, PoolLimits(ttl_s=0))
     try:
         first, _ = run(pool, A)

@@ -29,8 +29,9 @@ def test_chat_prompt_uses_the_template(bundled_split, bundled_server, bundled_hf
     hf, tok = bundled_hf
     with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
         result = edge.generate("Name a fruit that is yellow.", max_new_tokens=24, chat=True)
-    text = tok.apply_chat_template([{"role": "user", "content": "Name a fruit that is yellow."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit that is yellow."}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, add_special_tokens=False).input_ids
     assert result.prompt_ids == ids
     assert result.token_ids == hf_greedy(hf, ids, 24)
@@ -43,7 +44,7 @@ def teacher_forced_agreement(edge, hf, ids, n):
         logits = session.forward(ids + continuation).out  # one round trip
     finally:
         session.close()
-    predicted = logits[len(ids) - 1: len(ids) - 1 + len(continuation)].argmax(-1).tolist()
+    predicted = logits[len(ids) - 1 : len(ids) - 1 + len(continuation)].argmax(-1).tolist()
     return sum(p == c for p, c in zip(predicted, continuation, strict=True)), len(continuation)
 
 
@@ -103,8 +104,9 @@ def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_ser
         torch.manual_seed(0)
         w = edge.model.head_weight
         spec = SpecConfig("head")
-        edge.draft_memory(spec).head = HeadRunner(DraftHead(edge.cfg.hidden_size, 64, torch.arange(0, 4096)),
-                                                  edge.model.embed_tokens.weight, w)
+        edge.draft_memory(spec).head = HeadRunner(
+            DraftHead(edge.cfg.hidden_size, 64, torch.arange(0, 4096)), edge.model.embed_tokens.weight, w
+        )
         result = edge.generate(prompt, max_new_tokens=24, spec=spec)
     assert result.token_ids == hf_greedy(hf, tok(prompt).input_ids, 24)
     assert result.stats.spec["steps"] == result.stats.round_trips - 1
@@ -118,8 +120,8 @@ def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split,
         assert (BUNDLED_DIR / f"{edge.model.manifest.model_hash}.jsonl.gz").is_file()
         docs = edge.corpus_documents()
         pydoc = default_corpus_documents()
-        assert docs[:len(pydoc)] == pydoc and len(docs) > len(pydoc) + 400
-        assert any("```python" in d for d in docs[len(pydoc):])
+        assert docs[: len(pydoc)] == pydoc and len(docs) > len(pydoc) + 400
+        assert any("```python" in d for d in docs[len(pydoc) :])
 
 
 def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server, bundled_hf, capsys):
@@ -140,13 +142,44 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
         session, stats = edge.open_session(), SpecStats()
         try:
             drafter = make_drafter(SpecConfig("auto-window"), edge.corpus_model())
-            out = [t for new in pipelined_decode(session, ids, 48, set(edge.cfg.eos_token_ids), drafter,
-                                                 StepBudget(fixed_nodes=10), stats, always_bet=True) for t in new]
+            out = [
+                t
+                for new in pipelined_decode(
+                    session,
+                    ids,
+                    48,
+                    set(edge.cfg.eos_token_ids),
+                    drafter,
+                    StepBudget(fixed_nodes=10),
+                    stats,
+                    always_bet=True,
+                )
+                for t in new
+            ]
         finally:
             session.close()
     assert out == expected
     assert stats.pipelined > 0 and stats.missed > 0  # bets placed, and rolled back on a miss
-    assert main(["generate", "--edge", str(bundled_split / "edge"), "--cloud", bundled_server.url, "--prompt", prompt,
-                 "--max-new-tokens", "48", "--json", "--wire-dtype", "fp32", "--pipeline", "--no-chat"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--edge",
+                str(bundled_split / "edge"),
+                "--cloud",
+                bundled_server.url,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "48",
+                "--json",
+                "--wire-dtype",
+                "fp32",
+                "--pipeline",
+                "--no-chat",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["token_ids"] == expected and result["stats"]["spec_mode"] == "auto pipelined"

@@ -16,7 +16,7 @@ def hf_masked_greedy(model, ids: list[int], n: int, allowed: list[int]) -> list[
         for _ in range(n):
             logits = model(torch.tensor([out])).logits[0, -1]
             out.append(int(allowed_t[logits[allowed_t].argmax()]))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +54,21 @@ def test_window_policy_matches_tail_local_topology(tiny_llama, tiny_split_head, 
     from splitlm.cloud.server import BackgroundServer
 
     tail_local = split_model(str(tiny_llama), head=2, tail=0, out=tmp_path / "tl")
-    with BackgroundServer(tail_local / "cloud") as server, \
-            Edge(tail_local / "edge", server.url, wire_dtype="fp32", cache_policy="window:6") as a, \
-            Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32", cache_policy="window:6") as b:
-        assert a.generate(PROMPTS[1], 16, stop_at_eos=False).token_ids == \
-            b.generate(PROMPTS[1], 16, stop_at_eos=False).token_ids
+    with (
+        BackgroundServer(tail_local / "cloud") as server,
+        Edge(tail_local / "edge", server.url, wire_dtype="fp32", cache_policy="window:6") as a,
+        Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32", cache_policy="window:6") as b,
+    ):
+        assert (
+            a.generate(PROMPTS[1], 16, stop_at_eos=False).token_ids
+            == b.generate(PROMPTS[1], 16, stop_at_eos=False).token_ids
+        )
 
 
 @pytest.mark.parametrize("topology", ["split-head", "tail-local"])
-def test_vocabulary_subset_follows_the_masked_oracle(tiny_split_head, split_head_server, tiny_split, tiny_hf, tmp_path,
-                                                    topology):
+def test_vocabulary_subset_follows_the_masked_oracle(
+    tiny_split_head, split_head_server, tiny_split, tiny_hf, tmp_path, topology
+):
     from splitlm.cloud.server import BackgroundServer
 
     allowed = list(range(3, 256, 3))  # every third id
@@ -71,8 +76,10 @@ def test_vocabulary_subset_follows_the_masked_oracle(tiny_split_head, split_head
     allow_file.write_text(" ".join(map(str, allowed)))
     expected_allowed = sorted({*allowed, 2})  # + eos, always allowed
     split = tiny_split_head if topology == "split-head" else tiny_split
-    with BackgroundServer(split / "cloud") as server, \
-            Edge(split / "edge", server.url, wire_dtype="fp32", vocab=str(allow_file)) as edge:
+    with (
+        BackgroundServer(split / "cloud") as server,
+        Edge(split / "edge", server.url, wire_dtype="fp32", vocab=str(allow_file)) as edge,
+    ):
         for spec in ("none", "lookahead"):
             result = edge.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, spec=spec)
             assert result.token_ids == hf_masked_greedy(tiny_hf, PROMPTS[0], 12, expected_allowed)
@@ -108,8 +115,9 @@ def test_reduced_wire_codecs_decode(tiny_split_head, split_head_server, tiny_hf,
 
 @pytest.fixture(scope="module")
 def bundled_split_head(bundled_dir, tmp_path_factory):
-    return split_model("default", head=2, tail=0, out=tmp_path_factory.mktemp("bundled-split-head"),
-                       topology="split-head")
+    return split_model(
+        "default", head=2, tail=0, out=tmp_path_factory.mktemp("bundled-split-head"), topology="split-head"
+    )
 
 
 @pytest.mark.slow
@@ -131,7 +139,9 @@ def test_bundled_model_split_head(bundled_split_head, bundled_hf):
             for prompt in BUNDLED_PROMPTS:
                 ids = tok(prompt).input_ids
                 got, want = edge.generate(prompt, max_new_tokens=24).token_ids, hf_greedy(hf, ids, 24)
-                n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+                n = next(
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+                )
                 same, total = same + n, total + len(want)
                 assert all(edge.vocab.allowed[t] for t in got)
     print(f"\nsplit-head, vocab en, fp16 wire: greedy prefix agreement {same}/{total} = {same / total:.3f}")
@@ -143,8 +153,10 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
     from splitlm.cloud.sessions import ServerLimits
 
     ids = list(range(3, 19))  # 16 tokens; a RESULT of 16 KiB holds 10 rows of 24 + 256 fp32 values
-    with BackgroundServer(tiny_split_head / "cloud", limits=ServerLimits(max_frame_bytes=16 * 1024)) as server, \
-            Edge(tiny_split_head / "edge", server.url, wire_dtype="fp32") as edge:
+    with (
+        BackgroundServer(tiny_split_head / "cloud", limits=ServerLimits(max_frame_bytes=16 * 1024)) as server,
+        Edge(tiny_split_head / "edge", server.url, wire_dtype="fp32") as edge,
+    ):
         assert edge.backend.max_logit_rows == 10
         session = edge.open_session()
         try:
@@ -164,15 +176,21 @@ def test_bundled_conversation_in_split_head(bundled_split_head, bundled_hf):
 
     hf, tok = bundled_hf
     turns = ["Name one planet of the solar system.", "What colour is it?"]
-    with BackgroundServer(bundled_split_head / "cloud") as server, \
-            Edge(bundled_split_head / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as edge:
+    with (
+        BackgroundServer(bundled_split_head / "cloud") as server,
+        Edge(bundled_split_head / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as edge,
+    ):
         chat = edge.conversation(spec="auto")
         first = chat.say(turns[0], max_new_tokens=16)
         second = chat.say(turns[1], max_new_tokens=16)
         chat.close()
-    messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first.text},
-                {"role": "user", "content": turns[1]}]
-    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-              add_special_tokens=False).input_ids
+    messages = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": turns[1]},
+    ]
+    ids = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
     assert second.prompt_ids == ids and second.stats.cached_tokens > 0
     assert second.token_ids == hf_greedy(hf, ids, 16)

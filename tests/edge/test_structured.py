@@ -16,13 +16,22 @@ from splitlm.decoding.grammar import GrammarError, GrammarSpec
 from splitlm.edge import Edge
 from splitlm.model.greedy_head import GreedyHead
 
-SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 999},
-    "state": {"enum": ["open", "closed"]},
-    "labels": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 3},
-    "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}},
-              "required": ["name"], "additionalProperties": False}},
-    "required": ["id", "state", "labels", "owner"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "state": {"enum": ["open", "closed"]},
+        "labels": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 3},
+        "owner": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 5}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "state", "labels", "owner"],
+    "additionalProperties": False,
+}
 
 
 def test_screened_head_takes_a_mask_per_row():
@@ -70,8 +79,10 @@ def test_response_format_speculates_exactly(served):
         assert auto.stats.round_trips < len(auto.token_ids) / 2  # forced keys, quotes and braces ride free
         assert auto.stats.grammar["forced_tokens"] > 10
         regex = edge.generate("Code: ", 24, spec="auto", response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
-        assert regex.token_ids == edge.generate("Code: ", 24, response_format=GrammarSpec.regex(
-            r"[A-Z]{3}-[0-9]{2,4}")).token_ids
+        assert (
+            regex.token_ids
+            == edge.generate("Code: ", 24, response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}")).token_ids
+        )
         with pytest.raises(GrammarError, match="cannot compile the regular expression"):
             edge.generate("x", 4, response_format=GrammarSpec.regex("(unclosed"))
 
@@ -96,8 +107,12 @@ def test_a_prefill_guess_the_model_does_not_take_is_cropped_on_both_sides(served
 
     monkeypatch.setattr(GrammarState, "likely", wrong)
     monkeypatch.setattr(EdgeSession, "crop", counted)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
-              "required": ["name", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
     split, server = served
     with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
         for prompt in ("Record: ", 'Again {"name": "ab", "n": 3} and: '):
@@ -107,11 +122,17 @@ def test_a_prefill_guess_the_model_does_not_take_is_cropped_on_both_sides(served
     assert len(crops) == 2
 
 
-BUNDLED_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "year": {"type": "integer"},
-    "colours": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-    "kind": {"enum": ["fruit", "vegetable", "grain"]}},
-    "required": ["name", "year", "kind", "colours"], "additionalProperties": False}
+BUNDLED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "year": {"type": "integer"},
+        "colours": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "kind": {"enum": ["fruit", "vegetable", "grain"]},
+    },
+    "required": ["name", "year", "kind", "colours"],
+    "additionalProperties": False,
+}
 BUNDLED_PROMPTS = [
     "Describe the banana as JSON with its name, the year it reached Europe, its kind and colours.",
     "Give a JSON record for rice: name, year first farmed, kind, colours.",
@@ -135,8 +156,20 @@ def test_cli_generate_with_a_json_schema_and_a_regex(served, tmp_path, capsys):
     split, server = served
     schema_file = tmp_path / "ticket.json"
     schema_file.write_text(json.dumps(SCHEMA))
-    common = ["generate", "--edge", str(split / "edge"), "--cloud", server.url, "--wire-dtype", "fp32",
-              "--max-new-tokens", "96", "--spec", "auto", "--json"]
+    common = [
+        "generate",
+        "--edge",
+        str(split / "edge"),
+        "--cloud",
+        server.url,
+        "--wire-dtype",
+        "fp32",
+        "--max-new-tokens",
+        "96",
+        "--spec",
+        "auto",
+        "--json",
+    ]
     assert main([*common, "--prompt", "Ticket: ", "--json-schema", str(schema_file)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "stop" and out["stats"]["grammar"]["forced_tokens"] > 0

@@ -9,13 +9,28 @@ from splitlm.transport.errors import ProtocolError
 from splitlm.transport.frames import pack_vocab, unpack_vocab
 
 
-@pytest.mark.parametrize("text, en, zh", [
-    ("Hello", True, True), (" world", True, True), ("def f(x):\n\t", True, True), ("{}[]<>=+-*/\\|&^%$#@!~`", True, True),
-    ("0123", True, True), (" café", True, True), ("naïve—“quoted”…", True, True), ("€", True, True),
-    ("数据", False, True), ("，", False, True), ("。", False, True),
-    ("привет", False, False), ("ん", False, False), ("α", False, False), ("ع", False, False), ("😀", False, False),
-    ("\x02", False, False),
-])
+@pytest.mark.parametrize(
+    "text, en, zh",
+    [
+        ("Hello", True, True),
+        (" world", True, True),
+        ("def f(x):\n\t", True, True),
+        ("{}[]<>=+-*/\\|&^%$#@!~`", True, True),
+        ("0123", True, True),
+        (" café", True, True),
+        ("naïve—“quoted”…", True, True),
+        ("€", True, True),
+        ("数据", False, True),
+        ("，", False, True),
+        ("。", False, True),
+        ("привет", False, False),
+        ("ん", False, False),
+        ("α", False, False),
+        ("ع", False, False),
+        ("😀", False, False),
+        ("\x02", False, False),
+    ],
+)
 def test_whole_characters(text, en, zh):
     data = text.encode()
     assert bytes_allowed(data, EN_RANGES) is en
@@ -76,8 +91,12 @@ def test_allow_list_files(tmp_path):
     good.write_text("# allowed ids\n5, 6 7\n\n100  # a comment\n")
     sub = resolve_vocab(str(good), None, 256, [2])
     assert sub.ids.tolist() == [2, 5, 6, 7, 100] and sub.name == "ids.txt"
-    for content, message in (("5 x", "not a token id"), ("256", r"not a token id in \[0, 256\)"), ("# none\n", "no token id"),
-                             ("-1", "not a token id")):
+    for content, message in (
+        ("5 x", "not a token id"),
+        ("256", r"not a token id in \[0, 256\)"),
+        ("# none\n", "no token id"),
+        ("-1", "not a token id"),
+    ):
         bad = tmp_path / "bad.txt"
         bad.write_text(content)
         with pytest.raises(SplitLMError, match=message):

@@ -24,8 +24,9 @@ def test_dtypes(name, dtype):
     assert resolve_dtype(dtype, torch.device("cpu")) == dtype
 
 
-@pytest.mark.parametrize("spec, message", [("tpu", "unknown device"), ("cuda:x", "unknown device"),
-                                           ("cuda:", "unknown device")])
+@pytest.mark.parametrize(
+    "spec, message", [("tpu", "unknown device"), ("cuda:x", "unknown device"), ("cuda:", "unknown device")]
+)
 def test_unknown_devices(spec, message):
     with pytest.raises(SplitLMError, match=message):
         resolve_device(spec)

@@ -18,20 +18,40 @@ from splitlm.edge import Edge
 from splitlm.model.loading import load_model
 from splitlm.model.shards import split_model
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+)
 
 FAMILIES = {
     "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
-    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM",
-                      {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 3}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 9,
-                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
-                                                       "factor": 8.0}}}),
+    "qwen2-sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 3},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 9,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        },
+    ),
 }
 
 
@@ -90,8 +110,9 @@ def test_speculative_matches_sequential_with_windows(family, mode):
         outs = []
         for drafter in (Drafter(), make_drafter(SpecConfig(mode))):
             out = []
-            for new in speculative_decode(LocalSession(model), ids, 48, set(), drafter, StepBudget(fixed_nodes=8),
-                                          SpecStats()):
+            for new in speculative_decode(
+                LocalSession(model), ids, 48, set(), drafter, StepBudget(fixed_nodes=8), SpecStats()
+            ):
                 out.extend(new)
             outs.append(out)
         assert outs[0] == outs[1]

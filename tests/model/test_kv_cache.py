@@ -39,7 +39,7 @@ def test_keep_after_tree_equals_recompute(model):
         path = [0, 2, 4]
         accepted = prefix + [tokens[i] for i in path]
         scratch = logits_from_scratch(model, accepted)
-        torch.testing.assert_close(tree_logits[path], scratch[len(prefix):], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tree_logits[path], scratch[len(prefix) :], atol=1e-5, rtol=1e-5)
         cache.keep(path)
         assert cache.length == len(accepted)
         nxt = model(torch.tensor([[30]]), torch.tensor([len(accepted)]), None, cache)[0, -1]
@@ -96,9 +96,20 @@ def test_retain_last_moves_down_and_zeroes_what_it_drops():
 
 # --- against recompute, on small random models ------------------------------------------------------
 
+
 def random_transformer(seed: int, **cfg) -> Transformer:
-    base = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
-                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    base = dict(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**{**base, **cfg})).eval()
     with torch.no_grad():  # larger weights: attention that is far from uniform
@@ -110,12 +121,25 @@ def random_transformer(seed: int, **cfg) -> Transformer:
 
 MODELS = {
     "llama": {},
-    "sliding": dict(model_type="mistral", sliding_window=5,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
-    "gemma3": dict(model_type="gemma3_text", embed_scale=64**0.5, norm_offset=True, qk_norm=True, sandwich_norms=True,
-                   wire_dtype="bf16", hidden_act="gelu_pytorch_tanh", rope_theta=1e6,
-                   rope_local_theta=1e4, query_pre_attn_scalar=16, sliding_window=4,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
+    "sliding": dict(
+        model_type="mistral",
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        embed_scale=64**0.5,
+        norm_offset=True,
+        qk_norm=True,
+        sandwich_norms=True,
+        wire_dtype="bf16",
+        hidden_act="gelu_pytorch_tanh",
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    ),
 }
 
 
@@ -183,7 +207,7 @@ def test_random_operations_equal_recompute(name, rows):
             elif op == "keep":
                 idx = rng.sample(range(n_pending), rng.randint(0, n_pending))
                 cache.keep(idx)
-                oracle.live = oracle.live[:oracle.pending_start] + [oracle.live[oracle.pending_start + i] for i in idx]
+                oracle.live = oracle.live[: oracle.pending_start] + [oracle.live[oracle.pending_start + i] for i in idx]
                 oracle.pending_start = len(oracle.live)
             elif op == "crop":
                 n = rng.randint(0, len(oracle.live))
@@ -214,8 +238,10 @@ def test_random_operations_equal_recompute(name, rows):
 def test_keep_per_row_equals_recompute(model):
     rows, prefix_len, n = 3, 5, 4
     gen = torch.Generator().manual_seed(0)
-    prefix, siblings = torch.randint(3, 256, (rows, prefix_len), generator=gen), torch.randint(3, 256, (rows, n),
-                                                                                                generator=gen)
+    prefix, siblings = (
+        torch.randint(3, 256, (rows, prefix_len), generator=gen),
+        torch.randint(3, 256, (rows, n), generator=gen),
+    )
     choice = torch.tensor([2, 0, 3])
     with torch.no_grad():
         cache = model.stack.new_cache()
@@ -294,8 +320,12 @@ def test_cuda_cache_matches_cpu(model):
             cache = model.stack.new_cache()
             model(torch.tensor([ids], device=cuda), torch.arange(4, device=cuda), None, cache)
             assert cache.k_buf[0].is_cuda and cache.positions.is_cuda
-            model(torch.tensor([[9, 10]], device=cuda), torch.tensor([4, 4], device=cuda), torch.eye(2, dtype=torch.bool),
-                  cache)
+            model(
+                torch.tensor([[9, 10]], device=cuda),
+                torch.tensor([4, 4], device=cuda),
+                torch.eye(2, dtype=torch.bool),
+                cache,
+            )
             cache.keep([1])
             got = model(torch.tensor([[11]], device=cuda), torch.tensor([5], device=cuda), None, cache)[0, -1].cpu()
         finally:

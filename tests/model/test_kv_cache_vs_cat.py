@@ -133,8 +133,16 @@ def op_bad(rng, caches, n_pending, dims):
         caches[0].crop(caches[1].length + 1)
 
 
-OPS = {"append": op_append, "keep": op_keep, "keep_t": op_keep_tensor, "per_row": op_per_row, "crop": op_crop,
-       "retain": op_retain, "clear": op_clear, "bad": op_bad}
+OPS = {
+    "append": op_append,
+    "keep": op_keep,
+    "keep_t": op_keep_tensor,
+    "per_row": op_per_row,
+    "crop": op_crop,
+    "retain": op_retain,
+    "clear": op_clear,
+    "bad": op_bad,
+}
 
 
 @pytest.mark.parametrize("seed", range(6))

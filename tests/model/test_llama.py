@@ -29,9 +29,16 @@ def our_greedy(model, ids, n):
 TINY_VARIANTS = {
     "tied-gqa": {},
     "untied-mha": {"tie_word_embeddings": False, "num_key_value_heads": 4},
-    "llama3-rope": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 64}},
+    "llama3-rope": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "mistral-no-window": {"model_type": "mistral"},
 }
 
@@ -43,8 +50,16 @@ def test_tiny_logits_and_greedy_match_transformers(tmp_path, variant):
         from transformers import MistralConfig, MistralForCausalLM
 
         torch.manual_seed(1)
-        cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, sliding_window=None, eos_token_id=2)
+        cfg = MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=None,
+            eos_token_id=2,
+        )
         MistralForCausalLM(cfg).save_pretrained(tmp_path)
     else:
         make_tiny_llama(tmp_path, seed=3, **overrides)

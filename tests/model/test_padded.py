@@ -35,8 +35,9 @@ def tree_mask(t: int) -> torch.Tensor:
     return mask
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                          reason="needs a CUDA device")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -64,8 +65,9 @@ def test_padded_pass_equals_attention_per_sequence(stack, device):
         mine = copy.deepcopy(caches)
         outs[padded] = stack.forward_packed(xs, positions, masks, mine)
         mine[1].keep([0, 2])  # then a second pass on what verification kept
-        outs[padded] += stack.forward_packed([xs[1][:, :2], xs[0]], [positions[1][:2] + 2, positions[0] + 1],
-                                             [None, None], [mine[1], mine[0]])
+        outs[padded] += stack.forward_packed(
+            [xs[1][:, :2], xs[0]], [positions[1][:2] + 2, positions[0] + 1], [None, None], [mine[1], mine[0]]
+        )
         after[padded] = mine
     stack.pad_attention = None
     for a, b in zip(outs[False], outs[True], strict=True):

@@ -58,5 +58,13 @@ def test_bad_split_head_arguments(tiny_llama, tmp_path):
         split_model(str(tiny_llama), head=2, tail=2, out=tmp_path, d_end=8)
     with pytest.raises(SplitLMError, match="unknown topology"):
         split_model(str(tiny_llama), head=2, tail=0, out=tmp_path, topology="tail-cloud")
-    assert json.loads((split_model(str(tiny_llama), head=3, tail=0, out=tmp_path / "d", topology="split-head")
-                       / "edge" / "manifest.json").read_text())["d_end"] == 32  # default: half of 64
+    assert (
+        json.loads(
+            (
+                split_model(str(tiny_llama), head=3, tail=0, out=tmp_path / "d", topology="split-head")
+                / "edge"
+                / "manifest.json"
+            ).read_text()
+        )["d_end"]
+        == 32
+    )  # default: half of 64

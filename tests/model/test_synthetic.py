@@ -24,8 +24,9 @@ MB = 10**6
 def status_mb(pid: int | str = "self") -> dict[str, float]:
     """VmRSS and VmHWM (peak) of a process, in MB."""
     with open(f"/proc/{pid}/status") as f:
-        return {k: int(v.split()[0]) * 1024 / MB for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmRSS", "VmHWM")}
+        return {
+            k: int(v.split()[0]) * 1024 / MB for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")
+        }
 
 
 def reset_peak() -> None:
@@ -62,7 +63,7 @@ def check_split_matches_full(full, edge, cloud, rel_tol: float, n_prompts: int =
         tokens, z_split = split_greedy(edge, cloud, ids, n)
         seq = ids + tokens[:-1]
         with torch.no_grad():
-            z_full = full(torch.tensor([seq]), torch.arange(len(seq)))[0, len(ids) - 1:].float()  # [n, V]
+            z_full = full(torch.tensor([seq]), torch.arange(len(seq)))[0, len(ids) - 1 :].float()  # [n, V]
         assert z_full.argmax(-1).tolist() == tokens
         err = float((z_full - z_split).abs().max() / z_full.abs().max())
         assert err <= rel_tol, err
@@ -71,6 +72,7 @@ def check_split_matches_full(full, edge, cloud, rel_tol: float, n_prompts: int =
 
 
 # --- Qwen2-shaped, fp32 -------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def qwen2_split(synthetic_qwen2, tmp_path_factory) -> Path:
@@ -104,20 +106,25 @@ def test_qwen2_run_time_dtype_is_separate_from_the_stored_one(synthetic_qwen2, q
     cloud = load_cloud(qwen2_split / "cloud", device="cpu", dtype=torch.bfloat16)
     assert {p.dtype for p in [*edge.parameters(), *cloud.parameters()]} == {torch.bfloat16}
     assert edge.head.inv_freq.dtype == cloud.middle.inv_freq.dtype == torch.float32
-    assert edge.manifest.fingerprint == cloud.manifest.fingerprint == load_edge(qwen2_split / "edge").manifest.fingerprint
+    assert (
+        edge.manifest.fingerprint == cloud.manifest.fingerprint == load_edge(qwen2_split / "edge").manifest.fingerprint
+    )
     check_split_matches_full(full, edge, cloud, rel_tol=0.02)
 
 
 # --- TinyLlama-1.1B-shaped, bf16 ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def split_1b(synthetic_llama_1b, tmp_path_factory) -> dict:
     """`python -m splitlm split` of the 1B model in a subprocess, with its peak RSS (of a parent that runs only it)."""
     out = tmp_path_factory.mktemp("split-1b") / "split"
-    probe = ("import resource, subprocess, sys; "
-             f"code = subprocess.call([sys.executable, '-m', 'splitlm', 'split', '--model', {str(synthetic_llama_1b)!r}, "
-             f"'--out', {str(out)!r}]); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    probe = (
+        "import resource, subprocess, sys; "
+        f"code = subprocess.call([sys.executable, '-m', 'splitlm', 'split', '--model', {str(synthetic_llama_1b)!r}, "
+        f"'--out', {str(out)!r}]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+    )
     t0 = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -128,8 +135,10 @@ def split_1b(synthetic_llama_1b, tmp_path_factory) -> dict:
 def test_split_of_1b_checkpoint_keeps_a_small_peak(split_1b, synthetic_llama_1b):
     out = split_1b["out"]
     sizes = {role: disk_bytes(out / role) for role in ("edge", "cloud")}
-    print(f"\nsplit 1.1B bf16: peak RSS {split_1b['peak_mb']:.0f} MB in {split_1b['seconds']:.1f} s; "
-          f"edge {sizes['edge'] / MB:.0f} MB, cloud {sizes['cloud'] / MB:.0f} MB")
+    print(
+        f"\nsplit 1.1B bf16: peak RSS {split_1b['peak_mb']:.0f} MB in {split_1b['seconds']:.1f} s; "
+        f"edge {sizes['edge'] / MB:.0f} MB, cloud {sizes['cloud'] / MB:.0f} MB"
+    )
     assert split_1b["peak_mb"] < 1600
     assert json.loads((out / "cloud" / "manifest.json").read_text())["dtype"] == "bf16"
     assert all(p.stat().st_size <= 512 * 2**20 for p in out.glob("*/weights-*.safetensors"))
@@ -149,8 +158,24 @@ def test_serve_cloud_of_1b_shard_holds_about_the_shard(split_1b):
     shard = split_1b["out"] / "cloud"
     port = free_port()
     # in the dtype it is stored in (--dtype auto would be fp32 on a CPU: twice the bytes)
-    proc = subprocess.Popen([sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard), "--port", str(port),
-                             "--threads", "1", "--dtype", "bf16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "splitlm",
+            "serve-cloud",
+            "--shard",
+            str(shard),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--dtype",
+            "bf16",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         t0 = time.perf_counter()
         wait_healthy(port, proc)

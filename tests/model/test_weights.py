@@ -42,13 +42,20 @@ def test_shards_are_bounded_files_with_an_index(tiny_llama, tiny_split, tmp_path
             assert f.stat().st_size <= 0.05 * 2**20 + 4096 or list(index["weight_map"].values()).count(f.name) == 1
         assert index["metadata"]["total_size"] == shard_weights(out / role).nbytes()
         assert states_equal(read_shard_state(out / role), read_shard_state(tiny_split / role))
-        assert states_equal(load_file(files[0]), {k: v for k, v in read_shard_state(out / role).items()
-                                                  if index["weight_map"][k] == files[0].name})
+        assert states_equal(
+            load_file(files[0]),
+            {k: v for k, v in read_shard_state(out / role).items() if index["weight_map"][k] == files[0].name},
+        )
 
 
 def test_writer_output_is_valid_safetensors(tmp_path):
-    state = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
-             "c": torch.ones(0, 4), "d": torch.tensor([True, False]), "e": torch.randn(2, 2, dtype=torch.float16)}
+    state = {
+        "a": torch.randn(3, 5, dtype=torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.ones(0, 4),
+        "d": torch.tensor([True, False]),
+        "e": torch.randn(2, 2, dtype=torch.float16),
+    }
     specs = {k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in state.items()}
     write_safetensors(tmp_path / "x.safetensors", specs, state.__getitem__)
     assert states_equal(load_file(tmp_path / "x.safetensors"), state)
@@ -168,12 +175,14 @@ def test_loading_keeps_views_and_rewrites_never_truncate(tiny_split, tmp_path):
 
 
 def test_split_and_shard_loading_need_no_transformers(tiny_llama, tmp_path):
-    code = ("import sys; from splitlm.cli import main; "
-            f"assert main(['split', '--model', {str(tiny_llama)!r}, '--out', {str(tmp_path / 's')!r}, "
-            "'--max-file-mb', '1']) == 0; "
-            "from splitlm.model.shards import load_cloud, load_edge; "
-            f"load_edge({str(tmp_path / 's' / 'edge')!r}); load_cloud({str(tmp_path / 's' / 'cloud')!r}); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    code = (
+        "import sys; from splitlm.cli import main; "
+        f"assert main(['split', '--model', {str(tiny_llama)!r}, '--out', {str(tmp_path / 's')!r}, "
+        "'--max-file-mb', '1']) == 0; "
+        "from splitlm.model.shards import load_cloud, load_edge; "
+        f"load_edge({str(tmp_path / 's' / 'edge')!r}); load_cloud({str(tmp_path / 's' / 'cloud')!r}); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[-2] == "[]"

@@ -52,8 +52,9 @@ def pair(policy: RekeyPolicy | None = None) -> tuple[SendCipher, RecvCipher]:
 
 def forward(seq: int, t: int = 3) -> Frame:
     specs, payload = pack_tensors({"hidden": torch.randn(t, 8)}, "fp32")
-    return Frame(MsgType.FORWARD, session=77, seq=seq, meta={"tensors": specs, "positions": list(range(t))},
-                 payload=payload)
+    return Frame(
+        MsgType.FORWARD, session=77, seq=seq, meta={"tensors": specs, "positions": list(range(t))}, payload=payload
+    )
 
 
 def test_sealed_frame_layout_and_round_trip():
@@ -68,7 +69,12 @@ def test_sealed_frame_layout_and_round_trip():
     assert frame.payload not in data and b"positions" not in data  # metadata is encrypted too
     back = recv.open(data)
     assert (back.type, back.session, back.seq, back.meta, back.payload) == (
-        frame.type, 77, 1, frame.meta, frame.payload)
+        frame.type,
+        77,
+        1,
+        frame.meta,
+        frame.payload,
+    )
     with pytest.raises(ProtocolError):
         decode_frame(data)  # the plaintext decoder refuses an encrypted frame
 
@@ -93,8 +99,12 @@ def test_every_flipped_bit_is_rejected():
             bad[i] ^= 1 << bit
             with pytest.raises(ProtocolError) as e:
                 recv.open(bytes(bad))
-            assert e.value.code in (ErrorCode.DECRYPT_FAILED, ErrorCode.BAD_FRAME, ErrorCode.VERSION_MISMATCH,
-                                    ErrorCode.NOT_ENCRYPTED), i
+            assert e.value.code in (
+                ErrorCode.DECRYPT_FAILED,
+                ErrorCode.BAD_FRAME,
+                ErrorCode.VERSION_MISMATCH,
+                ErrorCode.NOT_ENCRYPTED,
+            ), i
             if i >= HEADER_SIZE or 8 <= i < 24:  # body, session, seq: only authentication can tell
                 assert e.value.code == ErrorCode.DECRYPT_FAILED
     assert recv.open(data).seq == 1  # nothing of the rejected frames stuck
@@ -103,7 +113,7 @@ def test_every_flipped_bit_is_rejected():
 def test_truncated_and_extended_frames_are_rejected():
     send, recv = pair()
     data = send.seal(forward(1))
-    for bad in (data[:-1], data[:HEADER_SIZE + 5], data + b"\x00"):
+    for bad in (data[:-1], data[: HEADER_SIZE + 5], data + b"\x00"):
         with pytest.raises(ProtocolError) as e:
             recv.open(bad)
         assert e.value.code == ErrorCode.BAD_FRAME  # the lengths no longer add up
@@ -139,8 +149,14 @@ def test_replay_window():
     assert e.value.code == ErrorCode.BAD_FRAME
     for seq in (1, 2, 5, 200):
         w.accept(seq)
-    for seq, code in ((200, ErrorCode.REPLAY), (199, ErrorCode.OUT_OF_ORDER), (137, ErrorCode.OUT_OF_ORDER),
-                      (136, ErrorCode.REPLAY), (5, ErrorCode.REPLAY), (3, ErrorCode.REPLAY)):
+    for seq, code in (
+        (200, ErrorCode.REPLAY),
+        (199, ErrorCode.OUT_OF_ORDER),
+        (137, ErrorCode.OUT_OF_ORDER),
+        (136, ErrorCode.REPLAY),
+        (5, ErrorCode.REPLAY),
+        (3, ErrorCode.REPLAY),
+    ):
         with pytest.raises(ProtocolError) as e:
             w.accept(seq)
         assert e.value.code == code, seq
@@ -201,12 +217,13 @@ def test_rekey_policy_validation():
 
 # -- the documented test vector (docs/protocol.md, section 11) ----------------------------------------------
 
+
 def doc_vector():
-    section = DOC[DOC.index("## 11. Test vector"):]
+    section = DOC[DOC.index("## 11. Test vector") :]
     keys = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)` \| `([0-9a-f]{64})` \|", section, re.M)}
     blocks = re.findall(r"```text\n(.*?)```", section, re.S)
     values = dict(re.findall(r"^(X25519\(\w+, \w+\)|\S+)\s+= ([0-9a-f]+)$", blocks[1], re.M))
-    hello = bytes.fromhex(re.search(r"```text\n([0-9a-f]+)\n```", DOC[DOC.index("## 10. Worked"):]).group(1))
+    hello = bytes.fromhex(re.search(r"```text\n([0-9a-f]+)\n```", DOC[DOC.index("## 10. Worked") :]).group(1))
     return keys, hello, bytes.fromhex(blocks[0].strip()), values, bytes.fromhex(blocks[2].strip())
 
 
@@ -216,25 +233,43 @@ def test_documented_test_vector(monkeypatch):
     client, server = Identity(priv["s_c"]), Identity(priv["S_s"])
     hs = ClientHandshake(client, "0ea3882e8a74dced859753008aee3085")
     hs.ephemeral = priv["e_c"]
-    hs.hello_bytes = encode_frame(Frame(MsgType.HELLO, seq=1, meta={
-        "version": 2, "fingerprint": "0ea3882e8a74dced859753008aee3085",
-        "e": Identity(priv["e_c"]).public_bytes, "s": client.public_bytes}))
+    hs.hello_bytes = encode_frame(
+        Frame(
+            MsgType.HELLO,
+            seq=1,
+            meta={
+                "version": 2,
+                "fingerprint": "0ea3882e8a74dced859753008aee3085",
+                "e": Identity(priv["e_c"]).public_bytes,
+                "s": client.public_bytes,
+            },
+        )
+    )
     assert hs.hello_bytes == hello
     monkeypatch.setattr(X25519PrivateKey, "generate", staticmethod(lambda: priv["e_s"]))
-    info = {"server": "splitlm/0.1.0", "fingerprint": "0ea3882e8a74dced859753008aee3085",
-            "limits": {"max_tokens_per_session": 8192, "max_tokens_per_forward": 2048, "max_frame_bytes": 67108864}}
+    info = {
+        "server": "splitlm/0.1.0",
+        "fingerprint": "0ea3882e8a74dced859753008aee3085",
+        "limits": {"max_tokens_per_session": 8192, "max_tokens_per_forward": 2048, "max_frame_bytes": 67108864},
+    }
     assert ServerInfo.from_meta(info) == ServerInfo("splitlm/0.1.0", info["fingerprint"], Limits(8192, 2048, 67108864))
-    ok_bytes, server_channel, client_key = server_handshake(server, Hello.from_frame(decode_frame(hello)), hello,
-                                                            ServerInfo.from_meta(info), 1)
+    ok_bytes, server_channel, client_key = server_handshake(
+        server, Hello.from_frame(decode_frame(hello)), hello, ServerInfo.from_meta(info), 1
+    )
     assert ok_bytes == ok and client_key == client.public_bytes
-    th = transcript_hash(hello, ok[:HEADER_SIZE + decode_header(ok).meta_len])
+    th = transcript_hash(hello, ok[: HEADER_SIZE + decode_header(ok).meta_len])
     assert th.hex() == values["th"]
     dh = [priv[a].exchange(priv[b].public_key()) for a, b in (("e_c", "e_s"), ("e_c", "S_s"), ("s_c", "e_s"))]
-    assert [d.hex() for d in dh] == [values[f"X25519({a}, {b})"] for a, b in (("e_c", "e_s"), ("e_c", "S_s"),
-                                                                                ("s_c", "e_s"))]
+    assert [d.hex() for d in dh] == [
+        values[f"X25519({a}, {b})"] for a, b in (("e_c", "e_s"), ("e_c", "S_s"), ("s_c", "e_s"))
+    ]
     c2s, s2c = derive_keys(*dh, th)
     assert (c2s.key.hex(), c2s.iv.hex(), s2c.key.hex(), s2c.iv.hex()) == (
-        values["k_c2s"], values["IV_c2s"], values["k_s2c"], values["IV_s2c"])
+        values["k_c2s"],
+        values["IV_c2s"],
+        values["k_s2c"],
+        values["IV_s2c"],
+    )
     channel, got_info = hs.finish(ok)
     assert got_info == info
     assert channel.seal(Frame(MsgType.OPEN, seq=2, meta={"wire_dtype": "fp32"})) == open_frame
@@ -284,29 +319,32 @@ def test_mutated_sealed_frames_are_never_accepted(data):
         for i in data.draw(st.lists(st.integers(0, len(buf) - 1), min_size=1, max_size=4)):
             buf[i] ^= 1 << data.draw(st.integers(0, 7))
     elif kind == "truncate":
-        buf = buf[:data.draw(st.integers(0, len(buf) - 1))]
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
     elif kind == "extend":
         buf += data.draw(st.binary(min_size=1, max_size=64))
     elif kind == "splice":
         i = data.draw(st.integers(0, len(buf) - 1))
-        buf = buf[:i] + data.draw(st.binary(min_size=1, max_size=16)) + buf[i + 1:]
+        buf = buf[:i] + data.draw(st.binary(min_size=1, max_size=16)) + buf[i + 1 :]
     else:
         i = data.draw(st.integers(0, len(buf) - 1))
         chunk = data.draw(st.binary(min_size=1, max_size=8))
-        buf[i:i + len(chunk)] = chunk
+        buf[i : i + len(chunk)] = chunk
     if bytes(buf) == SEALED:
         return
     with pytest.raises(ProtocolError):
         RecvCipher(KEYS).open(bytes(buf))
 
 
-tensor_spec = st.fixed_dictionaries({}, optional={
-    "name": st.one_of(st.text(max_size=8), st.integers(), st.none()),
-    "dtype": st.one_of(st.sampled_from(["fp32", "fp16", "bf16", "int8"]), st.integers()),
-    "shape": st.one_of(st.lists(st.integers(-2, 70), max_size=3), st.text(max_size=3), st.integers()),
-    "offset": st.one_of(st.integers(-10, 600), st.text(max_size=2)),
-    "nbytes": st.one_of(st.integers(-10, 600), st.none()),
-})
+tensor_spec = st.fixed_dictionaries(
+    {},
+    optional={
+        "name": st.one_of(st.text(max_size=8), st.integers(), st.none()),
+        "dtype": st.one_of(st.sampled_from(["fp32", "fp16", "bf16", "int8"]), st.integers()),
+        "shape": st.one_of(st.lists(st.integers(-2, 70), max_size=3), st.text(max_size=3), st.integers()),
+        "offset": st.one_of(st.integers(-10, 600), st.text(max_size=2)),
+        "nbytes": st.one_of(st.integers(-10, 600), st.none()),
+    },
+)
 
 
 @FUZZ
@@ -318,6 +356,7 @@ def test_tensor_descriptions_raise_only_protocol_errors(specs, payload):
 
 
 # -- a capture of the wire --------------------------------------------------------------------------------
+
 
 def test_the_wire_carries_no_plaintext_hidden_states(tiny_split, tiny_server, monkeypatch):
     """Through the WAN emulator, the prompt's hidden-state bytes never appear in the clear; they are
@@ -336,20 +375,20 @@ def test_the_wire_carries_no_plaintext_hidden_states(tiny_split, tiny_server, mo
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     host, port = tiny_server.url.removeprefix("ws://").split(":")
     with WanEmulator(upstream=(host, int(port)), config=WanConfig(rtt_ms=0), capture=True) as wan:
-        with Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32",
-                  cloud_key=tiny_server.fingerprint) as edge:
+        with Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", cloud_key=tiny_server.fingerprint) as edge:
             result = edge.generate(prompt, max_new_tokens=4, stop_at_eos=False)
             with torch.inference_mode():
-                hidden = edge.model.embed_and_head(torch.tensor([prompt]), torch.arange(len(prompt)), None,
-                                                   edge.model.head.new_cache())[0]
+                hidden = edge.model.embed_and_head(
+                    torch.tensor([prompt]), torch.arange(len(prompt)), None, edge.model.head.new_cache()
+                )[0]
         up, down = wan.captured_up, wan.captured_down
     assert len(result.token_ids) == 4
     plain = hidden.float().contiguous().numpy().tobytes()
     assert len(plain) == len(prompt) * 64 * 4 and len(up) > len(plain)
     assert any(plain in p for p in sealed)  # the test can see the tensor where it is in the clear...
-    rows = [plain[i:i + 64 * 4] for i in range(0, len(plain), 64 * 4)]
+    rows = [plain[i : i + 64 * 4] for i in range(0, len(plain), 64 * 4)]
     for row in rows:  # ...and no token's hidden state (nor any 16-byte piece of it) is on the wire
         assert row not in up and row not in down
         for j in range(0, len(row), 16):
-            assert row[j:j + 16] not in up
+            assert row[j : j + 16] not in up
     assert b"positions" not in up and b"hidden" not in up and b"tensors" not in down

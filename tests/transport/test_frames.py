@@ -19,8 +19,9 @@ from splitlm.transport.frames import (
 def test_header_is_32_bytes_and_frames_round_trip():
     x = torch.randn(3, 8)
     specs, payload = pack_tensors({"hidden": x}, "fp32")
-    frame = Frame(MsgType.FORWARD, session=0xDEADBEEF, seq=7, meta={"tensors": specs, "positions": [4, 5, 6]},
-                  payload=payload)
+    frame = Frame(
+        MsgType.FORWARD, session=0xDEADBEEF, seq=7, meta={"tensors": specs, "positions": [4, 5, 6]}, payload=payload
+    )
     data = encode_frame(frame)
     assert HEADER_SIZE == 32 and data[:4] == b"SPLM"
     back = decode_frame(data)
@@ -47,15 +48,18 @@ def test_mask_packs_to_bits():
         unpack_mask(packed[:-1], 13)
 
 
-@pytest.mark.parametrize("data,code", [
-    (b"", ErrorCode.BAD_FRAME),
-    (b"XXXX" + bytes(28), ErrorCode.BAD_FRAME),
-    ("text frame", ErrorCode.BAD_FRAME),
-    (encode_frame(Frame(MsgType.HELLO))[:-0 or None] + b"extra", ErrorCode.BAD_FRAME),
-    (b"SPLM\x09" + bytes(27), ErrorCode.VERSION_MISMATCH),
-    (b"SPLM\x02\x63" + bytes(26), ErrorCode.BAD_FRAME),  # unknown type
-    (b"SPLM\x02\x01\x80\x00" + bytes(24), ErrorCode.BAD_FRAME),  # unknown flag bit
-])
+@pytest.mark.parametrize(
+    "data,code",
+    [
+        (b"", ErrorCode.BAD_FRAME),
+        (b"XXXX" + bytes(28), ErrorCode.BAD_FRAME),
+        ("text frame", ErrorCode.BAD_FRAME),
+        (encode_frame(Frame(MsgType.HELLO))[: -0 or None] + b"extra", ErrorCode.BAD_FRAME),
+        (b"SPLM\x09" + bytes(27), ErrorCode.VERSION_MISMATCH),
+        (b"SPLM\x02\x63" + bytes(26), ErrorCode.BAD_FRAME),  # unknown type
+        (b"SPLM\x02\x01\x80\x00" + bytes(24), ErrorCode.BAD_FRAME),  # unknown flag bit
+    ],
+)
 def test_malformed_frames_raise(data, code):
     with pytest.raises(ProtocolError) as e:
         decode_frame(data)
@@ -64,8 +68,13 @@ def test_malformed_frames_raise(data, code):
 
 def test_tensor_descriptions_are_checked():
     specs, payload = pack_tensors({"hidden": torch.zeros(2, 4)}, "fp16")
-    for bad in ({**specs[0], "offset": 10}, {**specs[0], "shape": [4, 4]}, {**specs[0], "dtype": "int4"},
-                {**specs[0], "shape": [-1, 4]}, {"name": "hidden"}):
+    for bad in (
+        {**specs[0], "offset": 10},
+        {**specs[0], "shape": [4, 4]},
+        {**specs[0], "dtype": "int4"},
+        {**specs[0], "shape": [-1, 4]},
+        {"name": "hidden"},
+    ):
         with pytest.raises(ProtocolError):
             unpack_tensors(Frame(MsgType.FORWARD, meta={"tensors": [bad]}, payload=payload), 1000)
     with pytest.raises(ProtocolError) as e:

@@ -63,9 +63,10 @@ def test_a_tampered_handshake_fails_confirmation(where):
         hello[bytes(hello).index(b"\xa1e\xc4\x20") + 4] ^= 1  # first byte of e_c
     elif where == "hello-fingerprint":
         i = bytes(hello).index(SHARD_FP.encode())
-        hello[i:i + 1] = b"f"
-    ok, _, _ = server_handshake(server, Hello.from_frame(decode_frame(bytes(hello))), bytes(hello),
-                               ServerInfo.from_meta(INFO), 1)
+        hello[i : i + 1] = b"f"
+    ok, _, _ = server_handshake(
+        server, Hello.from_frame(decode_frame(bytes(hello))), bytes(hello), ServerInfo.from_meta(INFO), 1
+    )
     ok = bytearray(ok)
     if where == "ok-e":
         ok[bytes(ok).index(b"\xa1e\xc4\x20") + 10] ^= 0x40
@@ -81,8 +82,11 @@ def test_a_tampered_handshake_fails_confirmation(where):
 def test_missing_malformed_and_degenerate_client_keys():
     ident = generate_identity()
     base = {"version": 2, "fingerprint": SHARD_FP, "e": generate_identity().public_bytes, "s": ident.public_bytes}
-    for meta, code in [({**base, "s": None}, ErrorCode.AUTH_FAILED), ({**base, "s": b"short"}, ErrorCode.AUTH_FAILED),
-                       ({**base, "e": "text"}, ErrorCode.BAD_REQUEST)]:
+    for meta, code in [
+        ({**base, "s": None}, ErrorCode.AUTH_FAILED),
+        ({**base, "s": b"short"}, ErrorCode.AUTH_FAILED),
+        ({**base, "e": "text"}, ErrorCode.BAD_REQUEST),
+    ]:
         with pytest.raises(ProtocolError) as e:
             Hello.from_frame(Frame(MsgType.HELLO, meta={k: v for k, v in meta.items() if v is not None}), SHARD_FP)
         assert e.value.code == code
@@ -100,20 +104,25 @@ def test_hello_is_checked_in_the_documented_order():
     frame = hello.to_frame()
     assert list(frame.meta) == ["version", "fingerprint", "e", "s"] and frame.seq == 3
     assert Hello.from_frame(decode_frame(encode_frame(frame)), SHARD_FP) == hello
-    cases = [({"version": 1, "fingerprint": "x", "s": None}, ErrorCode.VERSION_MISMATCH),
-             ({"fingerprint": "x", "s": None}, ErrorCode.FINGERPRINT_MISMATCH),
-             ({"s": None, "e": "text"}, ErrorCode.AUTH_FAILED)]
+    cases = [
+        ({"version": 1, "fingerprint": "x", "s": None}, ErrorCode.VERSION_MISMATCH),
+        ({"fingerprint": "x", "s": None}, ErrorCode.FINGERPRINT_MISMATCH),
+        ({"s": None, "e": "text"}, ErrorCode.AUTH_FAILED),
+    ]
     for change, code in cases:
         meta = {k: v for k, v in {**frame.meta, **change}.items() if v is not None}
         with pytest.raises(ProtocolError) as e:
             Hello.from_frame(Frame(MsgType.HELLO, meta=meta), SHARD_FP)
         assert e.value.code == code, change
-    assert "different splits" in str(pytest.raises(ProtocolError, Hello.from_frame,
-                                                   Frame(MsgType.HELLO, meta={**frame.meta, "fingerprint": "x"}),
-                                                   SHARD_FP).value)
+    assert "different splits" in str(
+        pytest.raises(
+            ProtocolError, Hello.from_frame, Frame(MsgType.HELLO, meta={**frame.meta, "fingerprint": "x"}), SHARD_FP
+        ).value
+    )
 
 
 # -- against a live cloud ------------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def keys(tmp_path):
@@ -128,8 +137,9 @@ def keys(tmp_path):
 
 @pytest.fixture()
 def locked_server(tiny_split, keys, tmp_path):
-    with BackgroundServer(tiny_split / "cloud", identity=tmp_path / "cloud.key",
-                          allowed_clients=tmp_path / "clients") as server:
+    with BackgroundServer(
+        tiny_split / "cloud", identity=tmp_path / "cloud.key", allowed_clients=tmp_path / "clients"
+    ) as server:
         yield server
 
 
@@ -152,8 +162,14 @@ def test_pinned_cloud_key(tiny_split, locked_server, keys, tmp_path):
     assert client.cloud_fingerprint == keys["cloud"].fingerprint == locked_server.fingerprint
     assert client.info.fingerprint == fp
     client.close()
-    msg = expect(ErrorCode.SERVER_KEY_MISMATCH, CloudClient, locked_server.url, fp, identity=tmp_path / "alice.key",
-                 cloud_key=keys["mallory"].fingerprint)
+    msg = expect(
+        ErrorCode.SERVER_KEY_MISMATCH,
+        CloudClient,
+        locked_server.url,
+        fp,
+        identity=tmp_path / "alice.key",
+        cloud_key=keys["mallory"].fingerprint,
+    )
     assert keys["cloud"].fingerprint in msg and "--cloud-key" in msg
 
 
@@ -174,8 +190,14 @@ def test_trust_on_first_use_and_a_changed_key(tiny_split, tmp_path):
 
 
 def test_an_unlisted_client_is_refused(tiny_split, locked_server, tmp_path, keys):
-    msg = expect(ErrorCode.UNKNOWN_CLIENT, CloudClient, locked_server.url, shard_fp(tiny_split),
-                 identity=tmp_path / "mallory.key", cloud_key=locked_server.fingerprint)
+    msg = expect(
+        ErrorCode.UNKNOWN_CLIENT,
+        CloudClient,
+        locked_server.url,
+        shard_fp(tiny_split),
+        identity=tmp_path / "mallory.key",
+        cloud_key=locked_server.fingerprint,
+    )
     assert keys["mallory"].fingerprint in msg and "allowed clients" in msg
 
 
@@ -184,8 +206,9 @@ def test_generation_through_rotating_keys_is_unchanged(tiny_split):
     with BackgroundServer(tiny_split / "cloud", rekey=policy) as server:
         with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as edge:
             baseline = edge.generate([5, 6, 7], max_new_tokens=8, stop_at_eos=False).token_ids
-        with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint,
-                  rekey=policy) as edge:
+        with Edge(
+            tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint, rekey=policy
+        ) as edge:
             assert edge.generate([5, 6, 7], max_new_tokens=8, stop_at_eos=False).token_ids == baseline
             channel = edge.client.channel
             assert channel.send.rotations >= 4 and channel.recv.rotations >= 4
@@ -193,21 +216,30 @@ def test_generation_through_rotating_keys_is_unchanged(tiny_split):
 
 # -- TLS on top --------------------------------------------------------------------------------------------
 
+
 def self_signed(tmp_path):
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "splitlm test")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                         serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return tmp_path / "cert.pem", tmp_path / "key.pem"
 
 
@@ -215,8 +247,9 @@ def test_wss_on_top_of_the_encryption(tiny_split, tmp_path):
     cert, key = self_signed(tmp_path)
     with BackgroundServer(tiny_split / "cloud", tls_cert=cert, tls_key=key) as server:
         assert server.url.startswith("wss://")
-        with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", tls_ca=cert,
-                  cloud_key=server.fingerprint) as edge:
+        with Edge(
+            tiny_split / "edge", server.url, wire_dtype="fp32", tls_ca=cert, cloud_key=server.fingerprint
+        ) as edge:
             assert len(edge.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False).token_ids) == 3
         msg = expect(None, CloudClient, server.url, shard_fp(tiny_split), cloud_key=server.fingerprint, timeout_s=5)
         assert "CERTIFICATE_VERIFY_FAILED" in msg  # not signed by a CA the system trusts

@@ -38,8 +38,9 @@ def test_open_and_opened_round_trip():
     assert Opened.from_frame(wire(rep.to_frame())) == rep
 
 
-@pytest.mark.parametrize("meta", [{"wire_dtype": "fp64"}, {"wire_dtype": 3}, {"cache_policy": "window:0"},
-                                  {"cache_policy": "forever"}])
+@pytest.mark.parametrize(
+    "meta", [{"wire_dtype": "fp64"}, {"wire_dtype": 3}, {"cache_policy": "window:0"}, {"cache_policy": "forever"}]
+)
 def test_open_rejects_bad_fields(meta):
     with pytest.raises(ProtocolError) as e:
         Open.from_frame(Frame(MsgType.OPEN, meta=meta))
@@ -48,15 +49,29 @@ def test_open_rejects_bad_fields(meta):
 
 def test_forward_round_trip_keeps_every_field():
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    req = Forward(torch.randn(5, 8), torch.tensor([3, 4, 5, 6, 6]), mask, keep=[0, 2], crop=9, context=2,
-                  control=Control(cache=True, window=64, dtype="int8", split=2, key=b"k" * 32), rows=[2, 0])
+    req = Forward(
+        torch.randn(5, 8),
+        torch.tensor([3, 4, 5, 6, 6]),
+        mask,
+        keep=[0, 2],
+        crop=9,
+        context=2,
+        control=Control(cache=True, window=64, dtype="int8", split=2, key=b"k" * 32),
+        rows=[2, 0],
+    )
     got = Forward.from_frame(wire(req.to_frame(11, "fp32")), max_elements=1000)
     assert torch.equal(got.hidden, req.hidden) and torch.equal(got.positions, req.positions)
     assert torch.equal(got.mask, mask) and got.new_tokens == 3
     assert (got.keep, got.crop, got.context, got.control, got.rows) == ([0, 2], 9, 2, req.control, [2, 0])
     plain = Forward.from_frame(wire(Forward(torch.randn(2, 8), torch.tensor([0, 1])).to_frame(1, "fp16")), 100)
     assert (plain.mask, plain.keep, plain.crop, plain.context, plain.control, plain.rows) == (
-        None, None, None, 0, Control(), None)
+        None,
+        None,
+        None,
+        0,
+        Control(),
+        None,
+    )
 
 
 def bad_forward(**meta) -> Frame:
@@ -65,18 +80,21 @@ def bad_forward(**meta) -> Frame:
     return frame
 
 
-@pytest.mark.parametrize("meta,code", [
-    ({"tensors": "x"}, ErrorCode.BAD_FRAME),
-    ({"tensors": []}, ErrorCode.BAD_REQUEST),  # no hidden
-    ({"positions": [0.5, 1]}, ErrorCode.BAD_REQUEST),
-    ({"keep": [True]}, ErrorCode.BAD_REQUEST),
-    ({"crop": "3"}, ErrorCode.BAD_REQUEST),
-    ({"context": 2}, ErrorCode.BAD_REQUEST),
-    ({"control": {"cache": "yes"}}, ErrorCode.BAD_REQUEST),
-    ({"control": {"dtype": "fp64"}}, ErrorCode.BAD_REQUEST),
-    ({"mask": b"\x00\x00"}, ErrorCode.BAD_REQUEST),
-    ({"rows": "all"}, ErrorCode.BAD_REQUEST),
-])
+@pytest.mark.parametrize(
+    "meta,code",
+    [
+        ({"tensors": "x"}, ErrorCode.BAD_FRAME),
+        ({"tensors": []}, ErrorCode.BAD_REQUEST),  # no hidden
+        ({"positions": [0.5, 1]}, ErrorCode.BAD_REQUEST),
+        ({"keep": [True]}, ErrorCode.BAD_REQUEST),
+        ({"crop": "3"}, ErrorCode.BAD_REQUEST),
+        ({"context": 2}, ErrorCode.BAD_REQUEST),
+        ({"control": {"cache": "yes"}}, ErrorCode.BAD_REQUEST),
+        ({"control": {"dtype": "fp64"}}, ErrorCode.BAD_REQUEST),
+        ({"mask": b"\x00\x00"}, ErrorCode.BAD_REQUEST),
+        ({"rows": "all"}, ErrorCode.BAD_REQUEST),
+    ],
+)
 def test_forward_rejects_malformed_fields(meta, code):
     with pytest.raises(ProtocolError) as e:
         Forward.from_frame(bad_forward(**meta), max_elements=1000)
@@ -105,9 +123,13 @@ def test_result_policy_and_close_round_trip():
 
 
 def test_one_table_names_each_requests_reply():
-    assert REPLY_TYPE == {MsgType.HELLO: MsgType.HELLO_OK, MsgType.OPEN: MsgType.OPENED,
-                          MsgType.FORWARD: MsgType.RESULT, MsgType.POLICY: MsgType.POLICY_OK,
-                          MsgType.CLOSE: MsgType.CLOSED}
+    assert REPLY_TYPE == {
+        MsgType.HELLO: MsgType.HELLO_OK,
+        MsgType.OPEN: MsgType.OPENED,
+        MsgType.FORWARD: MsgType.RESULT,
+        MsgType.POLICY: MsgType.POLICY_OK,
+        MsgType.CLOSE: MsgType.CLOSED,
+    }
     assert Closed.from_frame(wire(Closed(9).to_frame())) == Closed(9)
     with pytest.raises(ProtocolError):
         Closed.from_frame(Frame(MsgType.OPENED, 9))
@@ -140,14 +162,24 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package,forbidden", [("edge", "splitlm.cloud"), ("cloud", "splitlm.edge"),
-                                               ("transport", "splitlm.cloud"), ("transport", "splitlm.edge"),
-                                               ("model", "splitlm.")])
+@pytest.mark.parametrize(
+    "package,forbidden",
+    [
+        ("edge", "splitlm.cloud"),
+        ("cloud", "splitlm.edge"),
+        ("transport", "splitlm.cloud"),
+        ("transport", "splitlm.edge"),
+        ("model", "splitlm."),
+    ],
+)
 def test_layering(package, forbidden):
     """The edge and the cloud share only `model` and `transport`; `model` imports nothing of ours."""
     for path in (SRC / package).glob("*.py"):
-        bad = {m for m in imports_of(path) if m.startswith(forbidden) and not (package == "model" and
-                                                                               m.startswith("splitlm.model"))}
+        bad = {
+            m
+            for m in imports_of(path)
+            if m.startswith(forbidden) and not (package == "model" and m.startswith("splitlm.model"))
+        }
         if package == "model":
             bad -= {"splitlm", "splitlm.progress"}  # SplitLMError lives in the package root; the bars are a leaf
         assert not bad, f"{path.name} imports {bad}"
@@ -161,5 +193,7 @@ def test_server_info_keeps_the_documented_order_and_reads_partial_limits():
     assert list(meta) == ["server", "fingerprint", "limits"]
     assert list(meta["limits"]) == ["max_tokens_per_session", "max_tokens_per_forward", "max_frame_bytes"]
     assert ServerInfo.from_meta(meta) == info
-    partial = ServerInfo.from_meta({"server": "x", "limits": {"max_frame_bytes": 5, "other": 1, "max_tokens_per_forward": "9"}})
+    partial = ServerInfo.from_meta(
+        {"server": "x", "limits": {"max_frame_bytes": 5, "other": 1, "max_tokens_per_forward": "9"}}
+    )
     assert partial.limits == Limits(max_frame_bytes=5)

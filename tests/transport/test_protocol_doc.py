@@ -95,6 +95,6 @@ def test_worked_example_decodes_to_the_documented_values():
     for row in table_rows(text):
         assert int(row[0]) == offset, row
         chunk = bytes.fromhex(row[1].strip("`"))
-        assert data[offset:offset + len(chunk)] == chunk, row
+        assert data[offset : offset + len(chunk)] == chunk, row
         offset += len(chunk)
     assert offset == len(data)

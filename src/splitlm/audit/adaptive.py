@@ -48,14 +48,17 @@ def public_attacker(view: SplitView) -> Attacker:
     return Attacker(view.public_head, [view.public_head], view.public_tail, l2_score, lambda h: h)
 
 
-def adaptive_attacker(view: SplitView, defence: Defence, own_text: torch.Tensor, harden: HardenConfig,
-                      seed: int) -> Attacker:
+def adaptive_attacker(
+    view: SplitView, defence: Defence, own_text: torch.Tensor, harden: HardenConfig, seed: int
+) -> Attacker:
     """Rerun `defence` on the attacker's own copy (own text [N, S], own seed)."""
     t0 = time.perf_counter()
     if defence.kind == "harden":
         result = harden_head(view, own_text, replace(harden, seed=seed))
         tail = result.tail if result.tail is not None else view.public_tail
-        return Attacker(result.head, [result.head, view.public_head], tail, l2_score, lambda h: h,
-                        time.perf_counter() - t0)
-    return Attacker(view.public_head, [view.public_head], view.public_tail, defence.score,
-                    lambda h: defence.apply(h, seed=seed))
+        return Attacker(
+            result.head, [result.head, view.public_head], tail, l2_score, lambda h: h, time.perf_counter() - t0
+        )
+    return Attacker(
+        view.public_head, [view.public_head], view.public_tail, defence.score, lambda h: defence.apply(h, seed=seed)
+    )

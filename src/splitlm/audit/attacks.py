@@ -28,7 +28,7 @@ def l2_score(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _topk_chunked(score_fn, h: torch.Tensor, k: int) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([score_fn(h[i:i + CHUNK]).topk(k, dim=-1).indices for i in range(0, h.shape[0], CHUNK)])
+        return torch.cat([score_fn(h[i : i + CHUNK]).topk(k, dim=-1).indices for i in range(0, h.shape[0], CHUNK)])
 
 
 def rank_nn(h: torch.Tensor, embedding: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,8 +81,15 @@ class MLPProbe(nn.Module):
         return self.vocab_ids[_topk_chunked(self, h, k)]
 
 
-def train_mlp_probe(h: torch.Tensor, y: torch.Tensor, embedding: torch.Tensor, epochs: int = 2,
-                    batch: int = 256, lr: float = 2e-3, seed: int = 0) -> MLPProbe:
+def train_mlp_probe(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    embedding: torch.Tensor,
+    epochs: int = 2,
+    batch: int = 256,
+    lr: float = 2e-3,
+    seed: int = 0,
+) -> MLPProbe:
     """Fit the MLP probe on activations h [N, D] of public text with tokens y [N]."""
     vocab_ids = torch.unique(y)
     probe = MLPProbe(embedding, vocab_ids)
@@ -95,7 +102,7 @@ def train_mlp_probe(h: torch.Tensor, y: torch.Tensor, embedding: torch.Tensor, e
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=gen)
         for i in range(0, len(y), batch):
-            idx = order[i:i + batch]
+            idx = order[i : i + batch]
             loss = F.cross_entropy(probe(h[idx]), target[idx])
             opt.zero_grad()
             loss.backward()
@@ -109,8 +116,9 @@ def merge_candidates(ranked: list[torch.Tensor], frequent: torch.Tensor, n: int,
     if not ranked:
         return frequent[:n].expand(rows, -1).clone()
     rows = []
-    stacked = torch.stack([r[:, j] for j in range(max(r.shape[1] for r in ranked)) for r in ranked
-                           if j < r.shape[1]], dim=1).tolist()
+    stacked = torch.stack(
+        [r[:, j] for j in range(max(r.shape[1] for r in ranked)) for r in ranked if j < r.shape[1]], dim=1
+    ).tolist()
     fill = frequent.tolist()
     for row in stacked:
         seen = dict.fromkeys(row)
@@ -124,8 +132,15 @@ def merge_candidates(ranked: list[torch.Tensor], frequent: torch.Tensor, n: int,
 
 
 @torch.no_grad()
-def whitebox(stack: LayerStack | list[LayerStack], embed_fn, targets: torch.Tensor, candidates: torch.Tensor,
-             k: int = 5, batch: int = 16, score=l2_score) -> torch.Tensor:
+def whitebox(
+    stack: LayerStack | list[LayerStack],
+    embed_fn,
+    targets: torch.Tensor,
+    candidates: torch.Tensor,
+    k: int = 5,
+    batch: int = 16,
+    score=l2_score,
+) -> torch.Tensor:
     """Recover sequences position by position from their activations.
 
     stack: the public layers that produced the activations (or several guesses of them: a
@@ -136,15 +151,19 @@ def whitebox(stack: LayerStack | list[LayerStack], embed_fn, targets: torch.Tens
     stacks = stack if isinstance(stack, list) else [stack]
     out = []
     for b0 in range(0, targets.shape[0], batch):
-        tgt, cand = targets[b0:b0 + batch], candidates[b0:b0 + batch]
+        tgt, cand = targets[b0 : b0 + batch], candidates[b0 : b0 + batch]
         b, s, n = cand.shape
         caches = [st.new_cache() for st in stacks]
         ranked = torch.empty(b, s, min(k, n), dtype=torch.long)
         visible = torch.eye(n, dtype=torch.bool)  # each candidate sees the prefix and itself
         for t in range(s):
             x = embed_fn(cand[:, t])
-            scores = torch.stack([score(st(x, torch.full((b, n), t), visible, c), tgt[:, t])
-                                  for st, c in zip(stacks, caches, strict=True)]).amin(0)  # [b, n]
+            scores = torch.stack(
+                [
+                    score(st(x, torch.full((b, n), t), visible, c), tgt[:, t])
+                    for st, c in zip(stacks, caches, strict=True)
+                ]
+            ).amin(0)  # [b, n]
             order = scores.argsort(dim=-1)
             ranked[:, t] = cand[:, t].gather(1, order[:, :k])
             for c in caches:
@@ -157,5 +176,8 @@ def recovery(ranked: torch.Tensor, truth: torch.Tensor) -> dict[str, float]:
     """ranked [B, S, k] guesses, truth [B, S] -> top-1, top-5 and exact-sequence recovery."""
     hit1 = ranked[..., 0] == truth
     hit5 = (ranked[..., :5] == truth[..., None]).any(-1)
-    return {"top1": hit1.float().mean().item(), "top5": hit5.float().mean().item(),
-            "exact_seq": hit1.all(dim=1).float().mean().item()}
+    return {
+        "top1": hit1.float().mean().item(),
+        "top5": hit5.float().mean().item(),
+        "exact_seq": hit1.all(dim=1).float().mean().item(),
+    }

@@ -45,7 +45,7 @@ def read_documents(paths: list[str | Path]) -> list[str]:
     if len(docs) == 1:
         blocks = [b for b in docs[0].split("\n\n") if b.strip()]
         per_doc = max(1, len(blocks) // 20)
-        docs = ["\n\n".join(blocks[i:i + per_doc]) for i in range(0, len(blocks), per_doc)]
+        docs = ["\n\n".join(blocks[i : i + per_doc]) for i in range(0, len(blocks), per_doc)]
     return [d for d in docs if d.strip()]
 
 
@@ -62,7 +62,7 @@ def split_documents(docs: list[str], held_out_fraction: float = 0.1, seed: int =
 
 def to_sequences(docs_ids: list[list[int]], seq_len: int, max_tokens: int, seed: int) -> torch.Tensor:
     """Cut each document into seq_len chunks (never across documents); a seeded sample of them."""
-    chunks = [ids[i:i + seq_len] for ids in docs_ids for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    chunks = [ids[i : i + seq_len] for ids in docs_ids for i in range(0, len(ids) - seq_len + 1, seq_len)]
     random.Random(seed).shuffle(chunks)
     chunks = chunks[: max(1, max_tokens // seq_len)]
     if not chunks:
@@ -70,9 +70,16 @@ def to_sequences(docs_ids: list[list[int]], seq_len: int, max_tokens: int, seed:
     return torch.tensor(chunks, dtype=torch.long)
 
 
-def build_corpus(docs: list[str], encode: Callable[[str], list[int]], vocab_size: int, seq_len: int = 32,
-                 max_train_tokens: int = 32768, max_eval_tokens: int = 2048, held_out_fraction: float = 0.1,
-                 seed: int = 0) -> AuditCorpus:
+def build_corpus(
+    docs: list[str],
+    encode: Callable[[str], list[int]],
+    vocab_size: int,
+    seq_len: int = 32,
+    max_train_tokens: int = 32768,
+    max_eval_tokens: int = 2048,
+    held_out_fraction: float = 0.1,
+    seed: int = 0,
+) -> AuditCorpus:
     train_docs, held_docs = split_documents(docs, held_out_fraction, seed)
     train_ids = [encode(d) for d in train_docs]
     held_ids = [encode(d) for d in held_docs]
@@ -82,7 +89,9 @@ def build_corpus(docs: list[str], encode: Callable[[str], list[int]], vocab_size
     return AuditCorpus(
         train=to_sequences(train_ids, seq_len, max_train_tokens, seed),
         held_out=to_sequences(held_ids, seq_len, max_eval_tokens, seed + 1),
-        counts=counts, train_docs=len(train_docs), held_out_docs=len(held_docs),
+        counts=counts,
+        train_docs=len(train_docs),
+        held_out_docs=len(held_docs),
     )
 
 

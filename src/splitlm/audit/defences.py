@@ -82,8 +82,9 @@ def parse_defence(text: str) -> Defence:
                 return Defence("harden", float(steps))
     except ValueError:
         pass
-    raise SplitLMError(f"unknown defence {text!r} (use none, noise:S with S >= 0, quant:B with 2 <= B <= 16, "
-                       "harden or harden:STEPS)")
+    raise SplitLMError(
+        f"unknown defence {text!r} (use none, noise:S with S >= 0, quant:B with 2 <= B <= 16, harden or harden:STEPS)"
+    )
 
 
 def parse_defences(text: str) -> list[Defence]:

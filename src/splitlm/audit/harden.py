@@ -105,18 +105,36 @@ def harden_head(view: SplitView, train: torch.Tensor, config: HardenConfig) -> H
     private.eval()
     if tail is not None:
         tail.eval()
-    return HardenResult(private, tail, config.steps, time.perf_counter() - t0, float(kl.detach()),
-                        float(dist.detach().mean()), float(cloud_p.detach()))
+    return HardenResult(
+        private,
+        tail,
+        config.steps,
+        time.perf_counter() - t0,
+        float(kl.detach()),
+        float(dist.detach().mean()),
+        float(cloud_p.detach()),
+    )
 
 
 def head_state(head: LayerStack) -> dict[str, torch.Tensor]:
     """The private head's (or tail's) weights under their global names (`model.layers.{i}.*`)."""
-    return {f"model.layers.{head.start + int(k.split('.')[1])}.{k.split('.', 2)[2]}": v.detach().contiguous()
-            for k, v in head.state_dict().items() if k.startswith("layers.")}
+    return {
+        f"model.layers.{head.start + int(k.split('.')[1])}.{k.split('.', 2)[2]}": v.detach().contiguous()
+        for k, v in head.state_dict().items()
+        if k.startswith("layers.")
+    }
 
 
-def harden_split(spec: str, head: int, tail: int, out, docs: list[str], config: HardenConfig,
-                 seq_len: int = 32, max_train_tokens: int = 32768) -> dict:
+def harden_split(
+    spec: str,
+    head: int,
+    tail: int,
+    out,
+    docs: list[str],
+    config: HardenConfig,
+    seq_len: int = 32,
+    max_train_tokens: int = 32768,
+) -> dict:
     """Split `spec` like `splitlm split` and replace the edge's head layers by a hardened private head.
     Returns the hardening's measured cost (agreement, perplexity, how far the uplink moved)."""
     from pathlib import Path
@@ -143,7 +161,15 @@ def harden_split(spec: str, head: int, tail: int, out, docs: list[str], config: 
     if result.tail is not None:
         state.update(head_state(result.tail))
     write_state(edge_dir, state)
-    return {"head": head, "tail": tail, "steps": result.steps, "seconds": round(result.seconds, 1),
-            "agreement": after["agreement"], "ppl": after["ppl"], "ppl_public": before["ppl"],
-            "uplink_distance": float(relative_distance(up, batched(view.up, corpus.held_out)).mean()),
-            "private_tail": result.tail is not None, "held_out_tokens": corpus.held_out.numel()}
+    return {
+        "head": head,
+        "tail": tail,
+        "steps": result.steps,
+        "seconds": round(result.seconds, 1),
+        "agreement": after["agreement"],
+        "ppl": after["ppl"],
+        "ppl_public": before["ppl"],
+        "uplink_distance": float(relative_distance(up, batched(view.up, corpus.held_out)).mean()),
+        "private_tail": result.tail is not None,
+        "held_out_tokens": corpus.held_out.numel(),
+    }

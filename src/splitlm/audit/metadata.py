@@ -24,9 +24,14 @@ def features(trace: Trace) -> dict[str, float]:
     steps = trace.steps[1:]
     rows = [len(s.ids) for s in steps] or [0]
     accepted = [len(s.keep) - 1 for s in steps[:-1] if s.keep is not None] or [0]  # the last keep is never sent
-    return {"prompt_tokens": len(trace.steps[0].ids), "steps": len(steps), "mean_rows": statistics.mean(rows),
-            "max_rows": max(rows), "mean_accepted": statistics.mean(accepted),
-            "accept_rate": sum(a > 0 for a in accepted) / len(accepted)}
+    return {
+        "prompt_tokens": len(trace.steps[0].ids),
+        "steps": len(steps),
+        "mean_rows": statistics.mean(rows),
+        "max_rows": max(rows),
+        "mean_accepted": statistics.mean(accepted),
+        "accept_rate": sum(a > 0 for a in accepted) / len(accepted),
+    }
 
 
 def known_count(trace: Trace) -> int:
@@ -44,8 +49,10 @@ def classify(traces: list[Trace], names: list[str]) -> float:
         rest = [j for j in range(len(traces)) if j != i]
         mu, sd = x[rest].mean(0), x[rest].std(0, correction=0).clamp_min(1e-9)
         z = (x - mu) / sd
-        best = min(set(labels[j] for j in rest),
-                   key=lambda lab: float((z[i] - z[[j for j in rest if labels[j] == lab]].mean(0)).norm()))
+        best = min(
+            set(labels[j] for j in rest),
+            key=lambda lab: float((z[i] - z[[j for j in rest if labels[j] == lab]].mean(0)).norm()),
+        )
         right += best == labels[i]
     return right / len(traces)
 
@@ -68,12 +75,18 @@ def metadata_audit(traces: list[Trace], estimated_counts: list[int] | None = Non
         "mean_rows_per_step": statistics.mean(rows) if rows else 0.0,
         "max_rows_per_step": max(rows, default=0),
         "fixed_shape_row_overhead": (max(rows) * len(rows) / sum(rows) - 1) if rows else 0.0,
-        "per_label": {lab: {n: statistics.mean(features(t)[n] for t in traces if t.label == lab)
-                            for n in PROMPT_FEATURES + SHAPE_FEATURES} for lab in sorted(set(t.label for t in traces))},
+        "per_label": {
+            lab: {
+                n: statistics.mean(features(t)[n] for t in traces if t.label == lab)
+                for n in PROMPT_FEATURES + SHAPE_FEATURES
+            }
+            for lab in sorted(set(t.label for t in traces))
+        },
     }
     if estimated_counts is not None:
         out["count_exact_estimated"] = sum(a == b for a, b in zip(estimated_counts, truth, strict=True)) / len(traces)
         if cap is not None:
-            out["count_exact_estimated_capped"] = sum(min(a, cap) == b for a, b in zip(estimated_counts, truth,
-                                                                                        strict=True)) / len(traces)
+            out["count_exact_estimated_capped"] = sum(
+                min(a, cap) == b for a, b in zip(estimated_counts, truth, strict=True)
+            ) / len(traces)
     return out

@@ -23,7 +23,9 @@ from splitlm.model.llama import LayerStack, Transformer, embed
 
 
 @torch.no_grad()
-def cloud_outputs(model: Transformer, trace: Trace, tail_layers: int, tail: LayerStack | None = None) -> list[list[int]]:
+def cloud_outputs(
+    model: Transformer, trace: Trace, tail_layers: int, tail: LayerStack | None = None
+) -> list[list[int]]:
     """The cloud's argmax per row of every step, from the downlink through the public (or `tail`) tail."""
     n = model.cfg.num_layers
     stack = tail if tail is not None else sub_stack(model, n - tail_layers, n)
@@ -50,13 +52,14 @@ def follow(step: Step, outputs: list[int], guesses: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def checked_guesses(model: Transformer, trace: Trace, index: int, head: int, outputs: list[int],
-                    tolerance: float = 1e-3) -> list[int]:
+def checked_guesses(
+    model: Transformer, trace: Trace, index: int, head: int, outputs: list[int], tolerance: float = 1e-3
+) -> list[int]:
     """Per row of step `index`: the parent row's output where the public head on it reproduces the
     row's uplink (relative distance below `tolerance`), else -1."""
     step = trace.steps[index]
     stack, parents = sub_stack(model, 0, head), step.parents()
-    context = (trace.prompt + trace.generated)[:step.positions[0]]  # before the step's root
+    context = (trace.prompt + trace.generated)[: step.positions[0]]  # before the step's root
     guesses = [step.ids[0]] + [-1] * (len(step.ids) - 1)  # the root is the last token the cloud read
     for c in range(1, len(step.ids)):
         chain, node = [], parents[c]
@@ -87,8 +90,9 @@ def uplink_guesses(trace: Trace, layer: int, probe: LinearProbe) -> list[list[in
     return [probe.rank(step.hidden[layer], 1)[:, 0].tolist() for step in trace.steps]
 
 
-def output_leakage(model: Transformer, traces: list[Trace], heads: list[int], tails: list[int],
-                   probes: dict[int, LinearProbe]) -> list[dict]:
+def output_leakage(
+    model: Transformer, traces: list[Trace], heads: list[int], tails: list[int], probes: dict[int, LinearProbe]
+) -> list[dict]:
     """Rows: the edge's outputs and generated tokens read from the downlink per M (generated: the
     last step's path checked with the public head at K), drafted tokens read from the uplink per K
     and from the parent row's output per M."""
@@ -109,12 +113,30 @@ def output_leakage(model: Transformer, traces: list[Trace], heads: list[int], ta
                 got = reconstruct(t, o, checked_guesses(model, t, last, k, o[last]) if last > 0 else [])
                 ok = [a == b for a, b in zip(t.generated, got + [-1] * len(t.generated), strict=False)]
                 hit, n, exact = hit + sum(ok), n + len(ok), exact + all(ok)
-            rows.append({"kind": "generated", "tail": m, "head": k, "top1": hit / n,
-                         "exact_seq": exact / len(traces), "tokens": n})
-        rows.append({"kind": "drafts", "via": "parent-output", "tail": m,
-                     **draft_recovery(traces, [[[o[p] if p >= 0 else -1 for p in s.parents()]
-                                                for s, o in zip(t.steps, ot, strict=True)]
-                                               for t, ot in zip(traces, outs, strict=True)])})
+            rows.append(
+                {
+                    "kind": "generated",
+                    "tail": m,
+                    "head": k,
+                    "top1": hit / n,
+                    "exact_seq": exact / len(traces),
+                    "tokens": n,
+                }
+            )
+        rows.append(
+            {
+                "kind": "drafts",
+                "via": "parent-output",
+                "tail": m,
+                **draft_recovery(
+                    traces,
+                    [
+                        [[o[p] if p >= 0 else -1 for p in s.parents()] for s, o in zip(t.steps, ot, strict=True)]
+                        for t, ot in zip(traces, outs, strict=True)
+                    ],
+                ),
+            }
+        )
     for k, g in guesses.items():
         rows.append({"kind": "drafts", "via": "uplink-probe", "head": k, **draft_recovery(traces, g)})
     return rows

@@ -70,15 +70,19 @@ class AuditConfig:
     def check(self, num_layers: int) -> None:
         for k in self.heads:
             if k < 1 or k + self.tail >= num_layers:
-                raise SplitLMError(f"--head {k} with --tail {self.tail} leaves no layer for the cloud "
-                                   f"(the model has {num_layers})")
+                raise SplitLMError(
+                    f"--head {k} with --tail {self.tail} leaves no layer for the cloud (the model has {num_layers})"
+                )
             if self.output_prompts and k + max(self.output_tails) >= num_layers:
-                raise SplitLMError(f"--head {k} with --output-tails {max(self.output_tails)} leaves no layer for the "
-                                   f"cloud (the model has {num_layers})")
+                raise SplitLMError(
+                    f"--head {k} with --output-tails {max(self.output_tails)} leaves no layer for the "
+                    f"cloud (the model has {num_layers})"
+                )
         unknown = set(self.attacks) - set(ATTACKS)
         if unknown or not self.attacks:
-            raise SplitLMError(f"unknown attack(s) {', '.join(sorted(unknown)) or '(none given)'}; "
-                               f"choose from {', '.join(ATTACKS)}")
+            raise SplitLMError(
+                f"unknown attack(s) {', '.join(sorted(unknown)) or '(none given)'}; choose from {', '.join(ATTACKS)}"
+            )
         if self.candidates < 5:
             raise SplitLMError("--candidates must be at least 5")
 
@@ -112,14 +116,16 @@ def depth_cost(model: Transformer, view: SplitView, ids: torch.Tensor, tail: int
     }
 
 
-def train_probes(h_train: torch.Tensor, y: torch.Tensor, emb: torch.Tensor, config: AuditConfig,
-                 mlp: bool = True) -> dict:
+def train_probes(
+    h_train: torch.Tensor, y: torch.Tensor, emb: torch.Tensor, config: AuditConfig, mlp: bool = True
+) -> dict:
     """The linear and (with `mlp`) MLP probes on activations h_train [N, D] of the tokens y [N]."""
     probes = {"probe-linear": LinearProbe(h_train, y, emb)}
     if mlp:
         n_mlp = min(len(y), config.mlp_probe_tokens)  # the MLP's training costs far more than the ridge's
-        probes["probe-mlp"] = train_mlp_probe(h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs,
-                                              seed=config.seed)
+        probes["probe-mlp"] = train_mlp_probe(
+            h_train[:n_mlp], y[:n_mlp], emb, epochs=config.probe_epochs, seed=config.seed
+        )
     return probes
 
 
@@ -128,14 +134,22 @@ def tail_ranks(view: SplitView, down: torch.Tensor, tail, k: int = 5) -> tuple[t
     edge, cloud = [], []
     with torch.no_grad():
         for i in range(0, down.shape[0], 16):
-            edge.append(view.logits(down[i:i + 16]).argmax(-1))
-            cloud.append(view.logits(down[i:i + 16], tail).topk(k, dim=-1).indices)
+            edge.append(view.logits(down[i : i + 16]).argmax(-1))
+            cloud.append(view.logits(down[i : i + 16], tail).topk(k, dim=-1).indices)
     return torch.cat(edge), torch.cat(cloud)
 
 
-def attack_uplink(config: AuditConfig, view: SplitView, attacker: Attacker, probes: dict, up: torch.Tensor,
-                  ids: torch.Tensor, frequent: torch.Tensor, n_wb: int,
-                  known: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def attack_uplink(
+    config: AuditConfig,
+    view: SplitView,
+    attacker: Attacker,
+    probes: dict,
+    up: torch.Tensor,
+    ids: torch.Tensor,
+    frequent: torch.Tensor,
+    n_wb: int,
+    known: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Ranked guesses [B, S, k] per uplink attack; `known`: other attacks' guesses the white-box
     search tries too (the adaptive attacker keeps the fixed one's)."""
     model, ncand, shape = view.model, config.candidates, (*ids.shape, -1)
@@ -150,8 +164,9 @@ def attack_uplink(config: AuditConfig, view: SplitView, attacker: Attacker, prob
     if "whitebox" in config.attacks:
         pool = list(ranks.values()) + [r for name, r in (known or {}).items() if name != "whitebox"]
         cands = merge_candidates([r[:n_wb].flatten(0, 1) for r in pool], frequent, ncand, n_wb * config.seq_len)
-        ranks["whitebox"] = whitebox(attacker.search, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1),
-                                     score=attacker.score)
+        ranks["whitebox"] = whitebox(
+            attacker.search, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1), score=attacker.score
+        )
     return ranks
 
 
@@ -175,22 +190,39 @@ class AuditRun:
     steps: per head depth K the public attacker and its probes, then per defence the defended split,
     the attacks on its uplink and downlink (fixed and adaptive attackers), and the report's rows."""
 
-    def __init__(self, model: Transformer, encode: Callable[[str], list[int]], docs: list[str],
-                 config: AuditConfig):
+    def __init__(self, model: Transformer, encode: Callable[[str], list[int]], docs: list[str], config: AuditConfig):
         cfg = model.cfg
         self.model, self.config = model, config
-        self.corpus = build_corpus(docs, encode, cfg.vocab_size, config.seq_len, config.max_train_tokens,
-                                   config.max_eval_tokens, seed=config.seed)
+        self.corpus = build_corpus(
+            docs,
+            encode,
+            cfg.vocab_size,
+            config.seq_len,
+            config.max_train_tokens,
+            config.max_eval_tokens,
+            seed=config.seed,
+        )
         self.ids = self.corpus.held_out  # [Ne, S]
-        log.info(f"[audit] corpus: {self.corpus.train.numel()} training tokens ({self.corpus.train_docs} documents), "
-                 f"{self.ids.numel()} held-out tokens ({self.corpus.held_out_docs} documents)")
+        log.info(
+            f"[audit] corpus: {self.corpus.train.numel()} training tokens ({self.corpus.train_docs} documents), "
+            f"{self.ids.numel()} held-out tokens ({self.corpus.held_out_docs} documents)"
+        )
         self.frequent = self.corpus.frequent(max(config.candidates, 5))
         self.edge_text, self.attacker_text = self.corpus.train[0::2], self.corpus.train[1::2]  # who hardens on what
         self.rows: list[dict] = []
         freq_ranked = self.frequent[:5].expand(*self.ids.shape, 5)
         for k in config.heads:
-            self.rows.append({"head": k, "link": "up", "attack": "freq", "defence": "none", "attacker": "fixed",
-                              **recovery(freq_ranked, self.ids), "tokens": self.ids.numel()})
+            self.rows.append(
+                {
+                    "head": k,
+                    "link": "up",
+                    "attack": "freq",
+                    "defence": "none",
+                    "attacker": "fixed",
+                    **recovery(freq_ranked, self.ids),
+                    "tokens": self.ids.numel(),
+                }
+            )
         full = SplitView(model, config.heads[0], config.tail)
         self.ref_argmax = batched(lambda x: full.logits(full.down(full.up(x))).argmax(-1), self.ids)  # [Ne, S]
         self.quality_rows: list[dict] = []
@@ -200,18 +232,42 @@ class AuditRun:
         self.n_dwb = max(1, min(self.ids.shape[0], config.down_whitebox_tokens // config.seq_len))
         self.undefended_down = None  # the downlink white-box result without a defence (the same for every K)
 
-    def add(self, k: int, defence: Defence, d: Defended, link: str, attack: str, ranked: torch.Tensor,
-            truth: torch.Tensor, who: str) -> None:
-        self.rows.append({"head": k, "link": link, "attack": attack, "defence": defence.name, "attacker": who,
-                          **recovery(ranked, truth), "tokens": truth.numel(), **d.row_quality})
+    def add(
+        self,
+        k: int,
+        defence: Defence,
+        d: Defended,
+        link: str,
+        attack: str,
+        ranked: torch.Tensor,
+        truth: torch.Tensor,
+        who: str,
+    ) -> None:
+        self.rows.append(
+            {
+                "head": k,
+                "link": link,
+                "attack": attack,
+                "defence": defence.name,
+                "attacker": who,
+                **recovery(ranked, truth),
+                "tokens": truth.numel(),
+                **d.row_quality,
+            }
+        )
 
     def probes(self, attacker: Attacker, view: SplitView, mlp: bool = True) -> dict:
         """The probes `attacker` trains on its own view of the public text (none without the probe attack)."""
         if "probe" not in self.config.attacks:
             return {}
         train = self.corpus.train
-        return train_probes(attacker.uplink(view, train).flatten(0, 1), train.flatten(), self.model.embed_tokens.weight,
-                            self.config, mlp=mlp)
+        return train_probes(
+            attacker.uplink(view, train).flatten(0, 1),
+            train.flatten(),
+            self.model.embed_tokens.weight,
+            self.config,
+            mlp=mlp,
+        )
 
     def audit_depth(self, k: int, stages) -> None:
         """Every defence at head depth K, against the public attacker (and the adaptive ones)."""
@@ -243,17 +299,24 @@ class AuditRun:
             hc = replace(config.harden, steps=int(defence.value) or config.harden.steps, seed=config.seed)
             result = harden_head(view, self.edge_text, hc)
             dview = SplitView(self.model, k, config.tail, private_head=result.head, private_tail=result.tail)
-            extra = {"harden_steps": result.steps, "harden_s": round(result.seconds, 1),
-                     "private_tail": result.tail is not None}
+            extra = {
+                "harden_steps": result.steps,
+                "harden_s": round(result.seconds, 1),
+                "private_tail": result.tail is not None,
+            }
         up = defence.apply(batched(dview.up, ids), seed=config.seed + k)  # [Ne, S, D]
         down = batched(dview.down, up)  # [Ne, S, D]
-        qual = {**quality(dview, down, ids, self.ref_argmax),
-                "uplink_distance": float(relative_distance(up, batched(view.up, ids)).mean()),
-                "wire_bytes_per_token": defence.wire_bytes_per_token(self.model.cfg.hidden_size), **extra}
+        qual = {
+            **quality(dview, down, ids, self.ref_argmax),
+            "uplink_distance": float(relative_distance(up, batched(view.up, ids)).mean()),
+            "wire_bytes_per_token": defence.wire_bytes_per_token(self.model.cfg.hidden_size),
+            **extra,
+        }
         return Defended(dview, up, down, qual, hc)
 
-    def adaptive(self, view: SplitView, k: int, defence: Defence, d: Defended,
-                 t0: float) -> list[tuple[str, Attacker, dict]]:
+    def adaptive(
+        self, view: SplitView, k: int, defence: Defence, d: Defended, t0: float
+    ) -> list[tuple[str, Attacker, dict]]:
         """The adaptive attacker of a defence (none without one, or with --no-adaptive)."""
         config = self.config
         if not config.adaptive or defence.kind == "none":
@@ -263,16 +326,18 @@ class AuditRun:
         d.quality["adaptive_setup_s"] = round(time.perf_counter() - t0, 1)
         return [("adaptive", adv, adv_probes)]
 
-    def attack_links(self, view: SplitView, k: int, defence: Defence, d: Defended,
-                     attackers: list[tuple[str, Attacker, dict]]) -> None:
+    def attack_links(
+        self, view: SplitView, k: int, defence: Defence, d: Defended, attackers: list[tuple[str, Attacker, dict]]
+    ) -> None:
         """Each attacker on the uplink (every attack) and on the tail's output (what the cloud reads)."""
         fixed_ranks = None
         for who, attacker, probes in attackers:
-            ranks = attack_uplink(self.config, view, attacker, probes, d.up, self.ids, self.frequent, self.n_wb,
-                                  fixed_ranks)
+            ranks = attack_uplink(
+                self.config, view, attacker, probes, d.up, self.ids, self.frequent, self.n_wb, fixed_ranks
+            )
             fixed_ranks = fixed_ranks or ranks
             for name, ranked in ranks.items():
-                self.add(k, defence, d, "up", name, ranked, self.ids[:ranked.shape[0]], who)
+                self.add(k, defence, d, "up", name, ranked, self.ids[: ranked.shape[0]], who)
             edge_argmax, cloud = tail_ranks(d.view, d.down, attacker.tail)
             self.add(k, defence, d, "down", "tail-output", cloud, edge_argmax, who)
 
@@ -292,18 +357,29 @@ class AuditRun:
         if "whitebox" in config.attacks and defence.kind == "none":
             if self.undefended_down is None:  # layers [0, L-M) whatever K is: searched once
                 n = self.n_dwb
-                cands = merge_candidates([r[:n].flatten(0, 1) for r in down_ranks.values()], self.frequent,
-                                         config.candidates, n * config.seq_len)
-                self.undefended_down = whitebox(view.down_prefix, view.embed, d.down[:n],
-                                                cands.view(n, config.seq_len, -1))
-            self.add(k, defence, d, "down", "down-whitebox", self.undefended_down, ids[:self.n_dwb], "fixed")
+                cands = merge_candidates(
+                    [r[:n].flatten(0, 1) for r in down_ranks.values()],
+                    self.frequent,
+                    config.candidates,
+                    n * config.seq_len,
+                )
+                self.undefended_down = whitebox(
+                    view.down_prefix, view.embed, d.down[:n], cands.view(n, config.seq_len, -1)
+                )
+            self.add(k, defence, d, "down", "down-whitebox", self.undefended_down, ids[: self.n_dwb], "fixed")
 
     def log_defence(self, k: int, defence: Defence, d: Defended, t0: float) -> None:
-        summary = ", ".join(f"{r['attack']}{'*' if r['attacker'] == 'adaptive' else ''} {r['top1']:.2f}"
-                            for r in self.rows if r["head"] == k and r["defence"] == defence.name
-                            and r["attack"] in ("probe-linear", "whitebox", "tail-output"))
-        log.info(f"[audit] K={k} {defence.name}: agreement {d.quality['agreement']:.3f}, ppl {d.quality['ppl']:.2f}; "
-                 f"top-1 {summary} (* adaptive; {time.perf_counter() - t0:.0f} s)")
+        summary = ", ".join(
+            f"{r['attack']}{'*' if r['attacker'] == 'adaptive' else ''} {r['top1']:.2f}"
+            for r in self.rows
+            if r["head"] == k
+            and r["defence"] == defence.name
+            and r["attack"] in ("probe-linear", "whitebox", "tail-output")
+        )
+        log.info(
+            f"[audit] K={k} {defence.name}: agreement {d.quality['agreement']:.3f}, ppl {d.quality['ppl']:.2f}; "
+            f"top-1 {summary} (* adaptive; {time.perf_counter() - t0:.0f} s)"
+        )
 
     def document(self, load_start: list[float]) -> dict:
         cfg, config = self.model.cfg, self.config
@@ -326,8 +402,9 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     model.eval()
     run = AuditRun(model, encode, docs, config)
     tracing = config.output_prompts > 0
-    stages = bar(len(config.heads) * (1 + len(config.defences)) + (2 if tracing else 0), "audit",
-                 unit="stage")  # probes + each defence (+ tracing, its attacks)
+    stages = bar(
+        len(config.heads) * (1 + len(config.defences)) + (2 if tracing else 0), "audit", unit="stage"
+    )  # probes + each defence (+ tracing, its attacks)
     for k in config.heads:
         run.audit_depth(k, stages)
     doc = run.document(load_start)
@@ -340,19 +417,25 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     return doc
 
 
-def trace_audit(model: Transformer, encode: Callable[[str], list[int]], config: AuditConfig,
-                probes: dict[int, LinearProbe], stages) -> dict:
+def trace_audit(
+    model: Transformer, encode: Callable[[str], list[int]], config: AuditConfig, probes: dict[int, LinearProbe], stages
+) -> dict:
     """Decode the code and prose prompts speculatively, recorded; attack the outputs and the metadata."""
     t0 = time.perf_counter()
     n = model.cfg.num_layers
     heads = [k for k in config.heads if k in probes]
     layers = {k - 1 for k in heads} | {n - m - 1 for m in config.output_tails}
-    prompts = [("code", p) for p in CODE[:config.output_prompts]] + [("prose", p) for p in PROSE[:config.output_prompts]]
+    prompts = [("code", p) for p in CODE[: config.output_prompts]] + [
+        ("prose", p) for p in PROSE[: config.output_prompts]
+    ]
     stages.set_postfix_str("tracing decoding")
-    traces = [trace_generation(model, encode(p), label, layers, config.output_tokens, config.spec)
-              for label, p in prompts]
-    log.info(f"[audit] traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
-        f"{sum(len(t.steps) - 1 for t in traces)} steps) in {time.perf_counter() - t0:.0f} s")
+    traces = [
+        trace_generation(model, encode(p), label, layers, config.output_tokens, config.spec) for label, p in prompts
+    ]
+    log.info(
+        f"[audit] traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
+        f"{sum(len(t.steps) - 1 for t in traces)} steps) in {time.perf_counter() - t0:.0f} s"
+    )
     stages.update()
     stages.set_postfix_str("output leakage")
     output_rows = output_leakage(model, traces, heads, config.output_tails, probes)
@@ -370,6 +453,10 @@ def trace_audit(model: Transformer, encode: Callable[[str], list[int]], config: 
 
 
 def corpus_summary(corpus: AuditCorpus) -> dict:
-    return {"train_tokens": corpus.train.numel(), "held_out_tokens": corpus.held_out.numel(),
-            "train_docs": corpus.train_docs, "held_out_docs": corpus.held_out_docs,
-            "seq_len": corpus.train.shape[1]}
+    return {
+        "train_tokens": corpus.train.numel(),
+        "held_out_tokens": corpus.held_out.numel(),
+        "train_docs": corpus.train_docs,
+        "held_out_docs": corpus.held_out_docs,
+        "seq_len": corpus.train.shape[1],
+    }

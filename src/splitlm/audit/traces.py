@@ -48,8 +48,15 @@ class Trace:
 class TracingSession(LocalSession):
     """A `StepSession` over the whole model recording what the cloud sees (`trace.steps`)."""
 
-    def __init__(self, model: Transformer, layers: set[int], trace: Trace, c0_s: float = 0.02, c1_s: float = 0.005,
-                 rtt_s: float = 0.08):
+    def __init__(
+        self,
+        model: Transformer,
+        layers: set[int],
+        trace: Trace,
+        c0_s: float = 0.02,
+        c1_s: float = 0.005,
+        rtt_s: float = 0.08,
+    ):
         super().__init__(model)
         self.trace = trace
         self.c0_s, self.c1_s, self.rtt_s = c0_s, c1_s, rtt_s
@@ -59,6 +66,7 @@ class TracingSession(LocalSession):
     def _hook(self, i: int):
         def hook(_module, _args, output):
             self._hidden[i] = output[0].detach().float().clone()  # [T, D]
+
         return hook
 
     def close(self) -> None:
@@ -69,27 +77,52 @@ class TracingSession(LocalSession):
         super().settle(keep)
         self.trace.steps[-1].keep = None if keep is None else list(keep)
 
-    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False) -> StepResult:
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        rows: list[int] | None = None,
+        argmax: bool = False,
+    ) -> StepResult:
         super().settle(keep)  # before the positions: they follow the kept entries
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         logits = super().forward(ids, positions, mask).out  # [T, V], every row: the trace keeps each one's argmax
         out = logits.argmax(-1)
-        self.trace.steps.append(Step(list(ids), list(positions), None if mask is None else mask.clone(), out.tolist(),
-                                     dict(self._hidden), prefill=not self.trace.steps))
+        self.trace.steps.append(
+            Step(
+                list(ids),
+                list(positions),
+                None if mask is None else mask.clone(),
+                out.tolist(),
+                dict(self._hidden),
+                prefill=not self.trace.steps,
+            )
+        )
         logits = logits if rows is None else logits[rows]
-        return StepResult(logits.argmax(-1) if argmax else logits, len(ids), self.rtt_s, self.c0_s + self.c1_s * len(ids))
+        return StepResult(
+            logits.argmax(-1) if argmax else logits, len(ids), self.rtt_s, self.c0_s + self.c1_s * len(ids)
+        )
 
 
-def trace_generation(model: Transformer, prompt: list[int], label: str, layers: set[int], max_new_tokens: int = 32,
-                     spec: str = "ngram") -> Trace:
+def trace_generation(
+    model: Transformer, prompt: list[int], label: str, layers: set[int], max_new_tokens: int = 32, spec: str = "ngram"
+) -> Trace:
     """Greedy speculative decoding of `prompt` (drafter `spec`), recorded."""
     trace = Trace(label, list(prompt))
     session = TracingSession(model, layers, trace)
     try:
-        for new in speculative_decode(session, list(prompt), max_new_tokens, set(model.cfg.eos_token_ids),
-                                      make_drafter(SpecConfig(mode=spec)), StepBudget(), SpecStats()):
+        for new in speculative_decode(
+            session,
+            list(prompt),
+            max_new_tokens,
+            set(model.cfg.eos_token_ids),
+            make_drafter(SpecConfig(mode=spec)),
+            StepBudget(),
+            SpecStats(),
+        ):
             trace.generated.extend(new)
     finally:
         session.close()

@@ -28,8 +28,14 @@ class SplitView:
     `private_head` / `private_tail`: the edge's own (hardened) layers in place of the public ones;
     `public_head` / `public_tail` stay what anyone with the public weights can run."""
 
-    def __init__(self, model: Transformer, head: int, tail: int, private_head: LayerStack | None = None,
-                 private_tail: LayerStack | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        head: int,
+        tail: int,
+        private_head: LayerStack | None = None,
+        private_tail: LayerStack | None = None,
+    ):
         n = model.cfg.num_layers
         self.model, self.k, self.tail_layers = model, head, tail
         self.public_head = sub_stack(model, 0, head)
@@ -56,7 +62,7 @@ class SplitView:
 def batched(fn, x: torch.Tensor, batch: int = 16) -> torch.Tensor:
     """fn over the first dimension of x in batches, without gradients."""
     with torch.no_grad():
-        return torch.cat([fn(x[i:i + batch]) for i in range(0, x.shape[0], batch)])
+        return torch.cat([fn(x[i : i + batch]) for i in range(0, x.shape[0], batch)])
 
 
 def quality(view: SplitView, down: torch.Tensor, ids: torch.Tensor, ref_argmax: torch.Tensor) -> dict[str, float]:
@@ -64,8 +70,8 @@ def quality(view: SplitView, down: torch.Tensor, ids: torch.Tensor, ref_argmax: 
     agree, nll, n = 0, 0.0, 0
     with torch.no_grad():
         for i in range(0, ids.shape[0], 16):
-            logits = view.logits(down[i:i + 16]).float()  # [b, S, V]
-            agree += int((logits.argmax(-1) == ref_argmax[i:i + 16]).sum())
-            nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[i:i + 16, 1:].flatten(), reduction="sum"))
-            n += ids[i:i + 16, 1:].numel()
+            logits = view.logits(down[i : i + 16]).float()  # [b, S, V]
+            agree += int((logits.argmax(-1) == ref_argmax[i : i + 16]).sum())
+            nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[i : i + 16, 1:].flatten(), reduction="sum"))
+            n += ids[i : i + 16, 1:].numel()
     return {"agreement": agree / ref_argmax.numel(), "ppl": math.exp(nll / n)}

@@ -91,8 +91,10 @@ def resolve_shards(config: CapacityConfig) -> Shards:
     from splitlm.bench.loadtest import LoadConfig, shard_dirs
 
     if config.shape and config.edge:
-        raise SplitLMError("--shape makes the target from a random checkpoint: name the edge whose steps are "
-                           "replayed with --trace-edge, not --edge")
+        raise SplitLMError(
+            "--shape makes the target from a random checkpoint: name the edge whose steps are "
+            "replayed with --trace-edge, not --edge"
+        )
     model = synthetic_checkpoint(config) if config.shape else config.model
     shards = Shards(*shard_dirs(LoadConfig(edge=config.edge, model=model, head=config.head, tail=config.tail)))
     if config.trace:
@@ -154,10 +156,15 @@ def wan_process(port: int, rtt_ms: float):
 
     listen = free_port()
     # `splitlm wan`'s machinery without the CLI's imports (torch): the emulator alone, started in a blink
-    code = ("import asyncio, sys; from splitlm.bench.wan import WanConfig, run_wan; "
-            "asyncio.run(run_wan(sys.argv[1], sys.argv[2], WanConfig(float(sys.argv[3]), seed=0)))")
-    proc = subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", str(rtt_ms)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import asyncio, sys; from splitlm.bench.wan import WanConfig, run_wan; "
+        "asyncio.run(run_wan(sys.argv[1], sys.argv[2], WanConfig(float(sys.argv[3]), seed=0)))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, f"127.0.0.1:{listen}", f"127.0.0.1:{port}", str(rtt_ms)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -190,16 +197,23 @@ def obtain_trace(config: CapacityConfig, shards: Shards) -> tuple[Trace, str]:
     fingerprint, _, vocab, _ = model_facts(shards.trace_edge)
     spec = as_spec(config.spec)
     prompts = prompt_ids(shards.trace_edge, config.prompts, vocab)
-    path = cached_trace_path(trace_key(fingerprint, spec_label(spec), prompts_digest(prompts), config.rtt_ms,
-                                       config.max_new_tokens, "fp32"))
+    path = cached_trace_path(
+        trace_key(fingerprint, spec_label(spec), prompts_digest(prompts), config.rtt_ms, config.max_new_tokens, "fp32")
+    )
     if path.is_file():
         log.info("[capacity] replaying the cached trace %s", path)
         return Trace.load(path), str(path)
-    log.info("[capacity] recording the step trace of %d prompts at %g ms (once; cached in %s)", len(prompts),
-             config.rtt_ms, path)
-    with cloud_process(shards.trace_cloud, "cpu", "fp32", ["--prefill-chunk", str(config.prefill_chunk)]) as port, \
-            behind_wan(port, config.rtt_ms) as url, \
-            Edge(shards.trace_edge, url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge:
+    log.info(
+        "[capacity] recording the step trace of %d prompts at %g ms (once; cached in %s)",
+        len(prompts),
+        config.rtt_ms,
+        path,
+    )
+    with (
+        cloud_process(shards.trace_cloud, "cpu", "fp32", ["--prefill-chunk", str(config.prefill_chunk)]) as port,
+        behind_wan(port, config.rtt_ms) as url,
+        Edge(shards.trace_edge, url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge,
+    ):
         trace = record_trace(edge, prompts, spec, config.max_new_tokens, config.rtt_ms)
     trace.save(path)
     return trace, str(path)
@@ -207,14 +221,23 @@ def obtain_trace(config: CapacityConfig, shards: Shards) -> tuple[Trace, str]:
 
 def cloud_args(config: CapacityConfig, side: str) -> list[str]:
     n = max(config.sessions) + 2  # every virtual edge has the same client key
-    return ["--max-batch", str(config.max_batch if side == "batched" else 1), "--prefill-chunk",
-            str(config.prefill_chunk), "--max-sessions-per-client", str(n), "--max-sessions", str(max(64, n))]
+    return [
+        "--max-batch",
+        str(config.max_batch if side == "batched" else 1),
+        "--prefill-chunk",
+        str(config.prefill_chunk),
+        "--max-sessions-per-client",
+        str(n),
+        "--max-sessions",
+        str(max(64, n)),
+    ]
 
 
 @dataclass
 class Cloud:
     """One cloud of the curve: its probe, the URL the virtual edges use (its WAN emulator's) and that
     emulator's process id (None: no emulator)."""
+
     side: str
     probe: CloudProbe
     url: str
@@ -230,6 +253,7 @@ class Cloud:
 @dataclass
 class Window:
     """The measured window of one point: its bounds and the CPU seconds spent in it."""
+
     before: Snapshot
     after: Snapshot
     client_cpu_s: float = 0.0  # this process: the virtual edges
@@ -259,8 +283,9 @@ def replaying(cloud: Cloud, target: Target, trace: Trace, n: int):
     from splitlm.bench.virtual import Target, join_edges, start_edges
 
     stop = threading.Event()
-    replay = Replay(start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split),
-                                trace, n, stop), stop)
+    replay = Replay(
+        start_edges(Target(cloud.url, target.fingerprint, target.hidden_size, target.split), trace, n, stop), stop
+    )
     try:
         yield replay
     finally:
@@ -289,11 +314,13 @@ def run_point(cloud: Cloud, target: Target, trace: Trace, n: int, config: Capaci
         window.client_cpu_s, window.wan_cpu_s = own_cpu_seconds() - cpu0, cloud.wan_cpu_s() - wan0
     result = point_figures(replay.edges, window)
     result["stuck_edges"] = replay.stuck
-    log.info(f"[capacity] {n:>3} sessions {cloud.side:>9}: {result['aggregate_tok_s']} tok/s, step p50 "
-             f"{result['step_latency_ms']['p50']} ms p99 {result['step_latency_ms']['p99']} ms, "
-             f"{result['rows_per_pass']} rows / pass, pass ms begin/layers/finish "
-             f"{'/'.join(str(v) for v in result['pass_phase_ms_mean'].values())}, errors {result['errors']}, "
-             f"client CPU {result['client_cpu_share']}")
+    log.info(
+        f"[capacity] {n:>3} sessions {cloud.side:>9}: {result['aggregate_tok_s']} tok/s, step p50 "
+        f"{result['step_latency_ms']['p50']} ms p99 {result['step_latency_ms']['p99']} ms, "
+        f"{result['rows_per_pass']} rows / pass, pass ms begin/layers/finish "
+        f"{'/'.join(str(v) for v in result['pass_phase_ms_mean'].values())}, errors {result['errors']}, "
+        f"client CPU {result['client_cpu_share']}"
+    )
     return result
 
 
@@ -307,8 +334,9 @@ def started_clouds(config: CapacityConfig, shards: Shards):
         clouds = []
         for side in SIDES:
             args = cloud_args(config, side)
-            port = stack.enter_context(cloud_process(shards.cloud, config.cloud_device, config.cloud_dtype, args,
-                                                     timeout_s=600.0))
+            port = stack.enter_context(
+                cloud_process(shards.cloud, config.cloud_device, config.cloud_dtype, args, timeout_s=600.0)
+            )
             url, wan_pid = f"ws://127.0.0.1:{port}", None
             if config.rtt_ms > 0:
                 url, wan_pid = stack.enter_context(wan_process(port, config.rtt_ms))
@@ -350,8 +378,10 @@ def run_capacity(config: CapacityConfig) -> dict:
             for cloud in clouds:
                 warm(cloud, target, trace, max(config.sessions), config.warmup_s)
             cpu0 = run_cpu(clouds)
-            curve = [{"sessions": n, **{c.side: run_point(c, target, trace, n, config) for c in clouds}}
-                     for n in config.sessions]
+            curve = [
+                {"sessions": n, **{c.side: run_point(c, target, trace, n, config) for c in clouds}}
+                for n in config.sessions
+            ]
             cpu = tuple(b - a for a, b in zip(cpu0, run_cpu(clouds), strict=True))
             args = {c.side: c.args for c in clouds}
     finally:

@@ -51,6 +51,7 @@ def scrape(port: int, timeout_s: float = 10.0) -> dict[str, float]:
 @dataclass
 class Snapshot:
     """A cloud's metrics, CPU seconds and RSS at one moment."""
+
     at: float  # perf_counter()
     metrics: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0  # user + system, the process and its children

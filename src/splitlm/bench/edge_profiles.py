@@ -35,8 +35,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-PROFILES = {"torch-fp32": ("cpu", "fp32"), "torch-bf16": ("cpu", "bf16"), "onnx-fp32": ("onnx", "auto"),
-            "onnx-int8": ("onnx:int8", "auto")}
+PROFILES = {
+    "torch-fp32": ("cpu", "fp32"),
+    "torch-bf16": ("cpu", "bf16"),
+    "onnx-fp32": ("onnx", "auto"),
+    "onnx-int8": ("onnx:int8", "auto"),
+}
 CONTEXT, TREE, REPS = 256, 16, 7
 MiB = 2**20
 
@@ -97,29 +101,58 @@ def _child() -> None:
                 logits = session.forward(ids + cont[:-1]).out  # [T, V], one round trip
             finally:
                 session.close()
-            predicted = logits[len(ids) - 1:].argmax(-1).tolist()
+            predicted = logits[len(ids) - 1 :].argmax(-1).tolist()
             hits += sum(a == b for a, b in zip(predicted, cont, strict=True))
             total += len(cont)
         out.update(
             teacher_forced={"hits": hits, "total": total, "agreement": round(hits / total, 4)},
             edge_compute_per_round_trip_ms={m: round(1000 * s / max(1, n), 2) for m, (s, n) in edge_s.items()},
-            step_ms={"decode_1": round(1000 * step_seconds(edge.model, edge.cfg, 1), 2),
-                     f"tree_{TREE}": round(1000 * step_seconds(edge.model, edge.cfg, TREE), 2)})
+            step_ms={
+                "decode_1": round(1000 * step_seconds(edge.model, edge.cfg, 1), 2),
+                f"tree_{TREE}": round(1000 * step_seconds(edge.model, edge.cfg, TREE), 2),
+            },
+        )
     peak = peak_rss_bytes()
-    out.update(peak_rss_mb=round(peak / MiB, 1), baseline_rss_mb=round(baseline / MiB, 1),
-               loaded_rss_mb=round(loaded / MiB, 1), added_peak_mb=round((peak - baseline) / MiB, 1))
+    out.update(
+        peak_rss_mb=round(peak / MiB, 1),
+        baseline_rss_mb=round(baseline / MiB, 1),
+        loaded_rss_mb=round(loaded / MiB, 1),
+        added_peak_mb=round((peak - baseline) / MiB, 1),
+    )
     sys.stdout.write(json.dumps(out) + "\n")  # the child's result: one JSON line that run_profile reads
 
 
-def run_profile(name: str, edge_dir: Path, url: str, prompts: list[dict], max_new_tokens: int, threads: int,
-                reference: list[list[int]] | None, timeout_s: float = 1800) -> dict:
+def run_profile(
+    name: str,
+    edge_dir: Path,
+    url: str,
+    prompts: list[dict],
+    max_new_tokens: int,
+    threads: int,
+    reference: list[list[int]] | None,
+    timeout_s: float = 1800,
+) -> dict:
     device, dtype = PROFILES[name]
-    spec = {"edge_dir": str(edge_dir), "cloud_url": url, "device": device, "dtype": dtype, "prompts": prompts,
-            "max_new_tokens": max_new_tokens, "threads": threads, "reference": reference}
+    spec = {
+        "edge_dir": str(edge_dir),
+        "cloud_url": url,
+        "device": device,
+        "dtype": dtype,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "reference": reference,
+    }
     env = {**os.environ, "SPLITLM_ONNX_THREADS": str(threads)}
     try:
-        proc = subprocess.run([sys.executable, "-m", "splitlm.bench.edge_profiles"], input=json.dumps(spec),
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "splitlm.bench.edge_profiles"],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"profile {name} timed out after {timeout_s:.0f} s"}
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -161,28 +194,46 @@ def edge_profiles_doc(split_dir: Path, prompts: list[dict], max_new_tokens: int,
             continue
         for mode in ("none", "auto"):
             row[f"identical_{mode}"] = row[f"tokens_{mode}"] == ref[f"tokens_{mode}"]
-            row[f"same_tokens_{mode}"] = round(sum(a == b for x, y in zip(row[f"tokens_{mode}"], ref[f"tokens_{mode}"],
-                                                                          strict=True)
-                                                 for a, b in zip(x, y, strict=True)) / sum(map(len, ref[f"tokens_{mode}"])), 4)
+            row[f"same_tokens_{mode}"] = round(
+                sum(
+                    a == b
+                    for x, y in zip(row[f"tokens_{mode}"], ref[f"tokens_{mode}"], strict=True)
+                    for a, b in zip(x, y, strict=True)
+                )
+                / sum(map(len, ref[f"tokens_{mode}"])),
+                4,
+            )
         row["weights_on_disk_mb"] = round(sizes[name[5:]] / MiB, 1) if name.startswith("onnx") else None
-    return {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "split": str(split_dir),
-            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "threads": threads,
-            "onnx_export_s": round(export_s, 1), "context_tokens": CONTEXT, "tree_tokens": TREE,
-            "reference": "torch-fp32 greedy (spec none); teacher-forced agreement is against it",
-            "profiles": rows}
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "split": str(split_dir),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "onnx_export_s": round(export_s, 1),
+        "context_tokens": CONTEXT,
+        "tree_tokens": TREE,
+        "reference": "torch-fp32 greedy (spec none); teacher-forced agreement is against it",
+        "profiles": rows,
+    }
 
 
 def markdown(doc: dict) -> str:
-    lines = ["| profile | peak RSS MiB | added MiB | decode step ms | 16-token tree ms | edge ms / round trip "
-             "(none, auto) | teacher-forced agreement | identical (none, auto) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| profile | peak RSS MiB | added MiB | decode step ms | 16-token tree ms | edge ms / round trip "
+        "(none, auto) | teacher-forced agreement | identical (none, auto) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in doc["profiles"].items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} | | | | | | |")
             continue
         e = r["edge_compute_per_round_trip_ms"]
-        lines.append(f"| {name} | {r['peak_rss_mb']:.0f} | {r['added_peak_mb']:.0f} | {r['step_ms']['decode_1']:.1f} | "
-                     f"{r['step_ms'][f'tree_{TREE}']:.1f} | {e['none']:.1f}, {e['auto']:.1f} | "
-                     f"{r['teacher_forced']['agreement']:.4f} | {r.get('identical_none')}, {r.get('identical_auto')} |")
+        lines.append(
+            f"| {name} | {r['peak_rss_mb']:.0f} | {r['added_peak_mb']:.0f} | {r['step_ms']['decode_1']:.1f} | "
+            f"{r['step_ms'][f'tree_{TREE}']:.1f} | {e['none']:.1f}, {e['auto']:.1f} | "
+            f"{r['teacher_forced']['agreement']:.4f} | {r.get('identical_none')}, {r.get('identical_auto')} |"
+        )
     return "\n".join(lines)
 
 

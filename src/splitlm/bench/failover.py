@@ -40,9 +40,11 @@ SEEDED = SamplingConfig(temperature=0.8, seed=11)
 
 def cases_for(spec: str) -> list[tuple[str, SpecConfig, SamplingConfig | None]]:
     """(name, spec, sampling): greedy and seeded sampling with `spec`, and `spec` pipelined."""
-    return [(f"greedy {spec}", SpecConfig(spec), None),
-            (f"seeded {spec}", SpecConfig(spec), SEEDED),
-            (f"greedy {spec} pipelined", SpecConfig(spec, pipeline=True), None)]
+    return [
+        (f"greedy {spec}", SpecConfig(spec), None),
+        (f"seeded {spec}", SpecConfig(spec), SEEDED),
+        (f"greedy {spec} pipelined", SpecConfig(spec, pipeline=True), None),
+    ]
 
 
 @dataclass
@@ -108,8 +110,18 @@ def _summary(runs: list[FaultRun]) -> dict:
     }
 
 
-def fault_runs(edge, rig: Rig, prompt: str | list[int], cuts: int, kills: int, cases, max_new_tokens: int = 32,
-               repeats: int = 2, seed: int = 0, chat: bool = False) -> dict:
+def fault_runs(
+    edge,
+    rig: Rig,
+    prompt: str | list[int],
+    cuts: int,
+    kills: int,
+    cases,
+    max_new_tokens: int = 32,
+    repeats: int = 2,
+    seed: int = 0,
+    chat: bool = False,
+) -> dict:
     """`cuts` runs with a link cut and `kills` runs with the cloud killed, cycling through `cases`
     (name, spec, sampling), each against `repeats` undisturbed runs of its case. Returns a report."""
     rng = random.Random(seed)
@@ -153,11 +165,31 @@ def fault_runs(edge, rig: Rig, prompt: str | list[int], cuts: int, kills: int, c
         s = r.stats
         step = (wall - s.failover_stall_s) / max(1, s.round_trips - s.failovers)  # the other steps' mean
         lost = s.failover_stall_s - s.failovers * step
-        out.append(FaultRun(fault, name, round(at, 4), r.token_ids == ids, s.failovers, round(s.failover_s, 4),
-                            round(s.failover_stall_s, 4), round(wall, 4), round(lost, 4)))
-        log.info("run %d (%s, %s at %.2f s): %s, %d failover(s), %.3f s lost (undisturbed %.2f s, this one %.2f s)",
-                 n, name, fault, at, "identical" if out[-1].identical else "DIFFERENT", s.failovers, lost,
-                 wall_ref, wall)
+        out.append(
+            FaultRun(
+                fault,
+                name,
+                round(at, 4),
+                r.token_ids == ids,
+                s.failovers,
+                round(s.failover_s, 4),
+                round(s.failover_stall_s, 4),
+                round(wall, 4),
+                round(lost, 4),
+            )
+        )
+        log.info(
+            "run %d (%s, %s at %.2f s): %s, %d failover(s), %.3f s lost (undisturbed %.2f s, this one %.2f s)",
+            n,
+            name,
+            fault,
+            at,
+            "identical" if out[-1].identical else "DIFFERENT",
+            s.failovers,
+            lost,
+            wall_ref,
+            wall,
+        )
     return {
         "runs": [asdict(r) for r in out],
         **{fault: _summary([r for r in out if r.fault == fault]) for fault in FAULTS},
@@ -192,18 +224,41 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for cloud in clouds:
                 cloud.start()
-            with WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=args.rtt_ms, seed=1)) as wan0, \
-                    WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=args.rtt_ms, seed=2)) as wan1:
+            with (
+                WanEmulator(("127.0.0.1", clouds[0].port), WanConfig(rtt_ms=args.rtt_ms, seed=1)) as wan0,
+                WanEmulator(("127.0.0.1", clouds[1].port), WanConfig(rtt_ms=args.rtt_ms, seed=2)) as wan1,
+            ):
                 rig = Rig(clouds, [wan0, wan1])
-                with Edge(split / "edge", rig.urls, wire_dtype=args.wire_dtype, device="cpu",
-                          ping_interval_s=args.ping_interval) as edge:
-                    report = fault_runs(edge, rig, args.prompt, args.cuts, args.kills, cases_for(args.spec),
-                                        args.max_new_tokens, repeats=args.repeats, chat=True)
+                with Edge(
+                    split / "edge",
+                    rig.urls,
+                    wire_dtype=args.wire_dtype,
+                    device="cpu",
+                    ping_interval_s=args.ping_interval,
+                ) as edge:
+                    report = fault_runs(
+                        edge,
+                        rig,
+                        args.prompt,
+                        args.cuts,
+                        args.kills,
+                        cases_for(args.spec),
+                        args.max_new_tokens,
+                        repeats=args.repeats,
+                        chat=True,
+                    )
         finally:
             for cloud in clouds:
                 cloud.stop()
-    report.update(model=args.model, rtt_ms=args.rtt_ms, spec=args.spec, wire_dtype=args.wire_dtype,
-                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    report.update(
+        model=args.model,
+        rtt_ms=args.rtt_ms,
+        spec=args.spec,
+        wire_dtype=args.wire_dtype,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     if args.out:  # out/NAME.json, NAME from --out (unstamped: a fixed name the docs cite)
         write_result(args.out.parent, args.out.stem, report)
     log.info("%s", json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))

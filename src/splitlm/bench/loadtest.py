@@ -109,8 +109,9 @@ class Countdown:
                 self.event.set()
 
 
-def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None,
-           after_steps: Countdown | None = None) -> None:
+def decode(
+    edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=None, after_steps: Countdown | None = None
+) -> None:
     """One session's generation, timing each decoding step; errors are recorded, not raised.
     `after_steps`: arrived at after STEPS_BEFORE_PREFILL decoding steps (or at the end)."""
     if barrier is not None:
@@ -141,8 +142,10 @@ def decode(edge, ids: list[int], max_new: int, spec, run: SessionRun, barrier=No
 def concurrently(edge, prompts: list[list[int]], max_new: int, spec) -> list[SessionRun]:
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
-    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier), daemon=True)
-               for p, r in zip(prompts, runs, strict=True)]
+    threads = [
+        threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier), daemon=True)
+        for p, r in zip(prompts, runs, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -160,15 +163,20 @@ def steady(runs: list[SessionRun], reference: list[list[int]]) -> dict:
     tokens = sum(len(r.tokens) for r in runs)
     per_session = [len(r.tokens) / (r.end - r.start) for r in runs if r.end > r.start and r.tokens]
     identical = sum(r.tokens == ref for r, ref in zip(runs, reference, strict=True))
-    return {"sessions": len(runs), "tokens": tokens, "wall_s": round(wall, 3),
-            "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None,
-            "per_session_tok_s": round(sum(per_session) / len(per_session), 2) if per_session else None,
-            "per_session_tok_s_min": round(min(per_session), 2) if per_session else None,
-            "step_latency_ms": quantiles(lat, 1000), "steps": len(lat),
-            "ttft_s": quantiles([r.first - r.start for r in runs if r.first], 1, 3),
-            "errors": sum(r.error is not None for r in runs),
-            "error_messages": sorted({r.error for r in runs if r.error})[:5],
-            "identical_outputs": identical}
+    return {
+        "sessions": len(runs),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "aggregate_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+        "per_session_tok_s": round(sum(per_session) / len(per_session), 2) if per_session else None,
+        "per_session_tok_s_min": round(min(per_session), 2) if per_session else None,
+        "step_latency_ms": quantiles(lat, 1000),
+        "steps": len(lat),
+        "ttft_s": quantiles([r.first - r.start for r in runs if r.first], 1, 3),
+        "errors": sum(r.error is not None for r in runs),
+        "error_messages": sorted({r.error for r in runs if r.error})[:5],
+        "identical_outputs": identical,
+    }
 
 
 def ms(x: float | None) -> float | None:
@@ -183,8 +191,10 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
     ready = Countdown(len(prompts))
-    threads = [threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
-               for p, r in zip(prompts, runs, strict=True)]
+    threads = [
+        threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
+        for p, r in zip(prompts, runs, strict=True)
+    ]
     for t in threads:
         t.start()
     prefill = SessionRun()
@@ -199,13 +209,20 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
     during = [b - a for r in runs for a, b in r.steps if b > p0 and a < p1]
     worst, typical = (max(during) if during else None), percentile(before, 50)
     chunk_ms = alone.cloud_compute_s * 1000 if alone.error is None else None
-    return {"prefill_tokens": len(long_prompt), "prefill_s": round(p1 - p0, 3), "prefill_error": prefill.error,
-            "chunk_tokens": min(chunk, len(long_prompt)), "chunk_compute_ms": round(chunk_ms, 1) if chunk_ms else None,
-            "decode_p50_before_ms": ms(typical), "decode_p50_during_ms": ms(percentile(during, 50)),
-            "decode_max_during_ms": ms(worst), "steps_during": len(during),
-            "max_delay_ms": ms(worst - typical) if worst is not None and typical is not None else None,
-            "max_delay_chunks": round((worst - typical) * 1000 / chunk_ms, 2) if chunk_ms and during and typical else None,
-            "errors": sum(r.error is not None for r in runs)}
+    return {
+        "prefill_tokens": len(long_prompt),
+        "prefill_s": round(p1 - p0, 3),
+        "prefill_error": prefill.error,
+        "chunk_tokens": min(chunk, len(long_prompt)),
+        "chunk_compute_ms": round(chunk_ms, 1) if chunk_ms else None,
+        "decode_p50_before_ms": ms(typical),
+        "decode_p50_during_ms": ms(percentile(during, 50)),
+        "decode_max_during_ms": ms(worst),
+        "steps_during": len(during),
+        "max_delay_ms": ms(worst - typical) if worst is not None and typical is not None else None,
+        "max_delay_chunks": round((worst - typical) * 1000 / chunk_ms, 2) if chunk_ms and during and typical else None,
+        "errors": sum(r.error is not None for r in runs),
+    }
 
 
 def long_prompt_ids(tokenizer, n: int, vocab_size: int) -> list[int]:
@@ -232,8 +249,15 @@ def cloud_url(cloud_dir: Path, extra: list[str] | None, url: str):
         yield f"ws://127.0.0.1:{port}"
 
 
-def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompts: list[list[int]],
-               reference: list[list[int]], spec) -> dict:
+def run_config(
+    name: str,
+    cloud: str,
+    edge_dir: Path,
+    config: LoadConfig,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    spec,
+) -> dict:
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.edge import Edge
 
@@ -242,19 +266,23 @@ def run_config(name: str, cloud: str, edge_dir: Path, config: LoadConfig, prompt
         url = cloud
         if config.rtt_ms > 0:
             host, _, port = cloud.split("://", 1)[1].rstrip("/").rpartition(":")
-            wan = stack.enter_context(WanEmulator(upstream=(host.strip("[]"), int(port)),
-                                                  config=WanConfig(config.rtt_ms, seed=0)))
+            wan = stack.enter_context(
+                WanEmulator(upstream=(host.strip("[]"), int(port)), config=WanConfig(config.rtt_ms, seed=0))
+            )
             url = wan.url_for("ws")
         edge = stack.enter_context(Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
         concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
         result = {"name": name, **steady(concurrently(edge, prompts, config.max_new_tokens, spec), reference)}
         if config.prefill_tokens:
             long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
-            result["prefill_interference"] = interference(edge, prompts[:-1] or prompts, long,
-                                                          config.max_new_tokens, spec, config.prefill_chunk)
+            result["prefill_interference"] = interference(
+                edge, prompts[:-1] or prompts, long, config.max_new_tokens, spec, config.prefill_chunk
+            )
     lat = result["step_latency_ms"]
-    log.info(f"[loadtest] {name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
-             f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}")
+    log.info(
+        f"[loadtest] {name}: {result['aggregate_tok_s']} tok/s, step p50 {lat['p50']} ms, p99 {lat['p99']} ms, "
+        f"identical {result['identical_outputs']}/{result['sessions']}, errors {result['errors']}"
+    )
     return result
 
 
@@ -283,8 +311,9 @@ def shard_dirs(config: LoadConfig) -> tuple[Path, Path]:
         if not (edge_dir / "manifest.json").is_file():
             raise SplitLMError(f"--edge {edge_dir}: not an edge shard (no manifest.json)")
     else:
-        split_dir, _ = resolve_split(BenchConfig(model=config.model, head=config.head, tail=config.tail),
-                                     resolve_model(config.model))
+        split_dir, _ = resolve_split(
+            BenchConfig(model=config.model, head=config.head, tail=config.tail), resolve_model(config.model)
+        )
         edge_dir, cloud_dir = split_dir / "edge", split_dir / "cloud"
     if not config.cloud and not (cloud_dir / "manifest.json").is_file():
         raise SplitLMError(f"no cloud shard in {cloud_dir}: pass --cloud URL to use a running cloud")
@@ -296,8 +325,14 @@ def cloud_configs(config: LoadConfig) -> tuple[list[str], list[tuple[str, list[s
     None = the running `--cloud`))."""
     # one client key for all sessions (they share an Edge): lift the per-client session limit
     n = config.sessions + 2
-    chunk = ["--prefill-chunk", str(config.prefill_chunk), "--max-sessions-per-client", str(n),
-             "--max-sessions", str(max(64, n))]
+    chunk = [
+        "--prefill-chunk",
+        str(config.prefill_chunk),
+        "--max-sessions-per-client",
+        str(n),
+        "--max-sessions",
+        str(max(64, n)),
+    ]
     baseline = ["--max-batch", "1", *chunk]
     batched = ["--max-batch", str(config.max_batch), *chunk]
     if config.cloud:
@@ -336,12 +371,19 @@ def references(edge, prompts: list[list[int]], config: LoadConfig, spec) -> list
 def loadtest_doc(config: LoadConfig, started: float, results: list[dict]) -> dict:
     """The result document: the first configuration's figures at the top, every configuration's in
     `configurations`, and their ratio."""
-    doc = {"schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
-           "config": asdict(config), "cpu_count": os.cpu_count(),
-           "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
-           "threads": {"cloud": "serve-cloud --threads 1", "edges": "one thread per session in this process, "
-                       "torch on 1 thread"},
-           **{k: v for k, v in results[0].items() if k != "name"}, "configurations": results}
+    doc = {
+        "schema": SCHEMA,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
+        "config": asdict(config),
+        "cpu_count": os.cpu_count(),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "threads": {
+            "cloud": "serve-cloud --threads 1",
+            "edges": "one thread per session in this process, torch on 1 thread",
+        },
+        **{k: v for k, v in results[0].items() if k != "name"},
+        "configurations": results,
+    }
     if len(results) == 2 and results[0]["aggregate_tok_s"] and results[1]["aggregate_tok_s"]:
         first, second = results[0]["aggregate_tok_s"], results[1]["aggregate_tok_s"]
         if config.ray_replicas:
@@ -360,16 +402,17 @@ def _run(config: LoadConfig) -> dict:
     prompt_set = load_prompts(config.prompts or default_prompts_path())
     edge_dir, cloud_dir = shard_dirs(config)
     baseline, configs = cloud_configs(config)
-    with cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url, \
-            Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge:
+    with (
+        cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url,
+        Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge,
+    ):
         prompts = session_prompts(edge, prompt_set, config.sessions)
         reference = references(edge, prompts, config, spec)
     started = time.time()
     results = []
     for name, extra in track(configs, "loadtest", unit="cloud"):
         with cloud_url(cloud_dir, extra, config.cloud) as url:
-            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec),
-                            "cloud_args": extra})
+            results.append({**run_config(name, url, edge_dir, config, prompts, reference, spec), "cloud_args": extra})
     return loadtest_doc(config, started, results)
 
 
@@ -379,22 +422,32 @@ def write_results(doc: dict, out: str | Path) -> list[Path]:
 
 
 def markdown(doc: dict) -> str:
-    lines = ["| cloud | sessions | tok/s | per session | TTFT p50 s | step p50 / p95 / p99 ms | errors | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cloud | sessions | tok/s | per session | TTFT p50 s | step p50 / p95 / p99 ms | errors | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["configurations"]:
         lat = r["step_latency_ms"]
-        lines.append(f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['per_session_tok_s']} | "
-                     f"{r['ttft_s']['p50']} | {lat['p50']} / {lat['p95']} / {lat['p99']} | {r['errors']} | "
-                     f"{r['identical_outputs']}/{r['sessions']} |")
+        lines.append(
+            f"| {r['name']} | {r['sessions']} | {r['aggregate_tok_s']} | {r['per_session_tok_s']} | "
+            f"{r['ttft_s']['p50']} | {lat['p50']} / {lat['p95']} / {lat['p99']} | {r['errors']} | "
+            f"{r['identical_outputs']}/{r['sessions']} |"
+        )
     if any("prefill_interference" in r for r in doc["configurations"]):
-        lines += ["", "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during | max during | "
-                      "max delay ms | one chunk's compute ms | delay in chunks |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| cloud | prefill tokens | prefill s | decode p50 before ms | p50 during | max during | "
+            "max delay ms | one chunk's compute ms | delay in chunks |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in doc["configurations"]:
             p = r.get("prefill_interference")
             if p:
-                lines.append(f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
-                             f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |"
-                             f" {p['chunk_compute_ms']} ({p['chunk_tokens']} tokens) | {p['max_delay_chunks']} |")
+                lines.append(
+                    f"| {r['name']} | {p['prefill_tokens']} | {p['prefill_s']} | {p['decode_p50_before_ms']} |"
+                    f" {p['decode_p50_during_ms']} | {p['decode_max_during_ms']} | {p['max_delay_ms']} |"
+                    f" {p['chunk_compute_ms']} ({p['chunk_tokens']} tokens) | {p['max_delay_chunks']} |"
+                )
     if "speedup" in doc:
         lines += ["", f"aggregate tok/s batched / max-batch 1: {doc['speedup']}x"]
     if "ray_vs_single_process" in doc:

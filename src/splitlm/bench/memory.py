@@ -45,16 +45,40 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def probe_memory(mode: str, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
-                 wire_dtype: str, prompt_ids: list[int], max_new_tokens: int, timeout_s: float = 300,
-                 vocab: str = "all", device: str = "auto", dtype: str = "auto") -> dict:
+def probe_memory(
+    mode: str,
+    model_dir: str | Path,
+    edge_dir: str | Path,
+    cloud_url: str | None,
+    wire_dtype: str,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    timeout_s: float = 300,
+    vocab: str = "all",
+    device: str = "auto",
+    dtype: str = "auto",
+) -> dict:
     """Run `mode` once in a child process; returns its memory figures (MiB) or {"error": ...}."""
-    spec = {"mode": mode, "model_dir": str(model_dir), "edge_dir": str(edge_dir), "cloud_url": cloud_url,
-            "wire_dtype": wire_dtype, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, "vocab": vocab,
-            "device": device, "dtype": dtype}
+    spec = {
+        "mode": mode,
+        "model_dir": str(model_dir),
+        "edge_dir": str(edge_dir),
+        "cloud_url": cloud_url,
+        "wire_dtype": wire_dtype,
+        "prompt_ids": prompt_ids,
+        "max_new_tokens": max_new_tokens,
+        "vocab": vocab,
+        "device": device,
+        "dtype": dtype,
+    }
     try:
-        proc = subprocess.run([sys.executable, "-m", "splitlm.bench.memory"], input=json.dumps(spec),
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-m", "splitlm.bench.memory"],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"memory probe timed out after {timeout_s:.0f} s"}
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -72,22 +96,34 @@ def _child() -> None:
 
     torch.set_num_threads(1)
     baseline = current_rss_bytes()
-    ctx = BenchContext(spec["model_dir"], spec["edge_dir"], spec["cloud_url"], spec["wire_dtype"], spec["vocab"],
-                       device=spec["device"], dtype=spec["dtype"])
+    ctx = BenchContext(
+        spec["model_dir"],
+        spec["edge_dir"],
+        spec["cloud_url"],
+        spec["wire_dtype"],
+        spec["vocab"],
+        device=spec["device"],
+        dtype=spec["dtype"],
+    )
     try:
         run = MODES[spec["mode"]].run(ctx, spec["prompt_ids"], spec["max_new_tokens"])
         weights = ctx.weight_bytes()
     finally:
         ctx.close()
     peak = peak_rss_bytes()
-    sys.stdout.write(json.dumps({  # the child's result: one JSON line that probe_memory reads
-        "peak_rss_mb": round(peak / MiB, 1),
-        "baseline_rss_mb": None if baseline is None else round(baseline / MiB, 1),
-        "added_mb": None if baseline is None else round((peak - baseline) / MiB, 1),
-        "weights_mb": round(sum(weights.values()) / MiB, 1),
-        "prompt_tokens": len(spec["prompt_ids"]),
-        "new_tokens": len(run.token_ids),
-    }) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {  # the child's result: one JSON line that probe_memory reads
+                "peak_rss_mb": round(peak / MiB, 1),
+                "baseline_rss_mb": None if baseline is None else round(baseline / MiB, 1),
+                "added_mb": None if baseline is None else round((peak - baseline) / MiB, 1),
+                "weights_mb": round(sum(weights.values()) / MiB, 1),
+                "prompt_tokens": len(spec["prompt_ids"]),
+                "new_tokens": len(run.token_ids),
+            }
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,16 @@ class BenchContext:
     `cloud_url`: where the edge connects (the WAN emulator, or the cloud itself at RTT 0).
     """
 
-    def __init__(self, model_dir: str | Path, edge_dir: str | Path, cloud_url: str | None,
-                 wire_dtype: str = "fp16", vocab: str = "all", device: str = "auto", dtype: str = "auto"):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        edge_dir: str | Path,
+        cloud_url: str | None,
+        wire_dtype: str = "fp16",
+        vocab: str = "all",
+        device: str = "auto",
+        dtype: str = "auto",
+    ):
         self.model_dir, self.edge_dir = Path(model_dir), Path(edge_dir)
         self.cloud_url, self.wire_dtype, self.vocab = cloud_url, wire_dtype, vocab
         self.device, self.dtype = device, dtype  # the edge's (the reference model runs on the CPU in fp32)
@@ -136,9 +144,15 @@ class BenchContext:
         if self.cloud_url is None:
             raise SplitLMError("this benchmark mode needs a cloud server, but none was started")
         # the bench's own cloud process runs with the default cloud identity: pin it
-        return Edge(self.edge_dir, self.cloud_url, wire_dtype=self.wire_dtype,
-                    cloud_key=default_identity("cloud").fingerprint, vocab=self.vocab, device=self.device,
-                    dtype=self.dtype)
+        return Edge(
+            self.edge_dir,
+            self.cloud_url,
+            wire_dtype=self.wire_dtype,
+            cloud_key=default_identity("cloud").fingerprint,
+            vocab=self.vocab,
+            device=self.device,
+            dtype=self.dtype,
+        )
 
     def set_cloud_url(self, url: str | None) -> None:
         """Point the edge at another address (another emulated RTT); it reconnects on next use."""
@@ -149,8 +163,14 @@ class BenchContext:
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of parameters held by what has been loaded so far."""
         loaded = {"hf": self.__dict__.get("hf"), "edge": getattr(self.__dict__.get("edge"), "model", None)}
-        return {name: m.weight_bytes() if hasattr(m, "weight_bytes") else  # (an ONNX edge: its graphs)
-                sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in loaded.items() if m is not None}
+        return {
+            name: m.weight_bytes()
+            if hasattr(m, "weight_bytes")
+            # (an ONNX edge: its graphs)
+            else sum(p.numel() * p.element_size() for p in m.parameters())
+            for name, m in loaded.items()
+            if m is not None
+        }
 
     def close(self) -> None:
         self.set_cloud_url(None)
@@ -209,25 +229,50 @@ def spec_mode(name: str, help: str, **spec) -> None:
     mode(name, network=True, help=help)(run)
 
 
-spec_mode("auto", "speculative: retrieval, recycled and head drafts merged, the tree sized from the link and "
-          "the measured cost curve", mode="auto")
-spec_mode("auto-zerocost", "auto with the cloud's per-token cost emulated as zero (a GPU cloud): trees up to 128 "
-          "nodes", mode="auto", cost="zero")
-spec_mode("auto-nowarmup", "auto without the bundled warm-up answers: retrieval and the recycled table's seed read "
-          "only the pydoc topics, the context and past outputs (what retrieval of the model's own answers adds)",
-          mode="auto", warmup=False)
-spec_mode("auto-pipelined", "auto, pipelined: the next step is drafted and sent while one is in flight",
-          mode="auto", pipeline=True)
+spec_mode(
+    "auto",
+    "speculative: retrieval, recycled and head drafts merged, the tree sized from the link and the measured cost curve",
+    mode="auto",
+)
+spec_mode(
+    "auto-zerocost",
+    "auto with the cloud's per-token cost emulated as zero (a GPU cloud): trees up to 128 nodes",
+    mode="auto",
+    cost="zero",
+)
+spec_mode(
+    "auto-nowarmup",
+    "auto without the bundled warm-up answers: retrieval and the recycled table's seed read "
+    "only the pydoc topics, the context and past outputs (what retrieval of the model's own answers adds)",
+    mode="auto",
+    warmup=False,
+)
+spec_mode(
+    "auto-pipelined",
+    "auto, pipelined: the next step is drafted and sent while one is in flight",
+    mode="auto",
+    pipeline=True,
+)
 spec_mode("recycle", "speculative: recycled top-k successor trees only", mode="recycle")
-spec_mode("suffix", "speculative: suffix-automaton / suffix-array retrieval only (context, corpus, past outputs)",
-          mode="suffix")
+spec_mode(
+    "suffix",
+    "speculative: suffix-automaton / suffix-array retrieval only (context, corpus, past outputs)",
+    mode="suffix",
+)
 spec_mode("head", "speculative: the trained draft head only (`splitlm train-head`)", mode="head")
-spec_mode("auto-window", "speculative: the older combination (n-gram, corpus n-grams, lookahead window)",
-          mode="auto-window")
-spec_mode("auto-nowindow", "speculative: the older combination without its lookahead window", mode="auto-window",
-          window=0)
-spec_mode("pipelined", "speculative, pipelined: the next step is drafted and sent while one is in flight "
-          "(drafter as auto-nowindow)", mode="auto-window", pipeline=True, window=0)
+spec_mode(
+    "auto-window", "speculative: the older combination (n-gram, corpus n-grams, lookahead window)", mode="auto-window"
+)
+spec_mode(
+    "auto-nowindow", "speculative: the older combination without its lookahead window", mode="auto-window", window=0
+)
+spec_mode(
+    "pipelined",
+    "speculative, pipelined: the next step is drafted and sent while one is in flight (drafter as auto-nowindow)",
+    mode="auto-window",
+    pipeline=True,
+    window=0,
+)
 
 
 def json_mode(name: str, help: str, **spec) -> None:
@@ -247,21 +292,33 @@ def json_mode(name: str, help: str, **spec) -> None:
     mode(name, network=True, help=help)(run)
 
 
-json_mode("auto+json", "auto constrained to the prompt's JSON schema: rejected drafts pruned, forced tokens ride "
-          "as certain nodes (docs/structured-outputs.md)", mode="auto")
-json_mode("none+json", "constrained sequential decoding: one token per round trip, the best the prompt's JSON "
-          "schema allows", mode="none")
+json_mode(
+    "auto+json",
+    "auto constrained to the prompt's JSON schema: rejected drafts pruned, forced tokens ride "
+    "as certain nodes (docs/structured-outputs.md)",
+    mode="auto",
+)
+json_mode(
+    "none+json",
+    "constrained sequential decoding: one token per round trip, the best the prompt's JSON schema allows",
+    mode="none",
+)
 
 
-@mode("auto-json-length", network=True, help="unconstrained auto stopped at the length of the constrained answer "
-      "to the same prompt (list it after a +json mode): the two compared on the same number of tokens")
+@mode(
+    "auto-json-length",
+    network=True,
+    help="unconstrained auto stopped at the length of the constrained answer "
+    "to the same prompt (list it after a +json mode): the two compared on the same number of tokens",
+)
 def run_auto_json_length(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) -> ModeRun:
     from splitlm.decoding.modes import SpecConfig
 
     length = ctx.answer_lengths.get(tuple(prompt_ids))
     if length is None:
-        raise SplitLMError("mode auto-json-length stops at the length of a constrained answer: "
-                           "list a +json mode before it in --modes")
+        raise SplitLMError(
+            "mode auto-json-length stops at the length of a constrained answer: list a +json mode before it in --modes"
+        )
     return run_edge(ctx, prompt_ids, length, SpecConfig("auto", memory="auto-json-length"))
 
 
@@ -284,13 +341,19 @@ def run_hf_pld(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int) ->
     try:
         with torch.inference_mode():
             start = time.perf_counter()
-            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10,
-                                 eos_token_id=eos, pad_token_id=eos[0] if eos else None)
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                prompt_lookup_num_tokens=10,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else None,
+            )
             end = time.perf_counter()
     finally:
         hook.remove()
-    ids = out[0, len(prompt_ids):].tolist()
+    ids = out[0, len(prompt_ids) :].tolist()
     ttft = first_token_at[0] - start
     return ModeRun(ids, ttft, end - start - ttft, steps=max(forwards - 1, 0), edge_s=end - start - ttft)
 
@@ -349,5 +412,5 @@ def teacher_forced_agreement(ctx: BenchContext, prompt_ids: list[int], reference
         logits = session.forward(prompt_ids + reference[:-1]).out  # [T_prompt + n - 1, V]
     finally:
         session.close()
-    predicted = logits[len(prompt_ids) - 1:].argmax(-1).tolist()  # [n]
+    predicted = logits[len(prompt_ids) - 1 :].argmax(-1).tolist()  # [n]
     return sum(int(p == r) for p, r in zip(predicted, reference, strict=True)), len(reference)

@@ -100,10 +100,13 @@ def bundled_requests(model_hash: str | None = None) -> list[str]:
 
 def markdown(sets: list[SetOverlap]) -> str:
     """A table per set: its near-twins and similar prompts with their closest request; a summary first."""
-    lines = [f"| set | prompts | near-twins (≥ {NEAR_TWIN:.2f}) | similar (≥ {SIMILAR:.2f}) | highest |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {s.name} | {len(s.nearest)} | {len(s.near_twins)} | {len(s.similar)} | {s.max_score:.2f} |"
-              for s in sets]
+    lines = [
+        f"| set | prompts | near-twins (≥ {NEAR_TWIN:.2f}) | similar (≥ {SIMILAR:.2f}) | highest |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s.name} | {len(s.nearest)} | {len(s.near_twins)} | {len(s.similar)} | {s.max_score:.2f} |" for s in sets
+    ]
     for s in sets:
         listed = sorted(s.near_twins + s.similar, key=lambda n: -n.score)
         if not listed:

@@ -43,8 +43,9 @@ class PassCost:
     ms_per_token: float
 
 
-def middle_layers(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, head: int = 2,
-                  tail: int = 2) -> LayerStack:
+def middle_layers(
+    spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, head: int = 2, tail: int = 2
+) -> LayerStack:
     """The cloud's layers [head, L - tail) of `spec`, random weights made on `device` in `dtype`."""
     cfg = ModelConfig.from_hf(spec.config)
     if head + tail >= cfg.num_layers:
@@ -84,43 +85,65 @@ def median_ms(run, device: torch.device, reps: int, reset=None) -> float:
 
 
 @torch.inference_mode()
-def measure(spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, tokens: list[int], context: int = 512,
-            reps: int = 10) -> list[PassCost]:
+def measure(
+    spec: SyntheticSpec, device: torch.device, dtype: torch.dtype, tokens: list[int], context: int = 512, reps: int = 10
+) -> list[PassCost]:
     stack = middle_layers(spec, device, dtype)
     cfg = stack.cfg
     gen = torch.Generator(device).manual_seed(0)
     cache = stack.new_cache()
     if context:  # --pass-context 0: every pass starts from an empty cache
-        stack(torch.randn(1, context, cfg.hidden_size, device=device, generator=gen),
-              torch.arange(context, device=device), None, cache)
+        stack(
+            torch.randn(1, context, cfg.hidden_size, device=device, generator=gen),
+            torch.arange(context, device=device),
+            None,
+            cache,
+        )
     rows = []
     for t in tokens:
         x = torch.randn(1, t, cfg.hidden_size, device=device, generator=gen)  # [1, T, D]
         pos = torch.arange(context, context + t, device=device)
         ms = median_ms(partial(stack, x, pos, None, cache), device, reps, reset=partial(cache.crop, context))
-        rows.append(PassCost(spec.name, str(device), dtype_name(dtype), len(stack.layers), context, t, round(ms, 3),
-                             round(ms / t, 4)))
+        rows.append(
+            PassCost(
+                spec.name, str(device), dtype_name(dtype), len(stack.layers), context, t, round(ms, 3), round(ms / t, 4)
+            )
+        )
         log.info(f"[bench] pass cost {spec.name} {device} {dtype_name(dtype)}: T={t:<4} {ms:8.2f} ms")
     return rows
 
 
-def pass_cost_doc(shape: str, device: torch.device, dtypes: list[torch.dtype], tokens: list[int], context: int,
-                  reps: int) -> dict:
+def pass_cost_doc(
+    shape: str, device: torch.device, dtypes: list[torch.dtype], tokens: list[int], context: int, reps: int
+) -> dict:
     if shape not in SHAPES:
         raise SplitLMError(f"unknown shape {shape!r} for --pass-cost (choose from {', '.join(SHAPES)})")
     rows = [r for dtype in dtypes for r in measure(SHAPES[shape], device, dtype, tokens, context, reps)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"schema": "splitlm.pass-cost/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "shape": shape, "config": SHAPES[shape].config, "device": str(device), "device_name": name,
-            "torch": torch.__version__, "rows": [asdict(r) for r in rows]}
+    return {
+        "schema": "splitlm.pass-cost/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "shape": shape,
+        "config": SHAPES[shape].config,
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"## Cloud compute per pass: {doc['shape']} middle layers on {doc['device']}"
-             f"{' (' + doc['device_name'] + ')' if doc.get('device_name') else ''}", "",
-             "| dtype | layers | context | T | ms / pass | ms / token |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['dtype']} | {r['layers']} | {r['context']} | {r['tokens']} | {r['ms']:.2f} | {r['ms_per_token']:.3f} |"
-              for r in doc["rows"]]
+    lines = [
+        f"## Cloud compute per pass: {doc['shape']} middle layers on {doc['device']}"
+        f"{' (' + doc['device_name'] + ')' if doc.get('device_name') else ''}",
+        "",
+        "| dtype | layers | context | T | ms / pass | ms / token |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['dtype']} | {r['layers']} | {r['context']} | {r['tokens']} | {r['ms']:.2f} | {r['ms_per_token']:.3f} |"
+        for r in doc["rows"]
+    ]
     return "\n".join(lines) + "\n"
 
 

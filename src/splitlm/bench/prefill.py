@@ -67,8 +67,12 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def stage_totals(edge_s: float, cloud_s: float, bytes_up: int, bytes_down: int, mbps: float) -> dict[str, float]:
-    return {"edge": edge_s, "uplink": bytes_up * 8 / (mbps * 1e6), "cloud": cloud_s,
-            "downlink": bytes_down * 8 / (mbps * 1e6)}
+    return {
+        "edge": edge_s,
+        "uplink": bytes_up * 8 / (mbps * 1e6),
+        "cloud": cloud_s,
+        "downlink": bytes_down * 8 / (mbps * 1e6),
+    }
 
 
 def pipeline_bound(stages: dict[str, float], chunks: int, rtt_s: float) -> tuple[float, str]:
@@ -86,14 +90,24 @@ def run_once(edge, ids: list[int], streamed: bool, mbps: float, rtt_s: float) ->
         first = int(session.forward(ids, rows=[len(ids) - 1], argmax=True).out[-1])
         ttft = time.perf_counter() - start
         s = session.stats
-        row = {"mode": "streamed" if streamed else "unchunked", "ttft_s": ttft, "rtt_s": rtt_s, "round_trips": s.round_trips,
-               "bytes_up": s.bytes_up, "bytes_down": s.bytes_down}
+        row = {
+            "mode": "streamed" if streamed else "unchunked",
+            "ttft_s": ttft,
+            "rtt_s": rtt_s,
+            "round_trips": s.round_trips,
+            "bytes_up": s.bytes_up,
+            "bytes_down": s.bytes_down,
+        }
         run = session.last_prefill if streamed else None
         if run is not None:
             edge_s = sum(c.head_s + c.tail_s for c in run.chunks)
             cloud_s = sum(c.cloud_s for c in run.chunks)
-            row.update(chunk=run.chunk, chunks=len(run.chunks), predicted_s=run.predicted_s,
-                       unchunked_predicted_s=run.unchunked_predicted_s)
+            row.update(
+                chunk=run.chunk,
+                chunks=len(run.chunks),
+                predicted_s=run.predicted_s,
+                unchunked_predicted_s=run.unchunked_predicted_s,
+            )
         else:  # the unchunked path (or a prompt the plan keeps whole)
             edge_s, cloud_s = s.edge_compute_s + s.serialize_s, s.cloud_compute_s
             row.update(chunk=len(ids), chunks=s.round_trips, predicted_s=None, unchunked_predicted_s=None)
@@ -143,10 +157,12 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
         port = stack.enter_context(cloud_process(split_dir / "cloud", *cloud))
         edges = {}
         for mbps in config.mbps:
-            wan = stack.enter_context(WanEmulator(upstream=("127.0.0.1", port),
-                                                  config=WanConfig(rtt_ms=config.rtt_ms, mbps=mbps, seed=0)))
-            edges[mbps] = stack.enter_context(Edge(split_dir / "edge", wan.url_for("ws"), config.wire_dtype,
-                                                   device=config.device, dtype=config.dtype))
+            wan = stack.enter_context(
+                WanEmulator(upstream=("127.0.0.1", port), config=WanConfig(rtt_ms=config.rtt_ms, mbps=mbps, seed=0))
+            )
+            edges[mbps] = stack.enter_context(
+                Edge(split_dir / "edge", wan.url_for("ws"), config.wire_dtype, device=config.device, dtype=config.dtype)
+            )
             log.info(f"[bench prefill] warm-up at {config.rtt_ms:g} ms, {mbps:g} Mbit/s")
             warm_up(edges[mbps], ids, mbps, rtt_s)
         first_edge = next(iter(edges.values()))
@@ -155,25 +171,38 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
                 for r in range(config.repeats):
                     order = (False, True) if r % 2 == 0 else (True, False)
                     for streamed in order:
-                        row = {"tokens_in": n, "mbps": mbps, "repeat": r,
-                               **run_once(edge, ids[:n], streamed, mbps, rtt_s)}
+                        row = {
+                            "tokens_in": n,
+                            "mbps": mbps,
+                            "repeat": r,
+                            **run_once(edge, ids[:n], streamed, mbps, rtt_s),
+                        }
                         rows.append(row)
-                        log.info(f"[bench prefill] {n:>5} tokens {mbps:>5g} Mbit/s {row['mode']:<9} TTFT "
-                                 f"{row['ttft_s'] * 1000:7.0f} ms  bound {row['bound_s'] * 1000:7.0f} ms "
-                                 f"({row['slowest']})  {row['chunks']} x {row['chunk']}")
+                        log.info(
+                            f"[bench prefill] {n:>5} tokens {mbps:>5g} Mbit/s {row['mode']:<9} TTFT "
+                            f"{row['ttft_s'] * 1000:7.0f} ms  bound {row['bound_s'] * 1000:7.0f} ms "
+                            f"({row['slowest']})  {row['chunks']} x {row['chunk']}"
+                        )
         devices = {"edge": f"{first_edge.device} {first_edge.dtype}".replace("torch.", "")}
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
         "config": asdict(config),
-        "environment": {"python": platform.python_version(), "platform": platform.platform(),
-                        "cpu_count": os.cpu_count(), "torch": torch.__version__, "splitlm": __version__,
-                        "threads": {"edge": 1, "cloud": 1, "wan_emulator": "thread of the bench process"},
-                        "model": model_dir.name, "split": {"head": config.head, "tail": config.tail},
-                        "wire_dtype": first_edge.wire_dtype, "devices": devices,
-                        "load_avg_at_start": load_at_start,
-                        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "splitlm": __version__,
+            "threads": {"edge": 1, "cloud": 1, "wan_emulator": "thread of the bench process"},
+            "model": model_dir.name,
+            "split": {"head": config.head, "tail": config.tail},
+            "wire_dtype": first_edge.wire_dtype,
+            "devices": devices,
+            "load_avg_at_start": load_at_start,
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "summary": summarise(rows),
         "runs": rows,
     }
@@ -193,34 +222,53 @@ def summarise(rows: list[dict]) -> list[dict]:
         bound = median(r["bound_s"] for r in streamed)
         # the same bound from the unchunked runs' stage totals: what chunking and running the stages at
         # once (here: on shared cores) added to the work itself
-        work = {k: median(r["stages_s"][k] for r in unchunked) for k in unchunked[0]["stages_s"]} \
-            if all("stages_s" in r for r in unchunked) else None
+        work = (
+            {k: median(r["stages_s"][k] for r in unchunked) for k in unchunked[0]["stages_s"]}
+            if all("stages_s" in r for r in unchunked)
+            else None
+        )
         ideal = pipeline_bound(work, streamed[0]["chunks"], streamed[0]["rtt_s"])[0] if work else None
-        out.append({"mbps": mbps, "tokens_in": n, "streamed_ttft_s": round(s_ttft, 4),
-                    "unchunked_ttft_s": round(u_ttft, 4), "bound_s": round(bound, 4),
-                    "streamed_over_bound": round(s_ttft / bound, 3), "speedup": round(u_ttft / s_ttft, 3),
-                    "chunk": streamed[0]["chunk"], "chunks": streamed[0]["chunks"], "slowest": streamed[0]["slowest"],
-                    "unchunked_sum_s": round(median(r["bound_s"] for r in unchunked), 4),
-                    "bound_from_unchunked_work_s": None if ideal is None else round(ideal, 4),
-                    "tokens_match": all(r["tokens"] == unchunked[0]["tokens"] for r in group)})
+        out.append(
+            {
+                "mbps": mbps,
+                "tokens_in": n,
+                "streamed_ttft_s": round(s_ttft, 4),
+                "unchunked_ttft_s": round(u_ttft, 4),
+                "bound_s": round(bound, 4),
+                "streamed_over_bound": round(s_ttft / bound, 3),
+                "speedup": round(u_ttft / s_ttft, 3),
+                "chunk": streamed[0]["chunk"],
+                "chunks": streamed[0]["chunks"],
+                "slowest": streamed[0]["slowest"],
+                "unchunked_sum_s": round(median(r["bound_s"] for r in unchunked), 4),
+                "bound_from_unchunked_work_s": None if ideal is None else round(ideal, 4),
+                "tokens_match": all(r["tokens"] == unchunked[0]["tokens"] for r in group),
+            }
+        )
     return out
 
 
 def markdown(doc: dict) -> str:
     env, cfg = doc["environment"], doc["config"]
-    lines = [f"# Streamed prefill, {doc['created']}", "",
-             f"{env['model']}, split k={cfg['head']} m={cfg['tail']}, wire {env['wire_dtype']}, RTT {cfg['rtt_ms']:g} ms, "
-             f"edge and cloud 1 torch thread each ({env['cpu_count']} cores, load {env['load_avg_at_start']} → "
-             f"{env['load_avg_at_end']}); {cfg['repeats']} run(s) per cell, medians.", "",
-             "| Mbit/s | prompt tokens | unchunked TTFT | streamed TTFT | bound | streamed / bound | speed-up | "
-             "chunks × size | slowest stage | bound from unchunked work | same tokens |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
+    lines = [
+        f"# Streamed prefill, {doc['created']}",
+        "",
+        f"{env['model']}, split k={cfg['head']} m={cfg['tail']}, wire {env['wire_dtype']}, RTT {cfg['rtt_ms']:g} ms, "
+        f"edge and cloud 1 torch thread each ({env['cpu_count']} cores, load {env['load_avg_at_start']} → "
+        f"{env['load_avg_at_end']}); {cfg['repeats']} run(s) per cell, medians.",
+        "",
+        "| Mbit/s | prompt tokens | unchunked TTFT | streamed TTFT | bound | streamed / bound | speed-up | "
+        "chunks × size | slowest stage | bound from unchunked work | same tokens |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
+    ]
     for r in doc["summary"]:
-        lines.append(f"| {r['mbps']:g} | {r['tokens_in']} | {r['unchunked_ttft_s'] * 1000:.0f} ms | "
-                     f"{r['streamed_ttft_s'] * 1000:.0f} ms | {r['bound_s'] * 1000:.0f} ms | "
-                     f"{r['streamed_over_bound']:.2f} | {r['speedup']:.2f}× | {r['chunks']} × {r['chunk']} | "
-                     f"{r['slowest']} | {fmt_ms(r.get('bound_from_unchunked_work_s'))} | "
-                     f"{'yes' if r['tokens_match'] else 'NO'} |")
+        lines.append(
+            f"| {r['mbps']:g} | {r['tokens_in']} | {r['unchunked_ttft_s'] * 1000:.0f} ms | "
+            f"{r['streamed_ttft_s'] * 1000:.0f} ms | {r['bound_s'] * 1000:.0f} ms | "
+            f"{r['streamed_over_bound']:.2f} | {r['speedup']:.2f}× | {r['chunks']} × {r['chunk']} | "
+            f"{r['slowest']} | {fmt_ms(r.get('bound_from_unchunked_work_s'))} | "
+            f"{'yes' if r['tokens_match'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -68,8 +68,9 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         if item["id"] in seen:
             raise SplitLMError(f"{where}: duplicate id {item['id']!r}")
         seen.add(item["id"])
-        prompts.append(Prompt(item["id"], item["category"], item["prompt"], item.get("chat", False),
-                              schema=item.get("schema")))
+        prompts.append(
+            Prompt(item["id"], item["category"], item["prompt"], item.get("chat", False), schema=item.get("schema"))
+        )
     return prompts
 
 

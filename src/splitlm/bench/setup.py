@@ -69,11 +69,14 @@ def resolve_split(config: BenchConfig, model_dir: Path):
         manifest = Manifest.read(edge_dir, "edge")
         cloud = Manifest.read(edge_dir.parent / "cloud", "cloud") if (edge_dir.parent / "cloud").is_dir() else None
         if cloud is None or cloud.fingerprint != manifest.fingerprint:
-            raise SplitLMError(f"--edge {edge_dir}: its cloud shard must be the sibling directory "
-                               f"{edge_dir.parent / 'cloud'} of the same split")
+            raise SplitLMError(
+                f"--edge {edge_dir}: its cloud shard must be the sibling directory "
+                f"{edge_dir.parent / 'cloud'} of the same split"
+            )
         if manifest.model_hash != file_sha256(safetensors_files(model_dir))[:32]:
-            raise SplitLMError(f"--edge {edge_dir} was split from another model than --model {config.model} "
-                               "(the reference)")
+            raise SplitLMError(
+                f"--edge {edge_dir} was split from another model than --model {config.model} (the reference)"
+            )
         return edge_dir.parent, manifest
     tail = config.tail if config.tail is not None else (0 if config.topology == "split-head" else 2)
     split_dir = cached_split(config.model, config.head, tail, config.topology, config.d_end)
@@ -95,16 +98,20 @@ def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, 
             raise SplitLMError("mode head needs a trained draft head: run `splitlm train-head` or drop --no-train-head")
         log.info("[bench] no draft head for this model (--no-train-head): auto drafts without it")
         return
-    log.info("[bench] no draft head for this model yet: training it once (`splitlm train-head`; 15-40 minutes on "
-             "2 cores, kept for every later split of this model; --no-train-head skips this)")
+    log.info(
+        "[bench] no draft head for this model yet: training it once (`splitlm train-head`; 15-40 minutes on "
+        "2 cores, kept for every later split of this model; --no-train-head skips this)"
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
         report = train_head(str(model_dir), edge_dir, log=lambda msg: log.info("[bench] %s", msg), out=config.out)
     finally:
         torch.set_num_threads(threads)
-    log.info(f"[bench] draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
-             + " · ".join(f"{c:.2f}" for c in report["heldout"]["conditional"]))
+    log.info(
+        f"[bench] draft head trained in {report['seconds']:.0f} s; held-out acceptance by depth "
+        + " · ".join(f"{c:.2f}" for c in report["heldout"]["conditional"])
+    )
 
 
 @dataclass
@@ -132,8 +139,9 @@ class BenchSetup:
     def context(self, url: str | None, wire_dtype: str | None = None) -> BenchContext:
         """A bench context of the run's edge reaching `url` (with `wire_dtype`, else the configured codec)."""
         c = self.config
-        ctx = BenchContext(self.model_dir, self.edge_dir, url, wire_dtype or c.wire_dtype, c.vocab,
-                           device=c.device, dtype=c.dtype)
+        ctx = BenchContext(
+            self.model_dir, self.edge_dir, url, wire_dtype or c.wire_dtype, c.vocab, device=c.device, dtype=c.dtype
+        )
         ctx.schemas = {tuple(p.ids): p.schema for p in self.prompts if p.schema}  # what the `+json` modes match
         return ctx
 
@@ -168,9 +176,11 @@ def prepare(config: BenchConfig) -> BenchSetup:
 def describe(setup: BenchSetup) -> str:
     """The run's plan, one status line."""
     c = setup.config
-    return (f"{len(setup.prompts)} prompts x {len(setup.modes)} modes x {len(setup.rtts)} RTT(s), up to "
-            f"{c.max_new_tokens} tokens; model {re.sub(r'-[0-9a-f]{16}$', '', setup.model_dir.name)}, {c.topology} "
-            f"split k={c.head} m={c.tail or 0}{f' d={c.d_end}' if c.d_end else ''}, vocab {c.vocab},"
-            f" wire {c.wire_dtype}, edge {c.device}/{c.dtype},"
-            f" cloud {c.cloud_device or c.device}/{c.cloud_dtype or c.dtype};"
-            " edge and cloud pinned to 1 torch thread each")
+    return (
+        f"{len(setup.prompts)} prompts x {len(setup.modes)} modes x {len(setup.rtts)} RTT(s), up to "
+        f"{c.max_new_tokens} tokens; model {re.sub(r'-[0-9a-f]{16}$', '', setup.model_dir.name)}, {c.topology} "
+        f"split k={c.head} m={c.tail or 0}{f' d={c.d_end}' if c.d_end else ''}, vocab {c.vocab},"
+        f" wire {c.wire_dtype}, edge {c.device}/{c.dtype},"
+        f" cloud {c.cloud_device or c.device}/{c.cloud_dtype or c.dtype};"
+        " edge and cloud pinned to 1 torch thread each"
+    )

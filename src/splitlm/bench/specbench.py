@@ -34,9 +34,18 @@ MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 BASELINE = "split-seq"
 # the data folder's README (Vicuna-7B, greedy, batch 1; its leaderboard and the methods' papers):
 # mean accepted tokens per verification step, all categories together
-PUBLISHED = (("PLD", "1.55-1.74"), ("Lookahead", "1.61-1.66"), ("REST", "1.63-1.82"), ("Medusa", "2.32"),
-             ("Token Recycling", "2.73-2.83"), ("SAM-Decoding + Token Recycling", "2.98"), ("Hydra", "3.24-3.35"),
-             ("EAGLE", "3.57"), ("EAGLE-2", "4.35"), ("SAM-Decoding + EAGLE-2", "4.61"))
+PUBLISHED = (
+    ("PLD", "1.55-1.74"),
+    ("Lookahead", "1.61-1.66"),
+    ("REST", "1.63-1.82"),
+    ("Medusa", "2.32"),
+    ("Token Recycling", "2.73-2.83"),
+    ("SAM-Decoding + Token Recycling", "2.98"),
+    ("Hydra", "3.24-3.35"),
+    ("EAGLE", "3.57"),
+    ("EAGLE-2", "4.35"),
+    ("SAM-Decoding + EAGLE-2", "4.61"),
+)
 PUBLISHED_MODEL = "Vicuna-7B"
 
 
@@ -87,8 +96,12 @@ def evenly_spaced(n: int, k: int) -> list[int]:
     return list(range(n)) if k >= n else [i * n // k for i in range(k)]
 
 
-def select(questions: list[Question], categories: list[str] | None = None, per_category: int | None = None,
-           mode_questions: dict[str, int] | None = None) -> list[Question]:
+def select(
+    questions: list[Question],
+    categories: list[str] | None = None,
+    per_category: int | None = None,
+    mode_questions: dict[str, int] | None = None,
+) -> list[Question]:
     """The stated subset: the `categories` asked for (all by default), `per_category` evenly spaced
     questions of each (all by default); each question notes the modes whose `mode_questions` cap leaves it out."""
     unknown = sorted(set(categories or ()) - {q.category for q in questions})
@@ -117,25 +130,42 @@ def to_prompts(questions: list[Question]) -> list[Prompt]:
         first = Prompt(f"sb-{q.question_id}", q.category, q.turns[0], chat=True, skip_modes=q.skip_modes)
         prompts.append(first)
         for n, turn in enumerate(q.turns[1:], 2):
-            prompts.append(Prompt(f"sb-{q.question_id}-t{n}", q.category, turn, chat=True,
-                                  skip_modes=q.skip_modes, follows=prompts[-1].id))
+            prompts.append(
+                Prompt(
+                    f"sb-{q.question_id}-t{n}",
+                    q.category,
+                    turn,
+                    chat=True,
+                    skip_modes=q.skip_modes,
+                    follows=prompts[-1].id,
+                )
+            )
     return prompts
 
 
-def load_spec_bench(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,
-                    mode_questions: dict[str, int] | None = None) -> list[Prompt]:
+def load_spec_bench(
+    path: str | Path,
+    categories: list[str] | None = None,
+    per_category: int | None = None,
+    mode_questions: dict[str, int] | None = None,
+) -> list[Prompt]:
     """The bench prompts of a Spec-Bench file's stated subset (`select`)."""
     return to_prompts(select(read_questions(path), categories, per_category, mode_questions))
 
 
-def load_prompt_set(path: str | Path, categories: list[str] | None = None, per_category: int | None = None,
-                    mode_questions: dict[str, int] | None = None) -> list[Prompt]:
+def load_prompt_set(
+    path: str | Path,
+    categories: list[str] | None = None,
+    per_category: int | None = None,
+    mode_questions: dict[str, int] | None = None,
+) -> list[Prompt]:
     """A bench prompt file: Spec-Bench's questions (their stated subset), else a JSON prompt list (whole)."""
     if is_spec_bench(path):
         return load_spec_bench(path, categories, per_category, mode_questions)
     if categories or per_category or mode_questions:
-        raise SplitLMError(f"--categories, --per-category and --mode-questions need Spec-Bench's question file, "
-                           f"not {path}")
+        raise SplitLMError(
+            f"--categories, --per-category and --mode-questions need Spec-Bench's question file, not {path}"
+        )
     return load_prompts(path)
 
 
@@ -149,8 +179,11 @@ def conversation(prompt: Prompt, prompts: dict[str, Prompt], answers: dict[str, 
     earlier: list[dict] = []
     while prompt.follows:
         before = prompts[prompt.follows]
-        earlier = [{"role": "user", "content": before.prompt}, {"role": "assistant", "content": answers[before.id]},
-                   *earlier]
+        earlier = [
+            {"role": "user", "content": before.prompt},
+            {"role": "assistant", "content": answers[before.id]},
+            *earlier,
+        ]
         prompt = before
     return earlier
 
@@ -181,8 +214,13 @@ def cell(rows: list[dict], mode: str, keep: Callable[[dict], bool]) -> dict:
     base = [r for r in rows if r["mode"] == BASELINE and r["prompt_id"] in prompts]
     tau, tok_s = pooled(mine)
     base_tok_s = pooled(base)[1] if len(base) == len(mine) else None
-    return {"prompts": len(mine), "questions": len({question_of(p) for p in prompts}), "tokens_per_round_trip": tau,
-            "tok_s": tok_s, "tok_s_vs_split_seq": tok_s / base_tok_s if tok_s and base_tok_s else None}
+    return {
+        "prompts": len(mine),
+        "questions": len({question_of(p) for p in prompts}),
+        "tokens_per_round_trip": tau,
+        "tok_s": tok_s,
+        "tok_s_vs_split_seq": tok_s / base_tok_s if tok_s and base_tok_s else None,
+    }
 
 
 def summary(doc: dict) -> dict:
@@ -193,11 +231,21 @@ def summary(doc: dict) -> dict:
     rows = [r for r in rows if r["rtt_ms"] == rtt]
     cats = [c for c in CATEGORIES if any(r["category"] == c for r in rows)]
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    table = {m: {**{c: cell(rows, m, lambda r, c=c: r["category"] == c) for c in cats},
-                 "all": cell(rows, m, lambda r: True)} for m in modes}
-    return {"rtt_ms": rtt, "categories": cats, "modes": table, "model": doc["environment"]["model"]["name"],
-            "published": {"model": PUBLISHED_MODEL, "figure": "mean accepted tokens per step, all categories",
-                          "methods": dict(PUBLISHED)}}
+    table = {
+        m: {**{c: cell(rows, m, lambda r, c=c: r["category"] == c) for c in cats}, "all": cell(rows, m, lambda r: True)}
+        for m in modes
+    }
+    return {
+        "rtt_ms": rtt,
+        "categories": cats,
+        "modes": table,
+        "model": doc["environment"]["model"]["name"],
+        "published": {
+            "model": PUBLISHED_MODEL,
+            "figure": "mean accepted tokens per step, all categories",
+            "methods": dict(PUBLISHED),
+        },
+    }
 
 
 def _cell_text(c: dict) -> str:
@@ -210,15 +258,25 @@ def _cell_text(c: dict) -> str:
 def markdown(section: dict) -> str:
     """The Spec-Bench table and the published figures beside it."""
     cats = section["categories"]
-    lines = [f"## Spec-Bench, by category (RTT {section['rtt_ms']:g} ms)", "",
-             "tokens per round trip (tok/s × split-seq on the same questions); [questions per category]", "",
-             "| mode | " + " | ".join(cats) + " | all |", "|---|" + "---|" * (len(cats) + 1)]
+    lines = [
+        f"## Spec-Bench, by category (RTT {section['rtt_ms']:g} ms)",
+        "",
+        "tokens per round trip (tok/s × split-seq on the same questions); [questions per category]",
+        "",
+        "| mode | " + " | ".join(cats) + " | all |",
+        "|---|" + "---|" * (len(cats) + 1),
+    ]
     for mode, cells in section["modes"].items():
         n = max((cells[c]["questions"] for c in cats), default=0)
         lines.append(f"| {mode} [{n}] | " + " | ".join(_cell_text(cells[c]) for c in [*cats, "all"]) + " |")
     pub = section["published"]
-    lines += ["", f"Published on Spec-Bench ({pub['model']}, greedy, batch 1; {pub['figure']}); ours: "
-              f"{section['model']}, a different and 50× smaller model, through the split at the RTT above:", "",
-              "| method | mean accepted tokens per step |", "|---|---|"]
+    lines += [
+        "",
+        f"Published on Spec-Bench ({pub['model']}, greedy, batch 1; {pub['figure']}); ours: "
+        f"{section['model']}, a different and 50× smaller model, through the split at the RTT above:",
+        "",
+        "| method | mean accepted tokens per step |",
+        "|---|---|",
+    ]
     lines += [f"| {name} | {value} |" for name, value in pub["methods"].items()]
     return "\n".join(lines) + "\n"

@@ -44,8 +44,11 @@ class StepFit:
         return max(self.loo_rel_errors) if self.loo_rel_errors else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "loo_mean_rel_error": self.loo_mean_rel_error,
-                "loo_max_rel_error": self.loo_max_rel_error}
+        return {
+            **asdict(self),
+            "loo_mean_rel_error": self.loo_mean_rel_error,
+            "loo_max_rel_error": self.loo_max_rel_error,
+        }
 
 
 def least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

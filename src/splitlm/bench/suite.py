@@ -57,9 +57,13 @@ def split_fields(manifest, config: BenchConfig, edge) -> dict:
     cloud returning full logits would need (computed, not measured: V values of the wire codec per token)."""
     from splitlm.transport.codecs import wire_nbytes
 
-    return {"topology": manifest.topology, "d_end": manifest.d_end or None, "vocab": config.vocab,
-            "vocab_size": edge.vocab.size,
-            "full_logits_bytes_per_token": wire_nbytes(edge.wire_dtype, [1, edge.cfg.vocab_size])}
+    return {
+        "topology": manifest.topology,
+        "d_end": manifest.d_end or None,
+        "vocab": config.vocab,
+        "vocab_size": edge.vocab.size,
+        "full_logits_bytes_per_token": wire_nbytes(edge.wire_dtype, [1, edge.cfg.vocab_size]),
+    }
 
 
 def environment(model_dir: Path, config: BenchConfig) -> dict:
@@ -71,18 +75,29 @@ def environment(model_dir: Path, config: BenchConfig) -> dict:
 
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     return {
-        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(), "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
-        "transformers": transformers.__version__, "splitlm": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "splitlm": __version__,
         "threads": {"edge_and_local": 1, "cloud": 1, "wan_emulator": "thread of the bench process"},
-        "model": {"name": re.sub(r"-[0-9a-f]{16}$", "", model_dir.name),  # drop the cache's hash suffix
-                  "path": str(model_dir), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-                  "vocab_size": cfg.vocab_size, "weights_dtype": "fp32"},
-        "split": {"head": config.head, "tail": config.tail or 0,
-                  "cloud_layers": [config.head, cfg.num_layers - (config.tail or 0)]},
+        "model": {
+            "name": re.sub(r"-[0-9a-f]{16}$", "", model_dir.name),  # drop the cache's hash suffix
+            "path": str(model_dir),
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "weights_dtype": "fp32",
+        },
+        "split": {
+            "head": config.head,
+            "tail": config.tail or 0,
+            "cloud_layers": [config.head, cfg.num_layers - (config.tail or 0)],
+        },
     }
-
-
 
 
 @dataclass
@@ -152,8 +167,13 @@ def codec_study(setup: BenchSetup, port: int | None, reference: Reference) -> li
     from splitlm.bench.codecs import codec_rows
 
     log.info(f"[bench] codec study ({', '.join(config.codecs)}): direct to the cloud, no emulated delay")
-    return codec_rows(lambda codec: setup.context(f"ws://127.0.0.1:{port}", codec), setup.prompts,
-                      reference.token_ids, config.codecs, config.max_new_tokens)
+    return codec_rows(
+        lambda codec: setup.context(f"ws://127.0.0.1:{port}", codec),
+        setup.prompts,
+        reference.token_ids,
+        config.codecs,
+        config.max_new_tokens,
+    )
 
 
 def measure_runs(setup: BenchSetup, contexts: dict[float, BenchContext], reference: Reference) -> list[dict]:
@@ -166,19 +186,29 @@ def measure_runs(setup: BenchSetup, contexts: dict[float, BenchContext], referen
         for m in setup.modes:  # warm-up (connects, first calls), not counted
             m.run(ctx, prompts[0].ids, WARMUP_TOKENS)
     rows: list[dict] = []
-    shown = bar(sum(m.name not in p.skip_modes for p in prompts for m in setup.modes) * len(contexts), "bench",
-                unit="run")
+    shown = bar(
+        sum(m.name not in p.skip_modes for p in prompts for m in setup.modes) * len(contexts), "bench", unit="run"
+    )
     for i, p in enumerate(prompts, 1):
         for rtt, ctx in contexts.items():
             for m in (m for m in setup.modes if m.name not in p.skip_modes):
                 run = m.run(ctx, p.ids, max_new)
-                row = prompt_row(m.name, rtt, p, run, reference.token_ids[p.id], reference.agreement(m, p.id),
-                                 setup.tokenizer.decode(run.token_ids, skip_special_tokens=True))
+                row = prompt_row(
+                    m.name,
+                    rtt,
+                    p,
+                    run,
+                    reference.token_ids[p.id],
+                    reference.agreement(m, p.id),
+                    setup.tokenizer.decode(run.token_ids, skip_special_tokens=True),
+                )
                 rows.append(row)
                 shown.update()
-                log.debug(f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
-                          f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
-                          f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}")
+                log.debug(
+                    f"rtt {rtt:g} ms  {m.name:<10} {i:>2}/{len(prompts)} {p.id:<26} "
+                    f"{row['new_tokens']:>3} tok  {row['tok_s'] or 0:6.1f} tok/s  "
+                    f"TTFT {row['ttft_s'] * 1000:5.0f} ms{'' if row['exact_match'] else '  (differs)'}"
+                )
     shown.close()
     return rows
 
@@ -194,10 +224,18 @@ def memory_probes(setup: BenchSetup, port: int | None) -> dict[str, dict]:
     memory = {}
     for m in track(setup.modes, "memory probe", unit="mode"):
         log.info(f"[bench] memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
-        memory[m.name] = probe_memory(m.name, setup.model_dir, setup.edge_dir,
-                                      f"ws://127.0.0.1:{port}" if port else None, config.wire_dtype, longest.ids,
-                                      config.max_new_tokens, vocab=config.vocab, device=config.device,
-                                      dtype=config.dtype)
+        memory[m.name] = probe_memory(
+            m.name,
+            setup.model_dir,
+            setup.edge_dir,
+            f"ws://127.0.0.1:{port}" if port else None,
+            config.wire_dtype,
+            longest.ids,
+            config.max_new_tokens,
+            vocab=config.vocab,
+            device=config.device,
+            dtype=config.dtype,
+        )
     return memory
 
 
@@ -234,9 +272,17 @@ def results_doc(setup: BenchSetup, measured: Measured, started: float, load_at_s
         "duration_s": round(time.time() - started, 1),
         "config": {**asdict(config), "prompts": str(setup.prompts_path), "sweep": config.sweep},
         "environment": env,
-        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": len(p.ids),
-                     **({"follows": p.follows} if p.follows else {}),
-                     **({"skip_modes": sorted(p.skip_modes)} if p.skip_modes else {})} for p in setup.prompts],
+        "prompts": [
+            {
+                "id": p.id,
+                "category": p.category,
+                "chat": p.chat,
+                "prompt_tokens": len(p.ids),
+                **({"follows": p.follows} if p.follows else {}),
+                **({"skip_modes": sorted(p.skip_modes)} if p.skip_modes else {}),
+            }
+            for p in setup.prompts
+        ],
         "memory": measured.memory,
         "results": results,
         "step_model": fit_sweep(results) if config.sweep else {},
@@ -281,5 +327,12 @@ def write_results(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
             text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
         return text
 
-    return write_result(out, "bench", doc, stamp=time_stamp(doc["created"]), markdown=report,
-                        plots=(lambda base: write_plots(doc, base)) if plots else None, latest="results.json").paths
+    return write_result(
+        out,
+        "bench",
+        doc,
+        stamp=time_stamp(doc["created"]),
+        markdown=report,
+        plots=(lambda base: write_plots(doc, base)) if plots else None,
+        latest="results.json",
+    ).paths

@@ -34,6 +34,7 @@ SCHEMA = "splitlm.trace/1"
 @dataclass
 class TracedStep:
     """One recorded FORWARD (everything but the activations)."""
+
     rows: int  # C + T rows of hidden states
     context: int  # C: re-sent history rows before the T new tokens
     positions: list[int]  # [C + T]
@@ -52,8 +53,19 @@ class TracedStep:
     def of(cls, request: Forward, after: int) -> TracedStep:
         mask = None if request.mask is None else pack_mask(request.mask).hex()
         c = request.control
-        return cls(request.hidden.shape[0], request.context, [int(p) for p in request.positions], mask,
-                   request.keep, request.crop, c.cache, c.window, c.dtype, request.rows, after)
+        return cls(
+            request.hidden.shape[0],
+            request.context,
+            [int(p) for p in request.positions],
+            mask,
+            request.keep,
+            request.crop,
+            c.cache,
+            c.window,
+            c.dtype,
+            request.rows,
+            after,
+        )
 
     def mask_tensor(self) -> torch.Tensor | None:
         """The [T, T] bool mask (None = causal)."""
@@ -63,6 +75,7 @@ class TracedStep:
 @dataclass
 class PromptTrace:
     """One generation: its prompt's id and length and the FORWARDs it sent, in order."""
+
     prompt_id: str
     prompt_tokens: int
     steps: list[TracedStep] = field(default_factory=list)
@@ -75,6 +88,7 @@ class PromptTrace:
 @dataclass
 class Trace:
     """The recorded generations of one edge, and the conditions they were recorded in."""
+
     fingerprint: str  # the edge shard's
     hidden_size: int
     spec: str
@@ -94,13 +108,21 @@ class Trace:
         """What a result document says about the trace replayed."""
         decode = [s for p in self.prompts for s in p.steps[1:]]  # after each prompt's first (prefill) forward
         tokens = sum(p.tokens for p in self.prompts)
-        return {"fingerprint": self.fingerprint, "spec": self.spec, "rtt_ms": self.rtt_ms,
-                "max_new_tokens": self.max_new_tokens, "wire_dtype": self.wire_dtype, "prompts": len(self.prompts),
-                "forwards": self.steps, "tokens": tokens,
-                "tokens_per_forward": round(tokens / self.steps, 3) if self.steps else None,
-                "decode_rows_per_forward": round(sum(s.rows for s in decode) / len(decode), 2) if decode else None,
-                "prompt_rows_mean": round(sum(p.prompt_tokens for p in self.prompts) / len(self.prompts), 1)
-                if self.prompts else None}
+        return {
+            "fingerprint": self.fingerprint,
+            "spec": self.spec,
+            "rtt_ms": self.rtt_ms,
+            "max_new_tokens": self.max_new_tokens,
+            "wire_dtype": self.wire_dtype,
+            "prompts": len(self.prompts),
+            "forwards": self.steps,
+            "tokens": tokens,
+            "tokens_per_forward": round(tokens / self.steps, 3) if self.steps else None,
+            "decode_rows_per_forward": round(sum(s.rows for s in decode) / len(decode), 2) if decode else None,
+            "prompt_rows_mean": round(sum(p.prompt_tokens for p in self.prompts) / len(self.prompts), 1)
+            if self.prompts
+            else None,
+        }
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -118,8 +140,10 @@ class Trace:
             raise SplitLMError(f"cannot read the step trace {path}: {e}") from None
         if doc.get("schema") != SCHEMA:
             raise SplitLMError(f"{path}: not a {SCHEMA} step trace")
-        prompts = [PromptTrace(p["prompt_id"], p["prompt_tokens"], [TracedStep(**s) for s in p["steps"]])
-                   for p in doc.pop("prompts")]
+        prompts = [
+            PromptTrace(p["prompt_id"], p["prompt_tokens"], [TracedStep(**s) for s in p["steps"]])
+            for p in doc.pop("prompts")
+        ]
         return cls(**doc, prompts=prompts)
 
 
@@ -177,8 +201,16 @@ def record_trace(edge, prompts: list[tuple[str, list[int]]], spec, max_new_token
 
     recorder = TraceRecorder()
     previous, edge.observer = edge.observer, recorder
-    trace = Trace(edge.model.manifest.fingerprint, edge.cfg.hidden_size, spec_label(spec), rtt_ms, max_new_tokens,
-                  edge.wire_dtype, str(edge.cache_policy), prompts_digest(prompts))
+    trace = Trace(
+        edge.model.manifest.fingerprint,
+        edge.cfg.hidden_size,
+        spec_label(spec),
+        rtt_ms,
+        max_new_tokens,
+        edge.wire_dtype,
+        str(edge.cache_policy),
+        prompts_digest(prompts),
+    )
     try:
         for prompt_id, ids in track(prompts, "trace: recording", unit="prompt"):
             for new, _ in edge.generate_ids(ids, max_new_tokens, stop_at_eos=False, spec=spec):
@@ -186,6 +218,10 @@ def record_trace(edge, prompts: list[tuple[str, list[int]]], spec, max_new_token
             trace.prompts.append(PromptTrace(prompt_id, len(ids), recorder.take()))
     finally:
         edge.observer = previous
-    log.info("[trace] %d prompts, %d forwards, %.2f tokens per forward", len(trace.prompts), trace.steps,
-             trace.summary()["tokens_per_forward"] or 0)
+    log.info(
+        "[trace] %d prompts, %d forwards, %.2f tokens per forward",
+        len(trace.prompts),
+        trace.steps,
+        trace.summary()["tokens_per_forward"] or 0,
+    )
     return trace

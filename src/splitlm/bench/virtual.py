@@ -34,6 +34,7 @@ MAX_REPLY_ELEMENTS = 1 << 26
 @dataclass
 class StepSample:
     """One FORWARD's reply as a virtual edge took it."""
+
     sent: float  # perf_counter() at its send
     done: float  # at its reply
     accepted: int  # tokens the recorded edge produced once this reply came
@@ -52,6 +53,7 @@ class StepSample:
 class Target:
     """Where and as what the virtual edges connect: the cloud (or the emulator in front of it) and
     the edge shard whose cloud it serves."""
+
     url: str
     fingerprint: str  # the edge shard's (the cloud checks it in the handshake)
     hidden_size: int  # D of the target model (the trace may come from another model of the same split)
@@ -62,19 +64,23 @@ class Target:
 @dataclass
 class Prepared:
     """A traced step's request parts made once (positions and mask as tensors)."""
+
     step: TracedStep
     positions: torch.Tensor
     mask: torch.Tensor | None
 
 
 def prepare(trace: Trace) -> list[list[Prepared]]:
-    return [[Prepared(s, torch.tensor(s.positions, dtype=torch.long), s.mask_tensor()) for s in p.steps]
-            for p in trace.prompts]
+    return [
+        [Prepared(s, torch.tensor(s.positions, dtype=torch.long), s.mask_tensor()) for s in p.steps]
+        for p in trace.prompts
+    ]
 
 
 @dataclass
 class VirtualLog:
     """What one virtual edge saw."""
+
     samples: list[StepSample] = field(default_factory=list)
     errors: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter(), message)
     generations: int = 0  # generations replayed to their end
@@ -83,8 +89,15 @@ class VirtualLog:
 class VirtualEdge:
     """One virtual session at a time, replaying `trace` from generation `offset` on, until `stop`."""
 
-    def __init__(self, target: Target, trace: Trace, prepared: list[list[Prepared]], hidden: torch.Tensor,
-                 offset: int, stop: threading.Event):
+    def __init__(
+        self,
+        target: Target,
+        trace: Trace,
+        prepared: list[list[Prepared]],
+        hidden: torch.Tensor,
+        offset: int,
+        stop: threading.Event,
+    ):
         self.target, self.trace, self.prepared, self.hidden = target, trace, prepared, hidden  # hidden [R, D]
         self.offset, self.stop = offset, stop
         self.first: TracedStep | None = None  # the first step of the generation being replayed
@@ -101,8 +114,9 @@ class VirtualEdge:
         while not self.stop.is_set():
             try:
                 client = client or self.connect()
-                self.replay(client, self.trace.prompts[i % len(self.trace.prompts)],
-                            self.prepared[i % len(self.prepared)])
+                self.replay(
+                    client, self.trace.prompts[i % len(self.trace.prompts)], self.prepared[i % len(self.prepared)]
+                )
                 i += 1
             except CloudError as e:
                 self.log.errors.append((time.perf_counter(), str(e)))
@@ -125,8 +139,14 @@ class VirtualEdge:
             while taken < p.step.after and in_flight:
                 self.take(client, *in_flight.popleft())
                 taken += 1
-            in_flight.append((client.send_forward(session, self.request(p), p.step.dtype or self.trace.wire_dtype,
-                                                  MAX_REPLY_ELEMENTS), p.step))
+            in_flight.append(
+                (
+                    client.send_forward(
+                        session, self.request(p), p.step.dtype or self.trace.wire_dtype, MAX_REPLY_ELEMENTS
+                    ),
+                    p.step,
+                )
+            )
         while in_flight:
             self.take(client, *in_flight.popleft())
         client.close_session(session)
@@ -139,8 +159,18 @@ class VirtualEdge:
 
     def take(self, client: CloudClient, pending: PendingForward, step: TracedStep) -> None:
         result = client.receive_forward(pending)
-        self.log.samples.append(StepSample(pending.sent_at, time.perf_counter(), step.accepted, step.rows,
-                                           result.queue_s, result.compute_s, result.cache_len, step is self.first))
+        self.log.samples.append(
+            StepSample(
+                pending.sent_at,
+                time.perf_counter(),
+                step.accepted,
+                step.rows,
+                result.queue_s,
+                result.compute_s,
+                result.cache_len,
+                step is self.first,
+            )
+        )
 
 
 def random_hidden(trace: Trace, hidden_size: int, seed: int = 0) -> torch.Tensor:

@@ -53,16 +53,22 @@ class WanConfig:
     def describe(self) -> str:
         """One-line summary, e.g. ``rtt=80ms jitter=0ms bw=unlimited``."""
         bw = "unlimited" if self.mbps is None else f"{self.mbps:g}Mbit/s"
-        faults = (f" drop-after={self.drop_after_bytes}B" if self.drop_after_bytes is not None else "") + \
-            (f" drop-prob={self.drop_prob:g}" if self.drop_prob else "")
+        faults = (f" drop-after={self.drop_after_bytes}B" if self.drop_after_bytes is not None else "") + (
+            f" drop-prob={self.drop_prob:g}" if self.drop_prob else ""
+        )
         return f"rtt={self.rtt_ms:g}ms jitter={self.jitter_ms:g}ms bw={bw}{faults}"
 
 
 class Link:
     """Timing and byte accounting for one direction of one connection."""
 
-    def __init__(self, config: WanConfig, rng: random.Random, on_bytes: Callable[[int], None],
-                 gate: Callable[[int], int] = lambda n: n) -> None:
+    def __init__(
+        self,
+        config: WanConfig,
+        rng: random.Random,
+        on_bytes: Callable[[int], None],
+        gate: Callable[[int], int] = lambda n: n,
+    ) -> None:
         self.config = config
         self.rng = rng
         self.on_bytes = on_bytes
@@ -84,9 +90,7 @@ class Link:
         if self.config.mbps is not None:
             self.free_at = max(now, self.free_at) + nbytes * 8 / (self.config.mbps * 1e6)
             sent = self.free_at
-        jitter = (
-            self.rng.uniform(-self.config.jitter_ms, self.config.jitter_ms) if self.config.jitter_ms else 0.0
-        )
+        jitter = self.rng.uniform(-self.config.jitter_ms, self.config.jitter_ms) if self.config.jitter_ms else 0.0
         delay = max(0.0, (self.config.rtt_ms / 2 + jitter) / 1000)
         self.last_release = max(sent + delay, self.last_release)
         return self.last_release
@@ -102,8 +106,9 @@ class Link:
             self.room.set()
 
 
-async def _read_loop(reader: asyncio.StreamReader, link: Link, queue: asyncio.Queue,
-                     loop: asyncio.AbstractEventLoop) -> None:
+async def _read_loop(
+    reader: asyncio.StreamReader, link: Link, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop
+) -> None:
     """Read chunks while the link has room, each queued with its delivery time; last, how the source ended."""
     while True:
         await link.room.wait()

@@ -13,10 +13,21 @@ from splitlm.result_files import begin_run
 __all__ = ["build_parser", "edge_security_kwargs", "main", "spec_arg"]
 
 # the commands in the order `splitlm --help` lists them
-ADD_PARSERS = (models.add_split, serve.add_serve_cloud, serve.add_keygen, generate.add_generate,
-               serve.add_serve_edge, generate.add_chat, models.add_export_onnx,
-               train.add_train_adapter, train.add_train_head, train.add_warmup, demo.add_demo,
-               audit.add_audit_parsers, bench.add_bench_parsers)
+ADD_PARSERS = (
+    models.add_split,
+    serve.add_serve_cloud,
+    serve.add_keygen,
+    generate.add_generate,
+    serve.add_serve_edge,
+    generate.add_chat,
+    models.add_export_onnx,
+    train.add_train_adapter,
+    train.add_train_head,
+    train.add_warmup,
+    demo.add_demo,
+    audit.add_audit_parsers,
+    bench.add_bench_parsers,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

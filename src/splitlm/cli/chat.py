@@ -18,15 +18,21 @@ from splitlm.edge.runtime import Edge, GenerationStats
 
 PROMPT = "you> "
 ANSWER = "bot> "
-COMMANDS = {"/reset": "clear the history (a new cloud session)", "/revoke": "wipe the cloud's copy now",
-            "/help": "list the commands", "/exit": "quit (also /quit, Ctrl-D)"}
+COMMANDS = {
+    "/reset": "clear the history (a new cloud session)",
+    "/revoke": "wipe the cloud's copy now",
+    "/help": "list the commands",
+    "/exit": "quit (also /quit, Ctrl-D)",
+}
 
 
 def stats_line(s: GenerationStats, context_tokens: int) -> str:
-    return (f"[{s.new_tokens} tokens in {s.round_trips} round trips · {s.tokens_per_round_trip:.2f} tokens/round trip · "
-            f"{s.tokens_per_s:.1f} tok/s · TTFT {s.prefill_s * 1000:.0f} ms · "
-            f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB · "
-            f"context {context_tokens} tokens · {s.spec_mode}{s.failover_note}]")
+    return (
+        f"[{s.new_tokens} tokens in {s.round_trips} round trips · {s.tokens_per_round_trip:.2f} tokens/round trip · "
+        f"{s.tokens_per_s:.1f} tok/s · TTFT {s.prefill_s * 1000:.0f} ms · "
+        f"up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB · "
+        f"context {context_tokens} tokens · {s.spec_mode}{s.failover_note}]"
+    )
 
 
 def read_line() -> str | None:
@@ -47,8 +53,15 @@ def read_line() -> str | None:
 class TerminalChat:
     """One conversation in the terminal: its commands, and its answers streamed with their cost."""
 
-    def __init__(self, edge: Edge, system: str | None, max_new_tokens: int, sampling: SamplingConfig | None,
-                 spec: str | SpecConfig, out: TextIO):
+    def __init__(
+        self,
+        edge: Edge,
+        system: str | None,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None,
+        spec: str | SpecConfig,
+        out: TextIO,
+    ):
         self.edge, self.system, self.max_new_tokens = edge, system, max_new_tokens
         self.sampling, self.spec, self.out = sampling, spec, out
         self.chat = edge.conversation(system, spec, sampling=sampling)
@@ -103,8 +116,14 @@ class TerminalChat:
             self.chat.close()
 
 
-def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
-             sampling: SamplingConfig | None = None, spec: str | SpecConfig = "auto", out: TextIO | None = None) -> int:
+def run_chat(
+    edge: Edge,
+    system: str | None = None,
+    max_new_tokens: int = 256,
+    sampling: SamplingConfig | None = None,
+    spec: str | SpecConfig = "auto",
+    out: TextIO | None = None,
+) -> int:
     out = out or sys.stdout
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -112,7 +131,10 @@ def run_chat(edge: Edge, system: str | None = None, max_new_tokens: int = 256,
         pass
     if getattr(spec, "mode", spec) == "auto" and (sampling is None or sampling.greedy):
         edge.draft_memory(SpecConfig("auto") if isinstance(spec, str) else spec)  # built once, before the first answer
-    print(f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
-          "/revoke wipes the cloud's copy, /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer",
-          file=out, flush=True)
+    print(
+        f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
+        "/revoke wipes the cloud's copy, /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer",
+        file=out,
+        flush=True,
+    )
     return TerminalChat(edge, system, max_new_tokens, sampling, spec, out).run()

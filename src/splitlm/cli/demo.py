@@ -15,9 +15,18 @@ WARMUP_PROMPT = "Write a Python function that returns the largest of three numbe
 WARMUP_TOKENS = 48
 
 
-def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: int = 96,
-             wire_dtype: str = "auto", rtt_ms: float = 80.0, spec: str = "auto", device: str = "auto",
-             dtype: str = "auto", cloud_device: str = "auto", cloud_dtype: str = "auto") -> int:
+def run_demo(
+    model: str = "default",
+    prompt: str | None = None,
+    max_new_tokens: int = 96,
+    wire_dtype: str = "auto",
+    rtt_ms: float = 80.0,
+    spec: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    cloud_device: str = "auto",
+    cloud_dtype: str = "auto",
+) -> int:
     import torch
 
     from splitlm.bench.wan import WanConfig, WanEmulator
@@ -33,15 +42,25 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
     with cloud_process(split_dir / "cloud", cloud_device, cloud_dtype) as port:
         torch.set_num_threads(1)
         log.info(f"splitlm demo: the edge reaches it through an emulated WAN link with {rtt_ms:.0f} ms round trips")
-        with WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan, \
-                Edge(split_dir / "edge", wan.url_for("ws"), wire_dtype=wire_dtype, cloud_key=cloud_key, device=device,
-                     dtype=dtype) as edge:
+        with (
+            WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan,
+            Edge(
+                split_dir / "edge",
+                wan.url_for("ws"),
+                wire_dtype=wire_dtype,
+                cloud_key=cloud_key,
+                device=device,
+                dtype=dtype,
+            ) as edge,
+        ):
             # The step budget of `auto` learns the link's round trip and the cloud's cost per token from the
             # steps it runs (an edge that has served a request knows them); a first request starts untrained
             # and drafts too little. One short request first, as `bench` does before it measures.
             log_head(split_dir / "edge", edge.model.manifest.model_hash, spec)
-            log.info("splitlm demo: one short warm-up request first, so that the speculation budget knows the link "
-                     "(not shown)")
+            log.info(
+                "splitlm demo: one short warm-up request first, so that the speculation budget knows the link "
+                "(not shown)"
+            )
             edge.generate(WARMUP_PROMPT, WARMUP_TOKENS, chat=True, spec=spec)
             prompt = prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
@@ -55,10 +74,14 @@ def run_demo(model: str = "default", prompt: str | None = None, max_new_tokens: 
             slow = edge.generate(prompt, max_new_tokens, chat=True, spec="none").stats
             print(format_stats(slow), file=sys.stderr)
             if slow.tokens_per_s > 0:
-                log.info(f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per "
-                         f"round trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens")
-                log.info("splitlm demo: one prose answer; `splitlm bench` averages 20 prompts (code gains most, prose "
-                         "least) on an idle machine: docs/results.md")
+                log.info(
+                    f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per "
+                    f"round trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens"
+                )
+                log.info(
+                    "splitlm demo: one prose answer; `splitlm bench` averages 20 prompts (code gains most, prose "
+                    "least) on an idle machine: docs/results.md"
+                )
     return 0
 
 
@@ -70,15 +93,24 @@ def log_head(edge_dir, model_hash: str, spec: str) -> None:
         return
     path = find_head(edge_dir, model_hash)
     if path is None:
-        log.info("splitlm demo: no draft head for this model (`splitlm train-head` trains one): %s drafts without it",
-                 spec)
+        log.info(
+            "splitlm demo: no draft head for this model (`splitlm train-head` trains one): %s drafts without it", spec
+        )
     else:
         log.info("splitlm demo: %s drafts with the draft head %s (%s)", spec, path, head_origin(path))
 
 
 def cmd_demo(args) -> int:
-    return run_demo(args.model, args.prompt, args.max_new_tokens, args.wire_dtype, device=args.device, dtype=args.dtype,
-                    cloud_device=args.cloud_device or args.device, cloud_dtype=args.cloud_dtype or args.dtype)
+    return run_demo(
+        args.model,
+        args.prompt,
+        args.max_new_tokens,
+        args.wire_dtype,
+        device=args.device,
+        dtype=args.dtype,
+        cloud_device=args.cloud_device or args.device,
+        cloud_dtype=args.cloud_dtype or args.dtype,
+    )
 
 
 def add_demo(sub) -> None:

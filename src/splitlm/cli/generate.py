@@ -33,14 +33,31 @@ def cmd_generate(args) -> int:
     with open_edge(args) as edge:
         stop_at_eos = not args.ignore_eos
         chat = args.chat if args.chat is not None else edge.has_chat_template
-        options = dict(chat=chat, stop_at_eos=stop_at_eos, spec=spec_arg(args), sampling=sampling, stop=args.stop,
-                       response_format=grammar)
+        options = dict(
+            chat=chat,
+            stop_at_eos=stop_at_eos,
+            spec=spec_arg(args),
+            sampling=sampling,
+            stop=args.stop,
+            response_format=grammar,
+        )
         if args.json:
             result = edge.generate(prompt, args.max_new_tokens, **options)
-            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "prompt_tokens": len(result.prompt_ids),
-                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict(),
-                              "edge": {"device": f"onnx:{edge.onnx}" if edge.onnx else str(edge.device),
-                                       "dtype": dtype_name(edge.dtype)}}))
+            print(
+                json.dumps(
+                    {
+                        "text": result.text,
+                        "token_ids": result.token_ids,
+                        "prompt_tokens": len(result.prompt_ids),
+                        "finish_reason": result.finish_reason,
+                        "stats": result.stats.to_dict(),
+                        "edge": {
+                            "device": f"onnx:{edge.onnx}" if edge.onnx else str(edge.device),
+                            "dtype": dtype_name(edge.dtype),
+                        },
+                    }
+                )
+            )
             return 0
         stream = edge.stream(prompt, args.max_new_tokens, **options)
         for piece in stream:
@@ -75,8 +92,11 @@ def add_grammar_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON Schema file")
     g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    g.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (llguidance's dialect: "
-                                                     "EBNF-like rules, /regex/ terminals)")
+    g.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output matches this Lark grammar (llguidance's dialect: EBNF-like rules, /regex/ terminals)",
+    )
     g.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression (Rust regex syntax)")
 
 
@@ -86,7 +106,9 @@ def read_prompt(args) -> str:
         try:
             text = open(args.prompt_file, encoding="utf-8").read()
         except (OSError, UnicodeDecodeError) as e:
-            raise SplitLMError(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+            raise SplitLMError(
+                f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
     elif args.prompt == "-":
         text = sys.stdin.read()
     else:
@@ -103,8 +125,9 @@ def cmd_chat(args) -> int:
     set_threads(args.threads)
     sampling = sampling_config(args)
     with open_edge(args) as edge:
-        return run_chat(edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                        spec=spec_arg(args))
+        return run_chat(
+            edge, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec_arg(args)
+        )
 
 
 def add_generate(sub) -> None:
@@ -115,16 +138,21 @@ def add_generate(sub) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this UTF-8 file")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (default: when the tokenizer has one; "
-                        "--no-chat continues the text as it is)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (default: when the tokenizer has one; "
+        "--no-chat continues the text as it is)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     add_pipeline_option(p)
     add_spec_option(p, "speculative decoding: several tokens per round trip, same greedy output")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="end the text before this string (repeatable)")
+    p.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="end the text before this string (repeatable)"
+    )
     add_sampling_options(p)
     add_grammar_options(p)
     add_edge_options(p)

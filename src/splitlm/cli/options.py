@@ -75,27 +75,58 @@ def need_edge_shard(args) -> None:
 
 def add_edge_security_options(p: argparse.ArgumentParser) -> None:
     """The edge's key options; pass `edge_security_kwargs(args)` on to `Edge(...)`."""
-    p.add_argument("--identity", metavar="KEY", default=None,
-                   help="this client's private key (from `splitlm keygen`; default: one kept in the config dir, "
-                        "$SPLITLM_CONFIG or ~/.config/splitlm)")
-    p.add_argument("--cloud-key", metavar="PUB|FINGERPRINT", default=None,
-                   help="the cloud's public key file or SHA256: fingerprint to pin (default: trust on first use, "
-                        "recorded in the known_hosts file)")
-    p.add_argument("--known-hosts", metavar="FILE", default=None,
-                   help="trust-on-first-use record (default: known_hosts in the config dir)")
-    p.add_argument("--tls-ca", metavar="FILE", default=None,
-                   help="CA certificate(s) that sign a wss:// cloud's certificate (default: the system's)")
+    p.add_argument(
+        "--identity",
+        metavar="KEY",
+        default=None,
+        help="this client's private key (from `splitlm keygen`; default: one kept in the config dir, "
+        "$SPLITLM_CONFIG or ~/.config/splitlm)",
+    )
+    p.add_argument(
+        "--cloud-key",
+        metavar="PUB|FINGERPRINT",
+        default=None,
+        help="the cloud's public key file or SHA256: fingerprint to pin (default: trust on first use, "
+        "recorded in the known_hosts file)",
+    )
+    p.add_argument(
+        "--known-hosts",
+        metavar="FILE",
+        default=None,
+        help="trust-on-first-use record (default: known_hosts in the config dir)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=None,
+        help="CA certificate(s) that sign a wss:// cloud's certificate (default: the system's)",
+    )
 
 
 def edge_security_kwargs(args) -> dict:
     """Keyword arguments for `Edge(...)` from the options of `add_edge_options` (keys, trust, what the
     cloud may keep and which tokens may be emitted)."""
-    kwargs = {name: getattr(args, name, None) for name in ("identity", "cloud_key", "known_hosts", "tls_ca",
-                                                             "cache_policy", "device", "dtype", "edge_adapter")}
+    kwargs = {
+        name: getattr(args, name, None)
+        for name in (
+            "identity",
+            "cloud_key",
+            "known_hosts",
+            "tls_ca",
+            "cache_policy",
+            "device",
+            "dtype",
+            "edge_adapter",
+        )
+    }
     ping = getattr(args, "ping_interval", 20.0)
-    return {**kwargs, "vocab": getattr(args, "vocab", None) or "all",
-            "failover_timeout_s": getattr(args, "failover_timeout", 30.0), "ping_interval_s": ping or None,
-            "prefill_chunk": getattr(args, "stream_prefill", "auto")}
+    return {
+        **kwargs,
+        "vocab": getattr(args, "vocab", None) or "all",
+        "failover_timeout_s": getattr(args, "failover_timeout", 30.0),
+        "ping_interval_s": ping or None,
+        "prefill_chunk": getattr(args, "stream_prefill", "auto"),
+    }
 
 
 def open_edge(args):
@@ -135,17 +166,28 @@ def spec_arg(args):
 
 
 def add_pipeline_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline", action="store_true",
-                   help="pipelined speculation: draft and send the next step while one is in flight, betting on "
-                        "its likeliest path (rolled back on a miss; same output). Pays at high RTT")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="pipelined speculation: draft and send the next step while one is in flight, betting on "
+        "its likeliest path (rolled back on a miss; same output). Pays at high RTT",
+    )
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples, still several tokens per round trip with --spec "
-                        "(exact speculative sampling: the output is distributed as plain sampling)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages tokens already in the context (default 1: off)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default); > 0 samples, still several tokens per round trip with --spec "
+        "(exact speculative sampling: the output is distributed as plain sampling)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 discourages tokens already in the context (default 1: off)",
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=None, help="same seed, same sampled output")
@@ -155,8 +197,13 @@ def sampling_config(args):
     from splitlm.decoding.sampling import SamplingConfig
 
     try:
-        return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              repetition_penalty=args.repetition_penalty)
+        return SamplingConfig(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            repetition_penalty=args.repetition_penalty,
+        )
     except ValueError as e:
         raise SplitLMError(str(e)) from None
 
@@ -166,22 +213,49 @@ CLOUD_HELP = "cloud URL ws://HOST:PORT; several, comma-separated, to fail over t
 
 def add_edge_options(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p, what="the edge's layers", onnx=True)
-    p.add_argument("--edge-adapter", metavar="PATH", default=None,
-                   help="a peft LoRA adapter directory of the full model (e.g. from `splitlm train-adapter`), merged "
-                        "into the edge's layers; it may change only what the edge holds and never leaves it")
-    p.add_argument("--failover-timeout", type=positive_float, default=30.0, metavar="S",
-                   help="how long a request keeps trying to reach a cloud after losing one (default 30)")
-    p.add_argument("--ping-interval", type=non_negative_float, default=20.0, metavar="S",
-                   help="keepalive pings; a link that answers none for as long is dead (default 20, 0 = off)")
-    p.add_argument("--wire-dtype", default="auto", choices=WIRE_CHOICES,
-                   help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use "
-                        "per-row scales)")
-    p.add_argument("--cache-policy", type=cache_policy_arg, default="session", metavar="{none,session,window:N,sealed}",
-                   help="what the cloud may keep between requests (default session; see README, cache policies)")
+    p.add_argument(
+        "--edge-adapter",
+        metavar="PATH",
+        default=None,
+        help="a peft LoRA adapter directory of the full model (e.g. from `splitlm train-adapter`), merged "
+        "into the edge's layers; it may change only what the edge holds and never leaves it",
+    )
+    p.add_argument(
+        "--failover-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="how long a request keeps trying to reach a cloud after losing one (default 30)",
+    )
+    p.add_argument(
+        "--ping-interval",
+        type=non_negative_float,
+        default=20.0,
+        metavar="S",
+        help="keepalive pings; a link that answers none for as long is dead (default 20, 0 = off)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default="auto",
+        choices=WIRE_CHOICES,
+        help="activation codec on the wire (default auto: fp16, bf16 for Gemma; int8 and fp8 use per-row scales)",
+    )
+    p.add_argument(
+        "--cache-policy",
+        type=cache_policy_arg,
+        default="session",
+        metavar="{none,session,window:N,sealed}",
+        help="what the cloud may keep between requests (default session; see README, cache policies)",
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads for this process")
-    p.add_argument("--stream-prefill", type=stream_prefill_arg, default="auto", metavar="{auto,off,N}",
-                   help="how a prompt goes up: auto (default) streams it in pipelined chunks when the measured "
-                        "link and compute say that is sooner; N: chunks of N tokens; off: in one forward")
+    p.add_argument(
+        "--stream-prefill",
+        type=stream_prefill_arg,
+        default="auto",
+        metavar="{auto,off,N}",
+        help="how a prompt goes up: auto (default) streams it in pipelined chunks when the measured "
+        "link and compute say that is sooner; N: chunks of N tokens; off: in one forward",
+    )
     add_vocab_option(p)
     add_edge_security_options(p)
 
@@ -195,7 +269,11 @@ def stream_prefill_arg(text: str) -> int | str:
 
 
 def add_vocab_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab", default="all", metavar="{all,en,zh,FILE}",
-                   help="the token ids the model may emit: all (default), en (Latin script, digits, punctuation, "
-                        "code symbols), zh (en + Chinese), or a file of allowed ids; a split-head cloud computes "
-                        "logits for these only")
+    p.add_argument(
+        "--vocab",
+        default="all",
+        metavar="{all,en,zh,FILE}",
+        help="the token ids the model may emit: all (default), en (Latin script, digits, punctuation, "
+        "code symbols), zh (en + Chinese), or a file of allowed ids; a split-head cloud computes "
+        "logits for these only",
+    )

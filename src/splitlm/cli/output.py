@@ -78,13 +78,15 @@ def run_command(func, args) -> int:
 def add_common_options(parser: argparse.ArgumentParser, subcommands) -> None:
     """`-v` and `-q` on the main parser and after every command; every flag's help shows its default."""
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (debug lines)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or status lines, only results "
-                                                                   "and errors")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars or status lines, only results and errors"
+    )
     for p in subcommands.choices.values():
         p.formatter_class = DefaultsHelpFormatter
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more")
-        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                       help="no progress bars or status lines")
+        p.add_argument(
+            "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars or status lines"
+        )
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -94,8 +96,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         # -h and --version have the default SUPPRESS: they show no default either
-        if ("default" in text or default is None or default is False or default is argparse.SUPPRESS
-                or not action.option_strings):
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"  # argparse %-formats help texts

@@ -22,8 +22,17 @@ def cmd_train_adapter(args) -> int:
         text = Path(args.text).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise SplitLMError(f"cannot read the training text {args.text}: {e}") from None
-    report = train_adapter(args.model, args.edge, text, args.out, rank=args.rank, alpha=args.alpha, steps=args.steps,
-                           lr=args.lr, seq_len=args.seq_len)
+    report = train_adapter(
+        args.model,
+        args.edge,
+        text,
+        args.out,
+        rank=args.rank,
+        alpha=args.alpha,
+        steps=args.steps,
+        lr=args.lr,
+        seq_len=args.seq_len,
+    )
     print(json.dumps(report))
     return 0
 
@@ -32,10 +41,20 @@ def cmd_train_head(args) -> int:
     from splitlm.decoding.train_head import train_head
 
     need_edge_shard(args)
-    report = train_head(args.model, args.edge, warmup=args.warmup, max_tokens=args.max_tokens, minutes=args.minutes,
-                        log=lambda msg: log.info("[train-head] %s", msg), out=args.out)
-    log.info("[train-head] the report is next to the head (%s) and in %s",
-             Path(report["head"]).with_suffix(".json"), args.out)
+    report = train_head(
+        args.model,
+        args.edge,
+        warmup=args.warmup,
+        max_tokens=args.max_tokens,
+        minutes=args.minutes,
+        log=lambda msg: log.info("[train-head] %s", msg),
+        out=args.out,
+    )
+    log.info(
+        "[train-head] the report is next to the head (%s) and in %s",
+        Path(report["head"]).with_suffix(".json"),
+        args.out,
+    )
     print(json.dumps({k: v for k, v in report.items() if k != "provenance"}))
     return 0
 
@@ -49,8 +68,9 @@ def cmd_warmup(args) -> int:
     if args.edge is not None and not Path(args.edge).is_dir():
         raise SplitLMError(f"edge shard {args.edge} not found")
     out = Path(args.edge) / WARMUP_FILE if args.edge is not None else Path(args.out)
-    report = build_warmup(args.model, out, limit=args.limit, batch=args.batch,
-                          progress=lambda msg: log.info("[warmup] %s", msg))
+    report = build_warmup(
+        args.model, out, limit=args.limit, batch=args.batch, progress=lambda msg: log.info("[warmup] %s", msg)
+    )
     print(json.dumps(report))
     return 0
 
@@ -73,26 +93,41 @@ def add_train_adapter(sub) -> None:
 
 def add_train_head(sub) -> None:
     """The `train-head` command's parser."""
-    p = sub.add_parser("train-head", help="train the edge's draft head (--spec head/auto) on the model's own warm-up "
-                                          "answers")
+    p = sub.add_parser(
+        "train-head", help="train the edge's draft head (--spec head/auto) on the model's own warm-up answers"
+    )
     p.add_argument("--model", default="default", help="the model the edge shard was split from")
     p.add_argument("--edge", required=True, help="the edge shard directory; the head is written into it")
     p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
-    p.add_argument("--max-tokens", type=positive_int, default=1_000_000,
-                   help="answer tokens to train on (default 1000000: every bundled answer)")
-    p.add_argument("--minutes", type=positive_float, default=25.0,
-                   help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)")
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=1_000_000,
+        help="answer tokens to train on (default 1000000: every bundled answer)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=positive_float,
+        default=25.0,
+        help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)",
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
-    p.add_argument("--out", default=str(default_results_dir()),
-                   help=f"results directory for the training report train-head-<stamp>.json (default "
-                        f"{default_results_dir()}); a copy is always written next to the head")
+    p.add_argument(
+        "--out",
+        default=str(default_results_dir()),
+        help=f"results directory for the training report train-head-<stamp>.json (default "
+        f"{default_results_dir()}); a copy is always written next to the head",
+    )
     p.set_defaults(func=cmd_train_head)
 
 
 def add_warmup(sub) -> None:
     """The `warmup` command's parser."""
-    p = sub.add_parser("warmup", help="generate the model's answers to generic requests, a corpus for the "
-                                      "auto drafter (bundled for the default model)")
+    p = sub.add_parser(
+        "warmup",
+        help="generate the model's answers to generic requests, a corpus for the "
+        "auto drafter (bundled for the default model)",
+    )
     p.add_argument("--model", default="default", help="the full model (HF directory, .gguf or built-in name)")
     p.add_argument("--edge", default=None, help="edge shard directory: write its warmup.jsonl.gz, used from then on")
     p.add_argument("--out", default=None, help="or: write the file here")

@@ -27,9 +27,7 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="address to accept clients on (default: 127.0.0.1:9000)",
     )
-    parser.add_argument(
-        "--upstream", type=_address_arg, required=True, metavar="HOST:PORT", help="server to relay to"
-    )
+    parser.add_argument("--upstream", type=_address_arg, required=True, metavar="HOST:PORT", help="server to relay to")
     parser.add_argument(
         "--rtt-ms",
         type=non_negative_float,
@@ -52,17 +50,33 @@ def add_wan_arguments(parser: argparse.ArgumentParser) -> None:
         help="bandwidth cap per direction in Mbit/s (default: unlimited)",
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed for the jitter and the drops")
-    parser.add_argument("--drop-after-bytes", type=int, default=None, metavar="N",
-                        help="fault injection: cut the link once, after N bytes (both directions, all connections)")
-    parser.add_argument("--drop-prob", type=float, default=0.0, metavar="P",
-                        help="fault injection: cut a connection at any chunk relayed with probability P (default 0)")
+    parser.add_argument(
+        "--drop-after-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fault injection: cut the link once, after N bytes (both directions, all connections)",
+    )
+    parser.add_argument(
+        "--drop-prob",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="fault injection: cut a connection at any chunk relayed with probability P (default 0)",
+    )
 
 
 def wan_main(args: argparse.Namespace) -> int:
     """Run ``splitlm wan`` until Ctrl-C; return the exit status. A bad value raises ValueError and a port
     it cannot listen on SplitLMError (the CLI's one error path reports them)."""
-    config = WanConfig(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, mbps=args.mbps, seed=args.seed,
-                       drop_after_bytes=args.drop_after_bytes, drop_prob=args.drop_prob)
+    config = WanConfig(
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        mbps=args.mbps,
+        seed=args.seed,
+        drop_after_bytes=args.drop_after_bytes,
+        drop_prob=args.drop_prob,
+    )
     listen, upstream = as_address(args.listen), as_address(args.upstream)
     if not logging.getLogger().handlers:  # called without the CLI's logging set-up: the banner still shows
         logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -38,8 +38,16 @@ class StepRunner(Protocol):
 class SessionRequests:
     """Requests on sessions whose caches this process holds, computed by its batching scheduler."""
 
-    def __init__(self, model: CloudModel, device: torch.device, sessions: SessionTable, scheduler: StepRunner,
-                 limits: ServerLimits, metrics: CloudMetrics, codec: CodecPool):
+    def __init__(
+        self,
+        model: CloudModel,
+        device: torch.device,
+        sessions: SessionTable,
+        scheduler: StepRunner,
+        limits: ServerLimits,
+        metrics: CloudMetrics,
+        codec: CodecPool,
+    ):
         self.model, self.device, self.sessions, self.scheduler = model, device, sessions, scheduler
         self.limits, self.metrics, self.codec = limits, metrics, codec
 
@@ -50,7 +58,9 @@ class SessionRequests:
         """A new session with an empty cache (split-head: with its authorised vocabulary)."""
         req = Open.from_frame(frame)
         vocab = self.parse_vocab(req.vocab)
-        s = self.sessions.open(conn.client_key, req.wire_dtype, len(self.model.middle.layers), conn.id, req.cache_policy)
+        s = self.sessions.open(
+            conn.client_key, req.wire_dtype, len(self.model.middle.layers), conn.id, req.cache_policy
+        )
         s.vocab = None if vocab is None else to_device(vocab, self.device)
         vocab_size = None
         if self.model.split_head:
@@ -91,8 +101,9 @@ class SessionRequests:
         self.metrics.count_forward(t, req.context, done.compute_s, done.queue_s)
         result = Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s)
         try:
-            return await self.codec.run(sum(x.nbytes for x in done.tensors.values()), result.to_frame,
-                                        req.control.dtype or session.wire_dtype)
+            return await self.codec.run(
+                sum(x.nbytes for x in done.tensors.values()), result.to_frame, req.control.dtype or session.wire_dtype
+            )
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
@@ -101,8 +112,10 @@ class SessionRequests:
         if value is None:
             return None
         if not self.model.split_head:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab only applies to a split-head cloud (this one holds no "
-                                                       "part of the LM head)")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "vocab only applies to a split-head cloud (this one holds no part of the LM head)",
+            )
         return unpack_vocab(value, self.model.cfg.vocab_size)  # [S] ascending ids
 
     def parse_forward(self, session: Session, frame: Frame) -> tuple[Forward, int]:
@@ -117,5 +130,8 @@ class SessionRequests:
         dtype = dtype or session.wire_dtype
         size = wire_nbytes(dtype, [rows, s]) + wire_nbytes(dtype, [rows, self.model.manifest.d_end])
         if size + RESULT_RESERVE_BYTES > self.limits.max_frame_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"logits for {rows} rows ({size} bytes) exceed the frame limit of "
-                                                     f"{self.limits.max_frame_bytes} bytes; ask for fewer rows")
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"logits for {rows} rows ({size} bytes) exceed the frame limit of "
+                f"{self.limits.max_frame_bytes} bytes; ask for fewer rows",
+            )

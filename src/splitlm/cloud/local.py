@@ -41,12 +41,34 @@ class LocalCloud:
     `dtype`, with `extra_args`), which can be killed like a crash (SIGKILL) and started again on its port.
     Its stderr goes to `log`."""
 
-    def __init__(self, shard_dir: str | Path, log: Path, device: str = "auto", dtype: str = "auto",
-                 extra_args: list[str] = (), timeout_s: float = 120.0):
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        log: Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        extra_args: list[str] = (),
+        timeout_s: float = 120.0,
+    ):
         self.port = free_port()
         self.log, self.timeout_s = log, timeout_s
-        self.argv = [sys.executable, "-m", "splitlm", "serve-cloud", "--shard", str(shard_dir), "--port",
-                     str(self.port), "--threads", "1", "--device", device, "--dtype", dtype, *extra_args]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "splitlm",
+            "serve-cloud",
+            "--shard",
+            str(shard_dir),
+            "--port",
+            str(self.port),
+            "--threads",
+            "1",
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            *extra_args,
+        ]
         self.proc: subprocess.Popen | None = None
         self.kills = 0
 
@@ -78,8 +100,13 @@ class LocalCloud:
 
 
 @contextlib.contextmanager
-def cloud_process(shard_dir: str | Path, device: str = "auto", dtype: str = "auto",
-                  extra_args: list[str] = (), timeout_s: float = 120.0) -> Iterator[int]:
+def cloud_process(
+    shard_dir: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    extra_args: list[str] = (),
+    timeout_s: float = 120.0,
+) -> Iterator[int]:
     """Serve `shard_dir` from a `splitlm serve-cloud --threads 1` subprocess on loopback (on `device`,
     computing in `dtype`, with `extra_args`, e.g. ``["--max-batch", "1"]``); yields its port.
 

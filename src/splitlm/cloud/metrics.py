@@ -33,6 +33,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 @dataclass
 class ServerStats:
     """Running totals of one server (tests and logs read them; `/metrics` has the same and more)."""
+
     connections: int = 0  # WebSocket connections accepted
     forwards: int = 0  # FORWARD requests computed
     tokens: int = 0  # token positions they ran through the layers
@@ -67,54 +68,106 @@ class CloudMetrics:
         self.stats = ServerStats()
         r = self.registry = CollectorRegistry()
         self.connections = Counter("splitlm_cloud_connections_total", "WebSocket connections accepted.", registry=r)
-        self.requests = Counter("splitlm_cloud_requests_total", "Requests answered, by message type.", ["type"],
-                                registry=r)
-        self.round_trips = Counter("splitlm_cloud_round_trips_total",
-                                   "FORWARD requests computed (one per edge round trip).", registry=r)
-        self.tokens = Counter("splitlm_cloud_tokens_total", "Token positions run through the middle layers.", registry=r)
-        self.rows = Counter("splitlm_cloud_rows_total", "Rows run through the middle layers: new token positions "
-                            "and re-sent context rows (prompt and generated tokens alike).", registry=r)
-        self.context_rows = Counter("splitlm_cloud_context_rows_total", "Context rows re-sent by edges (replays "
-                                    "after a preemption or a failover, sessions that keep no cache).", registry=r)
-        self.tokens_per_round_trip = Histogram("splitlm_cloud_tokens_per_round_trip",
-                                               "Token positions per FORWARD (trees and windows included).",
-                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.requests = Counter(
+            "splitlm_cloud_requests_total", "Requests answered, by message type.", ["type"], registry=r
+        )
+        self.round_trips = Counter(
+            "splitlm_cloud_round_trips_total", "FORWARD requests computed (one per edge round trip).", registry=r
+        )
+        self.tokens = Counter(
+            "splitlm_cloud_tokens_total", "Token positions run through the middle layers.", registry=r
+        )
+        self.rows = Counter(
+            "splitlm_cloud_rows_total",
+            "Rows run through the middle layers: new token positions "
+            "and re-sent context rows (prompt and generated tokens alike).",
+            registry=r,
+        )
+        self.context_rows = Counter(
+            "splitlm_cloud_context_rows_total",
+            "Context rows re-sent by edges (replays after a preemption or a failover, sessions that keep no cache).",
+            registry=r,
+        )
+        self.tokens_per_round_trip = Histogram(
+            "splitlm_cloud_tokens_per_round_trip",
+            "Token positions per FORWARD (trees and windows included).",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         self.errors = Counter("splitlm_cloud_errors_total", "ERROR frames sent, by error code.", ["code"], registry=r)
-        self.compute_seconds = Histogram("splitlm_cloud_compute_seconds", "Compute time of one FORWARD.",
-                                         buckets=SECOND_BUCKETS, registry=r)
-        self.request_seconds = Histogram("splitlm_cloud_request_seconds",
-                                         "Time from a request's arrival to its reply being sent, by type.",
-                                         ["type"], buckets=SECOND_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "splitlm_cloud_compute_seconds", "Compute time of one FORWARD.", buckets=SECOND_BUCKETS, registry=r
+        )
+        self.request_seconds = Histogram(
+            "splitlm_cloud_request_seconds",
+            "Time from a request's arrival to its reply being sent, by type.",
+            ["type"],
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
         self.sessions = Gauge("splitlm_cloud_sessions", "Open sessions.", registry=r)
-        self.kv_reserved = Gauge("splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.",
-                                 registry=r)
-        self.kv_budget = Gauge("splitlm_cloud_kv_budget_bytes", "The KV memory budget (preemption, then CAPACITY "
-                               "beyond it).", registry=r)
-        self.kv_usage = Gauge("splitlm_cloud_kv_cache_usage_perc", "KV cache bytes reserved as a fraction of the "
-                              "budget (0 to 1).", registry=r)
+        self.kv_reserved = Gauge(
+            "splitlm_cloud_kv_reserved_bytes", "KV cache bytes the open sessions reserve.", registry=r
+        )
+        self.kv_budget = Gauge(
+            "splitlm_cloud_kv_budget_bytes", "The KV memory budget (preemption, then CAPACITY beyond it).", registry=r
+        )
+        self.kv_usage = Gauge(
+            "splitlm_cloud_kv_cache_usage_perc",
+            "KV cache bytes reserved as a fraction of the budget (0 to 1).",
+            registry=r,
+        )
         self.running = Gauge("splitlm_cloud_num_requests_running", "FORWARDs in a pass of the layers now.", registry=r)
         self.waiting = Gauge("splitlm_cloud_num_requests_waiting", "FORWARDs queued for their first pass.", registry=r)
-        self.preemptions = Counter("splitlm_cloud_num_preemptions_total", "Idle sessions freed to make room for another "
-                                   "(their edges replay).", registry=r)
-        self.idle_evictions = Counter("splitlm_cloud_idle_evictions_total", "Sessions freed after the idle timeout "
-                                      "(their edges replay if they come back).", registry=r)
-        self.replays = Counter("splitlm_cloud_replays_total", "OPENs by a client that was told PREEMPTED "
-                               "(an edge re-opening to replay its context).", registry=r)
-        self.batch_size = Histogram("splitlm_cloud_batch_size", "Requests (sessions) per pass of the scheduler.",
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.batch_rows = Histogram("splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.",
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.pass_seconds = Histogram("splitlm_cloud_pass_seconds", "Compute time of one pass of the scheduler.",
-                                      buckets=SECOND_BUCKETS, registry=r)
+        self.preemptions = Counter(
+            "splitlm_cloud_num_preemptions_total",
+            "Idle sessions freed to make room for another (their edges replay).",
+            registry=r,
+        )
+        self.idle_evictions = Counter(
+            "splitlm_cloud_idle_evictions_total",
+            "Sessions freed after the idle timeout (their edges replay if they come back).",
+            registry=r,
+        )
+        self.replays = Counter(
+            "splitlm_cloud_replays_total",
+            "OPENs by a client that was told PREEMPTED (an edge re-opening to replay its context).",
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "splitlm_cloud_batch_size",
+            "Requests (sessions) per pass of the scheduler.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "splitlm_cloud_batch_rows", "Token rows per pass of the scheduler.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.pass_seconds = Histogram(
+            "splitlm_cloud_pass_seconds",
+            "Compute time of one pass of the scheduler.",
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
         phase = "Time the scheduler's passes spent {} (over splitlm_cloud_pass_seconds_count: the mean)."
-        self.pass_begin_seconds = Counter("splitlm_cloud_pass_begin_seconds", phase.format(
-            "beginning steps (caches restored, cropped, kept; rows to the device)"), registry=r)
-        self.pass_layers_seconds = Counter("splitlm_cloud_pass_layers_seconds", phase.format(
-            "running the layers (on a GPU: launching their kernels)"), registry=r)
-        self.pass_finish_seconds = Counter("splitlm_cloud_pass_finish_seconds", phase.format(
-            "finishing steps (policies; outputs to host memory, on a GPU after the kernels)"), registry=r)
-        self.queue_seconds = Histogram("splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.",
-                                       buckets=SECOND_BUCKETS, registry=r)
+        self.pass_begin_seconds = Counter(
+            "splitlm_cloud_pass_begin_seconds",
+            phase.format("beginning steps (caches restored, cropped, kept; rows to the device)"),
+            registry=r,
+        )
+        self.pass_layers_seconds = Counter(
+            "splitlm_cloud_pass_layers_seconds",
+            phase.format("running the layers (on a GPU: launching their kernels)"),
+            registry=r,
+        )
+        self.pass_finish_seconds = Counter(
+            "splitlm_cloud_pass_finish_seconds",
+            phase.format("finishing steps (policies; outputs to host memory, on a GPU after the kernels)"),
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "splitlm_cloud_queue_seconds", "Time a FORWARD waited for a pass.", buckets=SECOND_BUCKETS, registry=r
+        )
 
     def count_connection(self) -> None:
         self.stats.connections += 1
@@ -174,8 +227,9 @@ class CloudMetrics:
         return generate_latest(self.registry)
 
 
-def http_response(connection: ServerConnection, request: Request, health: Callable[[], str],
-                  scrape: Callable[[], bytes]) -> Response | None:
+def http_response(
+    connection: ServerConnection, request: Request, health: Callable[[], str], scrape: Callable[[], bytes]
+) -> Response | None:
     """The answer to a plain HTTP request (websockets' `process_request`): `/healthz` -> `health()`,
     `/metrics` -> `scrape()`; None for anything else (the WebSocket handshake goes on)."""
     if request.path == "/healthz":

@@ -27,6 +27,7 @@ OPEN_GRACE_S = 2.0
 
 class Preemptible(Protocol):
     """What the choice reads of a session (`cloud.sessions.Session`)."""
+
     active: int  # requests being handled
     grace_until: float  # time.monotonic() before which a just-opened, unused session is spared
     last_used: float  # time.monotonic() of its last request's arrival or reply

@@ -87,15 +87,22 @@ def connect(config: RayConfig) -> None:
     if ray.is_initialized():
         return
     if config.address is None:
-        ray.init(namespace=config.namespace, include_dashboard=False, num_cpus=config.local_cpus,
-                 object_store_memory=config.object_store_mb * 2**20, log_to_driver=False)
+        ray.init(
+            namespace=config.namespace,
+            include_dashboard=False,
+            num_cpus=config.local_cpus,
+            object_store_memory=config.object_store_mb * 2**20,
+            log_to_driver=False,
+        )
     else:
         try:
             ray.init(address=config.address, namespace=config.namespace, log_to_driver=False)
         except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
             first = str(e).strip().splitlines()
-            raise SplitLMError(f"cannot join the Ray cluster at {config.address}: "
-                               f"{first[0] if first else type(e).__name__} (docs/scale-out.md)") from None
+            raise SplitLMError(
+                f"cannot join the Ray cluster at {config.address}: "
+                f"{first[0] if first else type(e).__name__} (docs/scale-out.md)"
+            ) from None
 
 
 @dataclass
@@ -107,8 +114,9 @@ class Replica:
     load: Load | None = None  # the last poll's answer; None: did not answer
 
 
-def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch: BatchConfig | None,
-           device: str, dtype: str) -> list[Replica]:
+def deploy(
+    shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch: BatchConfig | None, device: str, dtype: str
+) -> list[Replica]:
     """Create the R x S actors (or attach to the ones of the same name) and wait until each replica answers."""
     import ray
 
@@ -119,9 +127,15 @@ def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch
     gpus = config.actor_gpus
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    common = dict(namespace=config.namespace, get_if_exists=True, max_restarts=-1, max_task_retries=0,
-                  num_cpus=config.actor_cpus, num_gpus=gpus,
-                  lifetime="detached" if config.address is not None else None)
+    common = dict(
+        namespace=config.namespace,
+        get_if_exists=True,
+        max_restarts=-1,
+        max_task_retries=0,
+        num_cpus=config.actor_cpus,
+        num_gpus=gpus,
+        lifetime="detached" if config.address is not None else None,
+    )
     shard = str(Path(shard_dir).resolve())
     stage_cls, head_cls = ray.remote(StageWorker), ray.remote(ReplicaHead)
     replicas = []
@@ -133,21 +147,34 @@ def deploy(shard_dir: str | Path, config: RayConfig, limits: ServerLimits, batch
             owned = False
         except ValueError:  # no such actor yet: this front door creates the replica
             owned = True
-        stages = [stage_cls.options(name=names[s], max_concurrency=lanes + 2, **common).remote(specs[s])
-                  for s in range(1, config.stages)]
+        stages = [
+            stage_cls.options(name=names[s], max_concurrency=lanes + 2, **common).remote(specs[s])
+            for s in range(1, config.stages)
+        ]
         head = head_cls.options(name=names[0], max_concurrency=1000, **common).remote(
-            specs[0], names[1:], config.namespace, limits, batch, lanes)
+            specs[0], names[1:], config.namespace, limits, batch, lanes
+        )
         replicas.append(Replica(r, head, stages, owned))
     try:
         loads = ray.get([rep.head.load.remote() for rep in replicas], timeout=START_TIMEOUT_S)
     except ray.exceptions.RayError as e:  # e.g. an actor's __init__ failed (its device, its shard path)
         cause = str(e).strip().splitlines()
-        raise SplitLMError(f"the Ray cloud's actors did not start: {cause[-1] if cause else type(e).__name__}") from None
+        raise SplitLMError(
+            f"the Ray cloud's actors did not start: {cause[-1] if cause else type(e).__name__}"
+        ) from None
     for rep, load in zip(replicas, loads, strict=True):
         rep.load = load
-    log.info("Ray cloud: %d replica(s) x %d stage(s) (layers %s), %d pass(es) in flight per replica, actors with "
-             "%g CPU and %g GPU each, on %s", config.replicas, config.stages,
-             ", ".join(f"[{lo},{hi})" for lo, hi in ranges), lanes, config.actor_cpus, gpus, loads[0].device)
+    log.info(
+        "Ray cloud: %d replica(s) x %d stage(s) (layers %s), %d pass(es) in flight per replica, actors with "
+        "%g CPU and %g GPU each, on %s",
+        config.replicas,
+        config.stages,
+        ", ".join(f"[{lo},{hi})" for lo, hi in ranges),
+        lanes,
+        config.actor_cpus,
+        gpus,
+        loads[0].device,
+    )
     return replicas
 
 
@@ -167,6 +194,7 @@ class Route:
 class RouteTable:
     """The front door's sessions: which replica (and incarnation) each one lives on. It stands in for
     the single-process server's `SessionTable` (the replicas hold the sessions themselves)."""
+
     door: str  # this front door's id: connection ids on the replicas are `door:conn`
     replicas: list[Replica]
     sessions: dict[int, Route] = field(default_factory=dict)
@@ -189,8 +217,17 @@ class RouteTable:
 class RayFrontDoor(CloudServer):
     """The WebSocket server in front of the Ray replicas (several may run, on any machines)."""
 
-    def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *, ray: RayConfig | None = None,
-                 batch: BatchConfig | None = None, device: str = "auto", dtype: str = "auto", **security):
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        limits: ServerLimits | None = None,
+        *,
+        ray: RayConfig | None = None,
+        batch: BatchConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        **security,
+    ):
         self.ray_config = ray or RayConfig()
         super().__init__(shard_dir, limits, device="cpu", dtype="fp32", batch=BatchConfig(max_batch=1), **security)
         self.scheduler.close()  # the replicas compute; this process holds no layers
@@ -211,8 +248,10 @@ class RayFrontDoor(CloudServer):
 
     def health(self) -> str:
         """As the single-process cloud's, with the replicas' device."""
-        return (f"ok {self.manifest.fingerprint} device={self.replica_device} dtype={dtype_name(self.dtype)} "
-                f"replicas={len(self.replicas)} stages={self.ray_config.stages}\n")
+        return (
+            f"ok {self.manifest.fingerprint} device={self.replica_device} dtype={dtype_name(self.dtype)} "
+            f"replicas={len(self.replicas)} stages={self.ray_config.stages}\n"
+        )
 
     @property
     def replicas(self) -> list[Replica]:
@@ -260,13 +299,18 @@ class RayFrontDoor(CloudServer):
         ready = [(i, load) for i, load in live if load.ready] or live
         if not ready:
             raise ProtocolError(ErrorCode.CAPACITY, "no replica of the Ray cloud answers; retry later")
-        routed = Counter(r.replica for r in self.sessions.sessions.values()
-                         if loads[r.replica] is not None and r.incarnation == loads[r.replica].incarnation)
-        return min(ready, key=lambda x: (max(x[1].sessions, routed[x[0]]) + self.opening[x[0]], x[1].queued_rows,
-                                         x[0]))[0]
+        routed = Counter(
+            r.replica
+            for r in self.sessions.sessions.values()
+            if loads[r.replica] is not None and r.incarnation == loads[r.replica].incarnation
+        )
+        return min(
+            ready, key=lambda x: (max(x[1].sessions, routed[x[0]]) + self.opening[x[0]], x[1].queued_rows, x[0])
+        )[0]
 
     async def poll(self, timeout_s: float) -> list[Load | None]:
         """Every replica's load (None where stage 0 does not answer within `timeout_s`)."""
+
         async def one(rep: Replica) -> Load | None:
             try:
                 return await asyncio.wait_for(asyncio.wrap_future(rep.head.load.remote().future()), timeout_s)
@@ -304,13 +348,21 @@ class RayFrontDoor(CloudServer):
 
     async def lose(self, index: int, incarnation: str | None, reason: str) -> None:
         """End the connections of every session on replica `index` opened in `incarnation` (None: any)."""
-        routes = {sid: r for sid, r in self.sessions.sessions.items()
-                  if r.replica == index and (incarnation is None or r.incarnation == incarnation)}
+        routes = {
+            sid: r
+            for sid, r in self.sessions.sessions.items()
+            if r.replica == index and (incarnation is None or r.incarnation == incarnation)
+        }
         if not routes:
             return
         conns = {r.conn for r in routes.values()}
-        log.warning("replica %d lost (%s): closing %d connection(s) of %d session(s); their edges replay",
-                    index, reason, len(conns), len(routes))
+        log.warning(
+            "replica %d lost (%s): closing %d connection(s) of %d session(s); their edges replay",
+            index,
+            reason,
+            len(conns),
+            len(routes),
+        )
         self.lost += len(routes)
         for sid in routes:
             self.sessions.sessions.pop(sid, None)
@@ -331,8 +383,11 @@ class RayFrontDoor(CloudServer):
                     if rep.load is None:
                         await self.lose(rep.index, None, "stage 0 does not answer")
                         continue
-                    stale = {r.incarnation for r in self.sessions.sessions.values()
-                             if r.replica == rep.index and r.incarnation != rep.load.incarnation}
+                    stale = {
+                        r.incarnation
+                        for r in self.sessions.sessions.values()
+                        if r.replica == rep.index and r.incarnation != rep.load.incarnation
+                    }
                     for inc in stale:
                         await self.lose(rep.index, inc, "the replica restarted")
             except Exception:  # noqa: BLE001 - the monitor must keep running

@@ -53,6 +53,7 @@ class Reply:
 @dataclass
 class Failure:
     """A request the replica refused (becomes the front door's ERROR frame)."""
+
     code: int
     message: str
 
@@ -60,12 +61,14 @@ class Failure:
 @dataclass
 class Lost:
     """The session's replica incarnation is gone (the front door ends the edge's connection)."""
+
     reason: str
 
 
 @dataclass
 class Load:
     """What the front doors place new sessions by."""
+
     sessions: int
     queued_rows: int
     incarnation: str
@@ -78,6 +81,7 @@ class Load:
 @dataclass
 class RemoteConn:
     """The connection a request arrived on, as the session table knows it (front door and connection)."""
+
     id: str
     client_key: bytes
 
@@ -101,8 +105,13 @@ class PipelineStack(torch.nn.Module):
     def layers(self):
         return self.local.layers
 
-    def forward_packed(self, xs: list[torch.Tensor], positions: list[torch.Tensor],
-                       new_masks: list[torch.Tensor | None], caches: list[StageCache]) -> list[torch.Tensor]:
+    def forward_packed(
+        self,
+        xs: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        new_masks: list[torch.Tensor | None],
+        caches: list[StageCache],
+    ) -> list[torch.Tensor]:
         outs = self.local.forward_packed(xs, positions, new_masks, caches)  # [1, T_i, D] each
         if not self.downstream:
             return outs
@@ -110,9 +119,14 @@ class PipelineStack(torch.nn.Module):
 
         with self.lock:
             dropped = self.dropped.pop(caches[0].lane, [])
-        meta = PassMeta([c.sid for c in caches], [not c.shipped for c in caches], [c.drain() for c in caches],
-                        [to_host(p) for p in positions], [None if m is None else to_host(m) for m in new_masks],
-                        dropped)
+        meta = PassMeta(
+            [c.sid for c in caches],
+            [not c.shipped for c in caches],
+            [c.drain() for c in caches],
+            [to_host(p) for p in positions],
+            [None if m is None else to_host(m) for m in new_masks],
+            dropped,
+        )
         meta_ref = ray.put(meta)
         x = [to_host(o) for o in outs]
         for stage in self.downstream:  # each stage reads the previous one's output from the object store
@@ -139,8 +153,11 @@ class StageSessionTable(SessionTable):
 
     def open(self, owner, wire_dtype, num_layers, conn=0, policy=None) -> Session:
         if policy is not None and policy.sealed:
-            raise ProtocolError(ErrorCode.POLICY, "the Ray cloud does not keep sealed caches (its stages hold "
-                                                  "separate parts of each cache); use policy session, window or none")
+            raise ProtocolError(
+                ErrorCode.POLICY,
+                "the Ray cloud does not keep sealed caches (its stages hold "
+                "separate parts of each cache); use policy session, window or none",
+            )
         session = super().open(owner, wire_dtype, num_layers, conn, policy)
         per_lane = [0] * self.lanes
         for s in self.sessions.values():
@@ -193,16 +210,18 @@ class ReplicaCore(CloudServer):
     """The single-process cloud's session logic over a pipeline of stages (no sockets: `ReplicaHead`
     hands it the frames the front doors decrypted)."""
 
-    def __init__(self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None,
-                 lanes: int = 1):
+    def __init__(
+        self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None, lanes: int = 1
+    ):
         self.spec, self.downstream, self.lanes = spec, downstream, lanes
         self.incarnation = secrets.token_hex(8)
         self.stage_incarnations: list[str] = []
         self.ready = not downstream
         self.lose_lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(spec.shard_dir, limits, device=spec.device, dtype=spec.dtype, identity=generate_identity(),
-                         batch=batch)
+        super().__init__(
+            spec.shard_dir, limits, device=spec.device, dtype=spec.dtype, identity=generate_identity(), batch=batch
+        )
 
     def load_model(self, shard_dir):
         model = load_stage(shard_dir, self.spec.start, self.spec.end, self.device, self.dtype, head_part=True)
@@ -218,8 +237,9 @@ class ReplicaCore(CloudServer):
         return super().make_scheduler(batch)
 
     def make_requests(self) -> ReplicaRequests:
-        return ReplicaRequests(self.model, self.device, self.sessions, self.scheduler, self.limits, self.metrics,
-                               self.codec)
+        return ReplicaRequests(
+            self.model, self.device, self.sessions, self.scheduler, self.limits, self.metrics, self.codec
+        )
 
     def reset_stages(self) -> bool:
         """Make every later stage drop its caches; True when all answered (their incarnations noted)."""
@@ -245,8 +265,9 @@ class ReplicaCore(CloudServer):
             ended = list(self.sessions.sessions.values())
             for s in ended:
                 s.closed = True  # their queued requests are dropped, never computed
-            log.warning("replica incarnation %s lost (%s): %d session(s) end; now %s", old, reason, len(ended),
-                        self.incarnation)
+            log.warning(
+                "replica incarnation %s lost (%s): %d session(s) end; now %s", old, reason, len(ended), self.incarnation
+            )
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.purge, [s.id for s in ended])
 
@@ -256,15 +277,29 @@ class ReplicaCore(CloudServer):
                 self.sessions.remove(sid)
 
     def load(self) -> Load:
-        return Load(len(self.sessions.sessions), self.scheduler.queued_rows, self.incarnation, self.ready,
-                    str(self.device), dtype_name(self.dtype), self.budget.budget_bytes)
+        return Load(
+            len(self.sessions.sessions),
+            self.scheduler.queued_rows,
+            self.incarnation,
+            self.ready,
+            str(self.device),
+            dtype_name(self.dtype),
+            self.budget.budget_bytes,
+        )
 
 
 class ReplicaHead:
     """A replica's stage 0 (Ray actor, asyncio). `stage_names`: its later stages' actor names."""
 
-    def __init__(self, spec: StageSpec, stage_names: list[str], namespace: str, limits: ServerLimits | None,
-                 batch: BatchConfig | None, lanes: int = 1):
+    def __init__(
+        self,
+        spec: StageSpec,
+        stage_names: list[str],
+        namespace: str,
+        limits: ServerLimits | None,
+        batch: BatchConfig | None,
+        lanes: int = 1,
+    ):
         import ray
 
         torch.set_num_threads(spec.threads)
@@ -273,8 +308,13 @@ class ReplicaHead:
         if downstream:  # a restarted stage 0: the later stages still hold the old sessions' caches
             self.core.reset_stages()
         self.tasks: list[asyncio.Task] = []
-        log.info("replica stage 0: layers [%d, %d) + %d later stage(s), incarnation %s", spec.start, spec.end,
-                 len(downstream), self.core.incarnation)
+        log.info(
+            "replica stage 0: layers [%d, %d) + %d later stage(s), incarnation %s",
+            spec.start,
+            spec.end,
+            len(downstream),
+            self.core.incarnation,
+        )
 
     def _started(self) -> None:
         if not self.tasks:
@@ -298,7 +338,9 @@ class ReplicaHead:
                 self.core.lose("a stage restarted")
             self.core.stage_incarnations, self.core.ready = list(incs), True
 
-    async def handle(self, conn_id: str, client_key: bytes, frame: Frame, incarnation: str | None) -> Reply | Failure | Lost:
+    async def handle(
+        self, conn_id: str, client_key: bytes, frame: Frame, incarnation: str | None
+    ) -> Reply | Failure | Lost:
         """One request that a front door decrypted; `incarnation`: the one its session was opened in."""
         self._started()
         current = self.core.incarnation

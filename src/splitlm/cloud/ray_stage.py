@@ -122,6 +122,7 @@ class PassMeta:
     """What a later stage needs besides the activations of one pass: per session (in the pass's
     order) its id, whether this is its first pass, its cache edits, positions and mask; and the
     sessions that ended since the last pass (their caches are freed)."""
+
     sids: list[int]
     fresh: list[bool]
     edits: list[list[tuple]]
@@ -151,8 +152,14 @@ def read_cloud_shard(shard_dir: str | Path) -> tuple[ModelConfig, Manifest]:
     return ModelConfig.from_hf(read_hf_config(shard_dir)), Manifest.read(shard_dir, "cloud")
 
 
-def load_stage(shard_dir: str | Path, start: int, end: int, device: torch.device, dtype: torch.dtype | None,
-               head_part: bool = False) -> StageModel:
+def load_stage(
+    shard_dir: str | Path,
+    start: int,
+    end: int,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    head_part: bool = False,
+) -> StageModel:
     """Only the weights of layers [start, end) (and the head part) from the cloud shard, on `device`."""
     cfg, manifest = read_cloud_shard(shard_dir)
     lo, hi = manifest.cloud_layers
@@ -166,6 +173,7 @@ def load_stage(shard_dir: str | Path, start: int, end: int, device: torch.device
 @dataclass
 class StageSpec:
     """Where a stage actor's layers come from and how it runs them."""
+
     shard_dir: str
     start: int
     end: int
@@ -184,7 +192,9 @@ class StageWorker:
     def __init__(self, spec: StageSpec):
         torch.set_num_threads(spec.threads)
         self.device = resolve_device(spec.device)
-        self.model = load_stage(spec.shard_dir, spec.start, spec.end, self.device, resolve_dtype(spec.dtype, self.device))
+        self.model = load_stage(
+            spec.shard_dir, spec.start, spec.end, self.device, resolve_dtype(spec.dtype, self.device)
+        )
         self.caches: dict[int, KVCache] = {}
         self.lock = threading.Lock()  # run and reset one at a time (ping needs no lock)
         self.incarnation = secrets.token_hex(8)  # a restarted actor has another
@@ -216,6 +226,9 @@ class StageWorker:
                 caches.append(cache)
             dev = self.device
             outs = self.model.middle.forward_packed(
-                [to_device(x, dev) for x in xs], [to_device(p, dev) for p in meta.positions],
-                [None if m is None else to_device(m, dev) for m in meta.masks], caches)
+                [to_device(x, dev) for x in xs],
+                [to_device(p, dev) for p in meta.positions],
+                [None if m is None else to_device(m, dev) for m in meta.masks],
+                caches,
+            )
             return [to_host(o) for o in outs]

@@ -78,6 +78,7 @@ class Job:
 @dataclass
 class Done:
     """A request's outcome: its reply tensors, how long it waited for its first pass, how long it took."""
+
     tensors: dict[str, torch.Tensor]
     queue_s: float
     compute_s: float  # from submit to output (queue_s included)
@@ -223,8 +224,9 @@ class Scheduler:
             if not job.remaining:
                 self._finish(job)
         if self.on_pass is not None:
-            self.on_pass(PassTiming(len(ready), sum(n for _, n in ready), began - start, ran - began,
-                                    time.perf_counter() - ran))
+            self.on_pass(
+                PassTiming(len(ready), sum(n for _, n in ready), began - start, ran - began, time.perf_counter() - ran)
+            )
 
     def _begin(self, pieces: list[tuple[Job, int]], start: float) -> list[tuple[Job, int]]:
         """The pieces whose steps are ready (a job's first piece begins its step; one that fails alone)."""

@@ -42,9 +42,14 @@ def serialize(cache: KVCache) -> bytes:
     present = [k is not None for k, _ in views]
     ref = next((t for t in tensors if t is not None), None)
     dtype = str(ref.dtype).removeprefix("torch.") if ref is not None else "float32"
-    header = {"length": cache.length, "pending_start": cache.pending_start, "present": present, "dtype": dtype,
-              "shapes": [list(t.shape) if t is not None else None for t in tensors],
-              "positions": cache.positions.tolist()}
+    header = {
+        "length": cache.length,
+        "pending_start": cache.pending_start,
+        "present": present,
+        "dtype": dtype,
+        "shapes": [list(t.shape) if t is not None else None for t in tensors],
+        "positions": cache.positions.tolist(),
+    }
     head = msgpack.packb(header)
     raw = b"".join(t.contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors if t is not None)
     return struct.pack("!I", len(head)) + head + raw
@@ -53,7 +58,7 @@ def serialize(cache: KVCache) -> bytes:
 def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu") -> KVCache:
     """A fresh (preallocated) cache on `device` holding the serialized entries."""
     (n,) = struct.unpack_from("!I", data)
-    header = msgpack.unpackb(data[4:4 + n])
+    header = msgpack.unpackb(data[4 : 4 + n])
     dtype = getattr(torch, header["dtype"])
     buf = np.frombuffer(data, dtype=np.uint8, offset=4 + n)
     offset, tensors = 0, []
@@ -62,7 +67,7 @@ def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu"
             tensors.append(None)
             continue
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        chunk = torch.from_numpy(buf[offset:offset + nbytes].copy()).view(dtype).reshape(shape)
+        chunk = torch.from_numpy(buf[offset : offset + nbytes].copy()).view(dtype).reshape(shape)
         tensors.append(chunk)
         offset += nbytes
     cache = KVCache(num_layers)
@@ -79,8 +84,9 @@ def seal(cache: KVCache, key: bytes, session_id: int, counter: int) -> bytes:
     return AESGCM(key).encrypt(_nonce(counter), serialize(cache), _aad(session_id, counter))
 
 
-def unseal(blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int,
-           device: str | torch.device = "cpu") -> KVCache:
+def unseal(
+    blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int, device: str | torch.device = "cpu"
+) -> KVCache:
     try:
         data = AESGCM(key).decrypt(_nonce(counter), blob, _aad(session_id, counter))
     except InvalidTag:

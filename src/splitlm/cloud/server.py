@@ -67,12 +67,20 @@ class CloudServer:
     batch: the scheduler's limits per pass (`BatchConfig`; max_batch=1: one request at a time).
     """
 
-    def __init__(self, shard_dir: str | Path, limits: ServerLimits | None = None, *,
-                 device: str = "auto", dtype: str = "auto",
-                 identity: Identity | str | Path | None = None,
-                 allowed_clients: str | Path | list | AllowedClients | None = None,
-                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
-                 rekey: RekeyPolicy | None = None, batch: BatchConfig | None = None):
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        limits: ServerLimits | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        identity: Identity | str | Path | None = None,
+        allowed_clients: str | Path | list | AllowedClients | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        rekey: RekeyPolicy | None = None,
+        batch: BatchConfig | None = None,
+    ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = self.load_model(shard_dir)
@@ -85,14 +93,18 @@ class CloudServer:
         self.scheduler = self.make_scheduler(batch)
         self.codec = CodecPool()
         self.identity = resolve_identity(identity, "cloud")
-        self.allowed = (allowed_clients if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
-                        else AllowedClients(allowed_clients))
+        self.allowed = (
+            allowed_clients
+            if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
+            else AllowedClients(allowed_clients)
+        )
         self.rekey = rekey
         self.ssl_context = tls_context(tls_cert, tls_key)
         self.requests = self.make_requests()
         handshake = HandshakeConfig(self.identity, self.server_info(batch or BatchConfig()), self.allowed, rekey)
-        self.servicer = Servicer(self.limits, handshake, self.request_table(), self.metrics, self.codec,
-                                 self.connection_closed)
+        self.servicer = Servicer(
+            self.limits, handshake, self.request_table(), self.metrics, self.codec, self.connection_closed
+        )
         self.listener = None  # the websockets server, while serving
         self._stop: asyncio.Event | None = None
 
@@ -108,8 +120,9 @@ class CloudServer:
         return Scheduler(self.model, batch, self.metrics.on_pass)
 
     def make_requests(self) -> SessionRequests:
-        return SessionRequests(self.model, self.device, self.sessions, self.scheduler, self.limits, self.metrics,
-                               self.codec)
+        return SessionRequests(
+            self.model, self.device, self.sessions, self.scheduler, self.limits, self.metrics, self.codec
+        )
 
     def request_table(self) -> RequestTable:
         """Who answers each request type (`servicer.request_table`)."""
@@ -118,9 +131,11 @@ class CloudServer:
     def server_info(self, batch: BatchConfig) -> ServerInfo:
         """HELLO_OK's server information: the limits an edge must respect."""
         lim = self.limits
-        return ServerInfo(f"splitlm/{__version__}", self.manifest.fingerprint,
-                          Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes,
-                                 batch.prefill_chunk))
+        return ServerInfo(
+            f"splitlm/{__version__}",
+            self.manifest.fingerprint,
+            Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes, batch.prefill_chunk),
+        )
 
     @property
     def public_key(self) -> bytes:
@@ -175,16 +190,27 @@ class CloudServer:
             if n := self.sessions.expire():
                 log.info("freed %d idle session(s)", n)
 
-    async def serve(self, host: str, port: int, started: threading.Event | None = None,
-                    stop: asyncio.Event | None = None) -> None:
+    async def serve(
+        self, host: str, port: int, started: threading.Event | None = None, stop: asyncio.Event | None = None
+    ) -> None:
         ping = self.limits.ping_interval_s
         self._stop = stop = stop if stop is not None else asyncio.Event()
-        async with serve(self.servicer.serve, host, port, max_size=self.limits.max_frame_bytes, compression=None,
-                         process_request=self.process_request, ping_interval=ping, ping_timeout=ping,
-                         open_timeout=self.limits.upgrade_timeout_s, ssl=self.ssl_context) as server:
+        async with serve(
+            self.servicer.serve,
+            host,
+            port,
+            max_size=self.limits.max_frame_bytes,
+            compression=None,
+            process_request=self.process_request,
+            ping_interval=ping,
+            ping_timeout=ping,
+            open_timeout=self.limits.upgrade_timeout_s,
+            ssl=self.ssl_context,
+        ) as server:
             if threading.current_thread() is threading.main_thread():  # `splitlm serve-cloud`: SIGTERM drains
                 asyncio.get_running_loop().add_signal_handler(
-                    signal.SIGTERM, lambda: asyncio.ensure_future(self.drain()))
+                    signal.SIGTERM, lambda: asyncio.ensure_future(self.drain())
+                )
             self.listener = server
             self.port = server.sockets[0].getsockname()[1]
             expiry = asyncio.create_task(self.expire_loop())
@@ -200,25 +226,45 @@ class CloudServer:
 
     def log_serving(self, host: str) -> None:
         scheme = "wss" if self.ssl_context else "ws"
-        log.info("serving %s (layers [%d,%d), fingerprint %s) on %s on %s://%s:%d", self.manifest.role,
-                 *self.manifest.cloud_layers, self.manifest.fingerprint, describe(self.device, self.dtype),
-                 scheme, host, self.port)
-        log.info("KV budget %.1f MiB (%d bytes per entry: %d entries in all)", self.budget.budget_bytes / 2**20,
-                 self.budget.bytes_per_entry, self.budget.entries)
-        log.info("cloud identity %s (%s)", self.fingerprint,
-                 self.identity.path or "in memory")
+        log.info(
+            "serving %s (layers [%d,%d), fingerprint %s) on %s on %s://%s:%d",
+            self.manifest.role,
+            *self.manifest.cloud_layers,
+            self.manifest.fingerprint,
+            describe(self.device, self.dtype),
+            scheme,
+            host,
+            self.port,
+        )
+        log.info(
+            "KV budget %.1f MiB (%d bytes per entry: %d entries in all)",
+            self.budget.budget_bytes / 2**20,
+            self.budget.bytes_per_entry,
+            self.budget.entries,
+        )
+        log.info("cloud identity %s (%s)", self.fingerprint, self.identity.path or "in memory")
         if self.allowed is None:
             log.warning("no allow-list of clients (--clients): any client may connect (still encrypted)")
         else:
-            log.info("%d allowed client key(s)%s", len(self.allowed),
-                     f" from {self.allowed.path}" if self.allowed.path else "")
+            log.info(
+                "%d allowed client key(s)%s",
+                len(self.allowed),
+                f" from {self.allowed.path}" if self.allowed.path else "",
+            )
 
 
 class BackgroundServer:
     """Run a CloudServer on its own event loop in a daemon thread (tests, demo, benchmarks)."""
 
-    def __init__(self, shard_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 limits: ServerLimits | None = None, server_cls: type[CloudServer] | None = None, **security):
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+        server_cls: type[CloudServer] | None = None,
+        **security,
+    ):
         """`security`: the server class's keyword arguments (identity, allowed_clients, tls_cert, tls_key, rekey,
         batch; `server_cls` defaults to CloudServer, e.g. `cloud.ray_cloud.RayFrontDoor` with its `ray`)."""
         self.server = (server_cls or CloudServer)(shard_dir, limits, **security)

@@ -49,11 +49,17 @@ CODEC_THREADS = 2
 
 # errors after which the connection is closed (the ERROR frame is sent first); VERSION_MISMATCH only
 # before the handshake (afterwards an unauthenticated frame must not be able to end the connection)
-CLOSING = {ErrorCode.VERSION_MISMATCH, ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.AUTH_FAILED,
-           ErrorCode.UNKNOWN_CLIENT}
+CLOSING = {ErrorCode.VERSION_MISMATCH, ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.AUTH_FAILED, ErrorCode.UNKNOWN_CLIENT}
 # errors that count towards ServerLimits.max_bad_frames (frames that fail below the request level)
-BAD_FRAME_CODES = {ErrorCode.BAD_FRAME, ErrorCode.VERSION_MISMATCH, ErrorCode.NOT_READY, ErrorCode.NOT_ENCRYPTED,
-                   ErrorCode.DECRYPT_FAILED, ErrorCode.REPLAY, ErrorCode.OUT_OF_ORDER}
+BAD_FRAME_CODES = {
+    ErrorCode.BAD_FRAME,
+    ErrorCode.VERSION_MISMATCH,
+    ErrorCode.NOT_READY,
+    ErrorCode.NOT_ENCRYPTED,
+    ErrorCode.DECRYPT_FAILED,
+    ErrorCode.REPLAY,
+    ErrorCode.OUT_OF_ORDER,
+}
 
 
 class CodecPool:
@@ -119,8 +125,11 @@ class Connection:
             frame = self.channel.open(data)
         except ProtocolError as err:
             if err.code == ErrorCode.DECRYPT_FAILED and not self.authenticated:
-                raise ProtocolError(ErrorCode.AUTH_FAILED, "the first encrypted frame did not decrypt: the client "
-                                    f"does not hold the private key of {self.client}") from None
+                raise ProtocolError(
+                    ErrorCode.AUTH_FAILED,
+                    "the first encrypted frame did not decrypt: the client "
+                    f"does not hold the private key of {self.client}",
+                ) from None
             raise
         if not self.authenticated:
             self.authenticated = True
@@ -169,6 +178,7 @@ def reply_address(data: bytes | str) -> tuple[int | None, int]:
 @dataclass
 class HandshakeConfig:
     """What the servicer checks and answers in the handshake (docs/protocol.md §5)."""
+
     identity: Identity  # the cloud's static key
     info: ServerInfo  # HELLO_OK's encrypted payload; `info.fingerprint` is the cloud shard's
     allowed: AllowedClients | None = None  # the client keys that may connect; None: any
@@ -179,8 +189,15 @@ class Servicer:
     """Serves WebSocket connections: the handshake, then requests answered through `table`.
     `on_closed(conn_id)` runs when a connection ends (its sessions end with it)."""
 
-    def __init__(self, limits: ServerLimits, handshake: HandshakeConfig, table: RequestTable, metrics: CloudMetrics,
-                 codec: CodecPool, on_closed: Callable[[int], None]):
+    def __init__(
+        self,
+        limits: ServerLimits,
+        handshake: HandshakeConfig,
+        table: RequestTable,
+        metrics: CloudMetrics,
+        codec: CodecPool,
+        on_closed: Callable[[int], None],
+    ):
         self.limits, self.handshake, self.table = limits, handshake, table
         self.metrics, self.codec, self.on_closed = metrics, codec, on_closed
         self.connections: dict[int, Connection] = {}
@@ -255,8 +272,9 @@ class Servicer:
             raise
         except Exception as e:  # a bug must not take the server down
             log.exception("conn %d: internal error", conn.id)
-            await self.send_error(conn, ProtocolError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}"),
-                                  session, ref)
+            await self.send_error(
+                conn, ProtocolError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}"), session, ref
+            )
 
     async def request(self, conn: Connection, frame: Frame) -> None:
         start = time.perf_counter()
@@ -273,8 +291,11 @@ class Servicer:
         hello = Hello.from_frame(frame, hs.info.fingerprint)
         conn.client = fingerprint(hello.static)
         if hs.allowed is not None and hello.static not in hs.allowed:
-            raise ProtocolError(ErrorCode.UNKNOWN_CLIENT, f"client key {conn.client} is not on this cloud's list of "
-                                "allowed clients (ask its operator to add your .pub file)")
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_CLIENT,
+                f"client key {conn.client} is not on this cloud's list of "
+                "allowed clients (ask its operator to add your .pub file)",
+            )
         ok, channel, _ = server_handshake(hs.identity, hello, data, hs.info, next(conn.seq_out), hs.rekey, conn.window)
         conn.channel, conn.client_key = channel, hello.static
         log.info("conn %d: HELLO from client %s", conn.id, conn.client)
@@ -293,8 +314,9 @@ class Servicer:
             if conn.bad_frames >= self.limits.max_bad_frames:
                 await self.close(conn, f"{conn.bad_frames} bad frames")
 
-    async def send_error(self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None,
-                         plaintext: bool = False) -> None:
+    async def send_error(
+        self, conn: Connection, err: ProtocolError, session: int = 0, ref: int | None = None, plaintext: bool = False
+    ) -> None:
         self.metrics.count_error(err.code)
         log.info("conn %d (client %s): %s", conn.id, conn.client, err)  # messages never hold tensor data
         try:

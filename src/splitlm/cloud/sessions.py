@@ -112,8 +112,11 @@ class SessionTable:
             return
         chosen = victims(self.sessions.values(), over)
         if chosen is None:
-            raise ProtocolError(ErrorCode.CAPACITY, f"the cloud's KV memory is fully used ({what}) by sessions that "
-                                                    "are all mid-request; retry later or use another cloud")
+            raise ProtocolError(
+                ErrorCode.CAPACITY,
+                f"the cloud's KV memory is fully used ({what}) by sessions that "
+                "are all mid-request; retry later or use another cloud",
+            )
         for victim in chosen:
             self.preempt(victim.id, idle=False)
 
@@ -152,21 +155,33 @@ class SessionTable:
         finally:
             session.active -= 1
 
-    def open(self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0,
-             policy: CachePolicy | None = None) -> Session:
+    def open(
+        self, owner: bytes, wire_dtype: str, num_layers: int, conn: int = 0, policy: CachePolicy | None = None
+    ) -> Session:
         """A new session for client key `owner` on connection `conn` (limits count per client key)."""
         if len(self.sessions) >= self.limits.max_sessions:
-            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"server is at its limit of {self.limits.max_sessions} sessions")
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED, f"server is at its limit of {self.limits.max_sessions} sessions"
+            )
         if sum(s.owner == owner for s in self.sessions.values()) >= self.limits.max_sessions_per_client:
-            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
-                                f"at most {self.limits.max_sessions_per_client} sessions per client")
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED, f"at most {self.limits.max_sessions_per_client} sessions per client"
+            )
         first = self.budget.need(1) if self.budget is not None else 0
         self.make_room(first, "no room for a new session")
         sid = secrets.randbits(63) or 1
         while sid in self.sessions or sid in self.tombstones.stones:
             sid = secrets.randbits(63) or 1
-        session = Session(sid, owner, wire_dtype, KVCache(num_layers), conn, policy or CachePolicy(), kv_reserved=first,
-                          grace_until=time.monotonic() + OPEN_GRACE_S)
+        session = Session(
+            sid,
+            owner,
+            wire_dtype,
+            KVCache(num_layers),
+            conn,
+            policy or CachePolicy(),
+            kv_reserved=first,
+            grace_until=time.monotonic() + OPEN_GRACE_S,
+        )
         self.sessions[sid] = session
         if self.tombstones.reopened(owner) and self.metrics is not None:
             self.metrics.count_replay()
@@ -179,8 +194,10 @@ class SessionTable:
             stone = self.tombstones.find(sid, owner, conn)
             if stone is not None:
                 self.tombstones.tell(stone)
-                raise ProtocolError(ErrorCode.PREEMPTED, f"session {sid:#x} was freed to make room (or sat idle): "
-                                                         "open a new session and replay its context")
+                raise ProtocolError(
+                    ErrorCode.PREEMPTED,
+                    f"session {sid:#x} was freed to make room (or sat idle): open a new session and replay its context",
+                )
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {sid:#x}")  # same answer: no oracle
         session.last_used = time.monotonic()
         return session
@@ -230,7 +247,9 @@ def check_rows(req: Forward, model: CloudModel, limits: ServerLimits) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden must be [T, {d}], got {list(req.hidden.shape)}")
     rows = req.hidden.shape[0]
     if rows == 0 or rows > limits.max_tokens_per_forward:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a forward carries 1..{limits.max_tokens_per_forward} tokens, got {rows}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"a forward carries 1..{limits.max_tokens_per_forward} tokens, got {rows}"
+        )
     if type(req.context) is not int or not 0 <= req.context < rows:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"context must be an integer in [0, {rows}) (rows of hidden)")
     t = rows - req.context
@@ -245,8 +264,10 @@ def check_rows(req: Forward, model: CloudModel, limits: ServerLimits) -> None:
 def check_logit_rows(rows: list[int], t: int, model: CloudModel) -> None:
     """Split-head: the new tokens whose logits the edge asks for."""
     if not model.split_head:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "rows only apply to a split-head cloud (this one returns hidden "
-                                                   "states for every new token)")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            "rows only apply to a split-head cloud (this one returns hidden states for every new token)",
+        )
     if any(not 0 <= r < t for r in rows) or len(set(rows)) != len(rows):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"rows must be distinct and in [0, {t}) (the new tokens)")
 
@@ -264,15 +285,18 @@ def check_control(req: Forward, session: Session, model: CloudModel) -> None:
     """The control tuple against the shard (the split layer) and the session's cache policy."""
     ctl, policy = req.control, session.policy
     if ctl.split is not None and ctl.split != model.manifest.cloud_layers[0]:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"this cloud runs layers from {model.manifest.cloud_layers[0]}, "
-                                                   f"not from {ctl.split}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"this cloud runs layers from {model.manifest.cloud_layers[0]}, not from {ctl.split}"
+        )
     if ctl.cache and policy.retention == 0:
         raise ProtocolError(ErrorCode.POLICY, "the session's cache policy is none: a request cannot use cached history")
     if ctl.window is not None and not policy.allows(CachePolicy("window", ctl.window)):
         raise ProtocolError(ErrorCode.POLICY, f"control.window {ctl.window} would loosen cache policy {policy}")
     window = min(x for x in (ctl.window, policy.window, math.inf) if x is not None)
     if req.new_tokens > window:
-        raise ProtocolError(ErrorCode.POLICY, f"under a window of {window} a request carries at most {window} new tokens")
+        raise ProtocolError(
+            ErrorCode.POLICY, f"under a window of {window} a request carries at most {window} new tokens"
+        )
     if policy.sealed:
         check_key(ctl.key)
 
@@ -291,8 +315,10 @@ def entries_during_pass(req: Forward, session: Session, limits: ServerLimits) ->
         length = length - pending + len(req.keep)
     rows = req.hidden.shape[0]
     if length + rows > limits.max_tokens_per_session:
-        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED,
-                            f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}")
+        raise ProtocolError(
+            ErrorCode.LIMIT_EXCEEDED,
+            f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}",
+        )
     return length + rows
 
 
@@ -310,6 +336,7 @@ def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | No
 class Step:
     """One request made ready for the layers: the session's cache restored, cropped and kept, the rows
     on the model's device. A causal request (no mask) may run in chunks over several passes."""
+
     session: Session
     req: Forward
     hidden: torch.Tensor  # [1, C + T, D] float32 (the residual stream)
@@ -335,8 +362,9 @@ def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
     ctl = req.control
     device = next(model.parameters()).device
     if session.sealed is not None:  # raises SEALED_KEY before any state changes
-        session.cache = unseal(session.sealed, ctl.key, session.id, session.seal_counter,
-                               session.cache.num_layers, device)
+        session.cache = unseal(
+            session.sealed, ctl.key, session.id, session.seal_counter, session.cache.num_layers, device
+        )
         session.sealed, session.sealed_shape = None, (0, 0)
     cache = session.cache
     if not ctl.cache:
@@ -348,8 +376,14 @@ def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
     if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
         session.tighten(CachePolicy("window", ctl.window))
     mask = context_mask(req.context, req.mask, req.new_tokens)
-    return Step(session, req, to_device(req.hidden, device, torch.float32)[None], to_device(req.positions, device),
-                None if mask is None else to_device(mask, device), cache.length)
+    return Step(
+        session,
+        req,
+        to_device(req.hidden, device, torch.float32)[None],
+        to_device(req.positions, device),
+        None if mask is None else to_device(mask, device),
+        cache.length,
+    )
 
 
 def run_pass(model: CloudModel, pieces: list[tuple[Step, int]]) -> None:

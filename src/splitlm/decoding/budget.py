@@ -132,8 +132,15 @@ class StepBudget:
     tree grows to `max_nodes`); "measured" uses the fitted cost curve, and every `explore_every`
     steps tries the next size bucket up while it is not yet measured, or not in the last 64 steps."""
 
-    def __init__(self, max_nodes: int = 64, fixed_nodes: int | None = None, rtt_prior_s: float = 0.05,
-                 cost: str = "measured", explore_every: int = 8, lean: float = 0.05):
+    def __init__(
+        self,
+        max_nodes: int = 64,
+        fixed_nodes: int | None = None,
+        rtt_prior_s: float = 0.05,
+        cost: str = "measured",
+        explore_every: int = 8,
+        lean: float = 0.05,
+    ):
         if cost not in COST_MODELS:
             raise ValueError(f"unknown cost model {cost!r} (choose from {', '.join(COST_MODELS)})")
         self.max_nodes, self.fixed_nodes, self.cost = max_nodes, fixed_nodes, cost
@@ -194,8 +201,9 @@ class StepBudget:
                 best = sizes[up - 1]
         return best
 
-    def window_width(self, current: int, max_width: int, levels: int, gain_tokens: float,
-                     tokens_per_step: float) -> int:
+    def window_width(
+        self, current: int, max_width: int, levels: int, gain_tokens: float, tokens_per_step: float
+    ) -> int:
         """Grow or shrink the lookahead window by one column: keep it while the tokens that only its
         pool proposed (`gain_tokens` per step) save more time than its `levels` tokens per column cost.
         It may shrink to nothing; switched off, it comes back only if what its pool still proposes

@@ -4,7 +4,8 @@ A JSON string value starts right after a quote, so its first word is written wit
 has in the prompt: `"Maria` where the prompt says ` Maria`, `["pen` `icillin` where it says
 ` penicillin`. Token-level retrieval (`splitlm.decoding.suffix`) finds no match there, and the
 value costs a round trip per token. This drafter matches *text*: the output's text since its last
-quote (or since the answer began), found in the prompt's text at the start of a word, is continued with the tokenizer's own
+quote (or since the answer began), found in the prompt's text at the start of a word, is continued with the
+tokenizer's own
 split of the prompt's text from there (the split the model writes, as a rule), provided that split
 begins with the tokens the output already has. It drafts at the root and under the first few nodes
 of the other drafters' tree (`guided`: the value's first token is theirs to guess). A number is also
@@ -68,7 +69,7 @@ class CopyDrafter(CalibratedDrafter):
         for tok in reversed(tokens):
             piece = self.piece(tok)
             if '"' in piece:
-                partial = piece[piece.rindex('"') + 1:] + partial  # a token may carry text after its quote
+                partial = piece[piece.rindex('"') + 1 :] + partial  # a token may carry text after its quote
                 break
             partial, since = piece + partial, since + 1
             if len(partial) > MAX_PARTIAL:
@@ -76,7 +77,7 @@ class CopyDrafter(CalibratedDrafter):
         probe = partial.lstrip(VALUE_START)  # `: 14` after a key: the number is what the prompt may hold
         if not probe.strip():
             return []
-        have = tokens[len(tokens) - since:] if probe == partial else None
+        have = tokens[len(tokens) - since :] if probe == partial else None
         out, seen = [], set()
         for text in self.texts:
             end, tries = len(text), 0
@@ -97,14 +98,14 @@ class CopyDrafter(CalibratedDrafter):
         after the probe (the model, having split the word its own way, as a rule goes on as the
         tokenizer would from there)."""
         stop = c + len(probe) + COPY_CHARS
-        text = prompt_text[c: stop]
-        if stop < len(prompt_text) and " " in text[len(probe):]:
+        text = prompt_text[c:stop]
+        if stop < len(prompt_text) and " " in text[len(probe) :]:
             text = text[: text.rindex(" ")]  # no word cut in two at the end
         if have is not None:
             ids = self.tok.tokenize_str(text)
             if ids[: len(have)] == have:
-                return ids[len(have): len(have) + self.depth]
-        return self.tok.tokenize_str(text[len(probe):])[: self.depth]
+                return ids[len(have) : len(have) + self.depth]
+        return self.tok.tokenize_str(text[len(probe) :])[: self.depth]
 
     def _add(self, tree: TokenTree, node: int, conts: list[list[int]]) -> None:
         for cont in conts:
@@ -114,7 +115,7 @@ class CopyDrafter(CalibratedDrafter):
                 at = tree.add(at, tok, self.calibration.p(key, 0.75 / len(conts)), key)
 
     def propose(self, guide: TokenTree | None = None) -> TokenTree:
-        output = self.context[self.prompt_len:]
+        output = self.context[self.prompt_len :]
         tree = TokenTree.root_only(self.context[-1])
         self._add(tree, 0, self.continuations(output))
         if guide is not None:
@@ -125,7 +126,7 @@ class CopyDrafter(CalibratedDrafter):
     def propose_after(self, paths: list[list[int]], reaches: list[float], guide: TokenTree | None = None) -> TokenTree:
         """Copies after `paths` and after the best nodes `guide` drafted beyond them: where a forced
         chain opens a value, the head guesses its first token and the prompt may hold the rest."""
-        output = self.context[self.prompt_len:]
+        output = self.context[self.prompt_len :]
         tree = TokenTree.root_only(self.context[-1])
         for path in paths:
             node = tree.add_path(path, [1.0] * len(path))

@@ -30,7 +30,7 @@ class NgramModel:
         for tok in ids:
             i = len(self.ids)
             for n in range(1, min(self.max_n, i) + 1):
-                self.tables[n][tuple(self.ids[i - n:i])][tok] += 1
+                self.tables[n][tuple(self.ids[i - n : i])][tok] += 1
             self.ids.append(tok)
 
     def lookup(self, context: list[int]) -> tuple[int, Counter | None]:
@@ -82,8 +82,15 @@ class CorpusDrafter(Drafter):
             mixed[tok] = mixed.get(tok, 0.0) + trust * c / total
         return sorted(mixed.items(), key=lambda kv: -kv[1])[: self.branch]
 
-    def __init__(self, model: NgramModel, max_nodes: int = 24, branch: int = 3, min_p: float = 0.02,
-                 max_depth: int = 8, mix_context: bool = False):
+    def __init__(
+        self,
+        model: NgramModel,
+        max_nodes: int = 24,
+        branch: int = 3,
+        min_p: float = 0.02,
+        max_depth: int = 8,
+        mix_context: bool = False,
+    ):
         self.model, self.max_nodes, self.branch, self.min_p, self.max_depth = model, max_nodes, branch, min_p, max_depth
         self.mix_context = mix_context
 

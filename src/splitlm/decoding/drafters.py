@@ -84,7 +84,7 @@ class KeyedCalibration:
         not it was sent): accepted iff it continues along `new`."""
         for path, key in zip(tree.paths()[1:], tree.keys[1:], strict=True):
             d = len(path)
-            if key is None or d > len(new) or path[:-1] != tuple(new[:d - 1]):
+            if key is None or d > len(new) or path[:-1] != tuple(new[: d - 1]):
                 continue
             hits, total = self.counts.get(key, (0.0, 0.0))
             self.counts[key] = (hits + (path[-1] == new[d - 1]), total + 1)
@@ -117,7 +117,9 @@ class NgramDrafter(Drafter):
 
     def reset(self, context: list[int]) -> None:
         self.context: list[int] = []
-        self.index: dict[int, dict[tuple, list[int]]] = {n: defaultdict(list) for n in range(self.min_n, self.max_n + 1)}
+        self.index: dict[int, dict[tuple, list[int]]] = {
+            n: defaultdict(list) for n in range(self.min_n, self.max_n + 1)
+        }
         self.extend(context)
 
     def extend(self, tokens: list[int]) -> None:
@@ -127,7 +129,7 @@ class NgramDrafter(Drafter):
             end = len(ctx)  # the n-gram ctx[end-n:end] is followed by ctx[end] (once it exists)
             for n in self.index:
                 if end >= n:
-                    self.index[n][tuple(ctx[end - n:end])].append(end)
+                    self.index[n][tuple(ctx[end - n : end])].append(end)
 
     def propose(self) -> TokenTree:
         ctx = self.context
@@ -139,15 +141,17 @@ class NgramDrafter(Drafter):
             ends = [e for e in self.index[n].get(tuple(ctx[-n:]), []) if e < len(ctx)]
             if not ends:
                 continue
-            ends = ends[-self.max_matches:]
+            ends = ends[-self.max_matches :]
             trust = n / (n + 1.0)
-            paths = [ctx[e:e + self.max_depth] for e in ends]
+            paths = [ctx[e : e + self.max_depth] for e in ends]
             counts: dict[tuple, int] = defaultdict(int)
             for path in paths:
                 for d in range(1, len(path) + 1):
                     counts[tuple(path[:d])] += 1
             for path in paths:
-                tree.add_path(path, [trust * counts[tuple(path[:d])] / (len(paths) + 1) for d in range(1, len(path) + 1)])
+                tree.add_path(
+                    path, [trust * counts[tuple(path[:d])] / (len(paths) + 1) for d in range(1, len(path) + 1)]
+                )
             found += len(paths)
             if found >= self.max_matches:
                 break
@@ -198,8 +202,7 @@ class LookaheadDrafter(Drafter):
 
     name = "lookahead"
 
-    def __init__(self, width: int = 5, ngram: int = 4, max_candidates: int = 8, pool_per_key: int = 16,
-                 seed: int = 0):
+    def __init__(self, width: int = 5, ngram: int = 4, max_candidates: int = 8, pool_per_key: int = 16, seed: int = 0):
         if ngram < 2 or width < 0:
             raise ValueError("lookahead needs ngram >= 2 and width >= 0")
         self.width, self.n, self.max_candidates, self.pool_per_key = width, ngram, max_candidates, pool_per_key
@@ -227,8 +230,9 @@ class LookaheadDrafter(Drafter):
         if width == self.width:
             return
         rng = random.Random(self.seed + len(self.context))
-        self.levels = [level[:width] + [rng.choice(self.context) for _ in range(width - len(level))]
-                       for level in self.levels]
+        self.levels = [
+            level[:width] + [rng.choice(self.context) for _ in range(width - len(level))] for level in self.levels
+        ]
         self.width = width
 
     def observe(self, outputs: list[int]) -> None:
@@ -240,7 +244,7 @@ class LookaheadDrafter(Drafter):
     def propose(self) -> TokenTree:
         root = self.context[-1]
         tree = TokenTree.root_only(root)
-        entries = list(self.pool.get(root, {}).items())[-self.max_candidates:]
+        entries = list(self.pool.get(root, {}).items())[-self.max_candidates :]
         total = sum(c for _, c in entries) + 1
         for cont, count in reversed(entries):
             s = 0.5 * count / total

@@ -32,8 +32,12 @@ from splitlm import SplitLMError
 log = logging.getLogger(__name__)
 
 # the kinds of grammar, and how messages name them
-KIND_NAMES = {"json_object": "JSON object grammar", "json_schema": "JSON schema", "regex": "regular expression",
-              "lark": "Lark grammar"}
+KIND_NAMES = {
+    "json_object": "JSON object grammar",
+    "json_schema": "JSON schema",
+    "regex": "regular expression",
+    "lark": "Lark grammar",
+}
 GRAMMAR_KINDS = tuple(KIND_NAMES)
 # JSON as json.dumps writes it: fixed separators, no other whitespace (more of it is forced)
 # tried in this order to finish a JSON document in few tokens: close the string, the object, the array;
@@ -108,8 +112,10 @@ def grammar_from_format(fmt: Any) -> GrammarSpec | None:
     if isinstance(fmt, type) and hasattr(fmt, "model_json_schema"):  # a pydantic model class
         return GrammarSpec.json_schema(fmt.model_json_schema(), fmt.__name__)
     if not isinstance(fmt, dict):
-        raise GrammarError("response_format must be a JSON schema (dict), a pydantic model class, "
-                           f"an OpenAI response_format or a GrammarSpec, not {type(fmt).__name__}")
+        raise GrammarError(
+            "response_format must be a JSON schema (dict), a pydantic model class, "
+            f"an OpenAI response_format or a GrammarSpec, not {type(fmt).__name__}"
+        )
     kind = fmt.get("type")
     if kind == "text" and len(fmt) == 1:
         return None
@@ -147,24 +153,47 @@ class GrammarTokenizer:
             ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         except (ValueError, RuntimeError) as e:
             raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
+
         def single(texts: tuple[str, ...]) -> tuple[int, ...]:
             return tuple(ids[0] for c in texts if len(ids := ll.tokenize_str(c)) == 1 and ids[0] < vocab_size)
 
         texts = [ll.decode_bytes([t]) if t < ll.vocab_size else b"" for t in range(vocab_size)]
         word_ends = np.array([bool(b) and (b[-1:].isalnum() or b[-1] >= 0x80) for b in texts])  # UTF-8: a letter
-        leads = np.array([SPACE_LED if b[:1] == b" " else PUNCT_LED if b[:1] and b[:1] in PUNCTUATION else 0
-                          for b in texts], dtype=np.int8)
+        leads = np.array(
+            [SPACE_LED if b[:1] == b" " else PUNCT_LED if b[:1] and b[:1] in PUNCTUATION else 0 for b in texts],
+            dtype=np.int8,
+        )
         return cls(ll, vocab_size, tuple(eos_ids), single(CLOSERS), single(VALUE_ENDS), word_ends, leads)
 
 
 # keywords whose value is a subschema, a list of them, or a map of names to them
-_ONE_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-                  "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
+_ONE_SUBSCHEMA = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # an object schema with any of these says more about which keys it takes than its `properties` do
-_OPENS_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf",
-               "oneOf", "$ref", "if", "dependentSchemas")
+_OPENS_KEYS = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "dependentSchemas",
+)
 
 
 def closed_objects(schema):

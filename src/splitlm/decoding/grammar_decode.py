@@ -75,11 +75,16 @@ class GrammarStats:
     mask_s: float = 0.0  # time spent walking trees and computing masks
 
     def to_dict(self) -> dict:
-        return {"rejected_drafts": self.rejected_drafts, "forced_tokens": self.forced_tokens,
-                "forced_free": self.forced_free, "choice_nodes": self.choice_nodes,
-                "value_end_nodes": self.value_end_nodes, "mask_steps": self.mask_steps,
-                "mask_s": round(self.mask_s, 6),
-                "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1)}
+        return {
+            "rejected_drafts": self.rejected_drafts,
+            "forced_tokens": self.forced_tokens,
+            "forced_free": self.forced_free,
+            "choice_nodes": self.choice_nodes,
+            "value_end_nodes": self.value_end_nodes,
+            "mask_steps": self.mask_steps,
+            "mask_s": round(self.mask_s, 6),
+            "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1),
+        }
 
 
 def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, context: list[int]) -> int:
@@ -95,7 +100,9 @@ def advance_all(state: GrammarState, tokens: list[int]) -> list[int]:
     return tokens
 
 
-def close_at(state: GrammarState, tokens: list[int], produced: int, max_new_tokens: int) -> tuple[int, list[int]] | None:
+def close_at(
+    state: GrammarState, tokens: list[int], produced: int, max_new_tokens: int
+) -> tuple[int, list[int]] | None:
     """Whether the output must close inside `tokens` (the next ones to emit, after `produced` emitted) to
     end complete within `max_new_tokens`: (i, closing) to emit `tokens[:i]` and then the grammar's
     `closing` instead of the rest; None to emit them all. Near the limit (the last `CLOSE_WINDOW`
@@ -121,10 +128,17 @@ def close_at(state: GrammarState, tokens: list[int], produced: int, max_new_toke
         state.rollback(done)
 
 
-def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                           state: GrammarState, gstats: GrammarStats, cached: int = 0,
-                           sampling: SamplingConfig | None = None,
-                           logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+def constrained_sequential(
+    session: StepSession,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    state: GrammarState,
+    gstats: GrammarStats,
+    cached: int = 0,
+    sampling: SamplingConfig | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> Iterator[list[int]]:
     """One token per round trip, each the best the grammar allows (`state`: the grammar before the
     first; the request ends with it). Yields [token] per step."""
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
@@ -146,7 +160,9 @@ def constrained_sequential(session: StepSession, prompt_ids: list[int], max_new_
             if logprobs is not None:
                 logprobs.record([token], logits[-1:])
         if logprobs is None and (cut := close_at(state, [token], produced - 1, max_new_tokens)) is not None:
-            yield advance_all(state, cut[1])  # no room left after this token to complete the output: complete it instead
+            yield advance_all(
+                state, cut[1]
+            )  # no room left after this token to complete the output: complete it instead
             return
         state.advance(token)
         context.append(token)
@@ -160,9 +176,17 @@ class ConstrainedRun:
     """One constrained speculative request after its prefill: the verified context, the grammar state
     after it, and what each step needs."""
 
-    def __init__(self, session: StepSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                 state: GrammarState, gstats: GrammarStats, sampler: Sampler | None,
-                 logprobs: LogprobRecorder | None):
+    def __init__(
+        self,
+        session: StepSession,
+        drafter: Drafter,
+        budget: StepBudget,
+        stats: SpecStats,
+        state: GrammarState,
+        gstats: GrammarStats,
+        sampler: Sampler | None,
+        logprobs: LogprobRecorder | None,
+    ):
         self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
         self.state, self.gstats, self.sampler, self.logprobs = state, gstats, sampler, logprobs
         self.argmax = sampler is None and logprobs is None  # else logits come back and the mask applies here
@@ -172,8 +196,9 @@ class ConstrainedRun:
         """The step's tree: the forced `chain` after the root, then the drafter's tree (drafted on the
         context extended by the chain), walked through the grammar and cut to what the budget affords;
         and the budget's expected tokens."""
-        tree = TokenTree([context[-1]] + chain, list(range(-1, len(chain))), [1.0] * (len(chain) + 1),
-                         [None] + [FORCED] * len(chain))
+        tree = TokenTree(
+            [context[-1]] + chain, list(range(-1, len(chain))), [1.0] * (len(chain) + 1), [None] + [FORCED] * len(chain)
+        )
         sub = self.drafter.propose()  # rooted at the chain's end
         # walk about what the budget sent last time, with room for the drafts the grammar will reject
         sub = sub.pruned(min(self.budget.max_nodes, 2 * self.last_nodes + 8))
@@ -208,8 +233,14 @@ class ConstrainedRun:
         ends = []
         for i in range(1, len(tree)):
             added = tree.certain(i) or tree.keys[i] is CHOICE  # no drafter's node: none drafted after it
-            if (i > k and added and i not in inner and tree.tokens[i] not in self.state.eos
-                    and reach[i] >= AFTER_MIN_REACH and small_choice(walked.rows[i], 1) is None):
+            if (
+                i > k
+                and added
+                and i not in inner
+                and tree.tokens[i] not in self.state.eos
+                and reach[i] >= AFTER_MIN_REACH
+                and small_choice(walked.rows[i], 1) is None
+            ):
                 ends.append((reach[i], i))
         return sorted(ends, reverse=True)[:AFTER_ENDS]
 
@@ -229,8 +260,15 @@ class ConstrainedRun:
         path, the new tokens and the step."""
         tokens, positions, mask, rows = build_step(tree.tree, None, len(context) - 1)
         allowed = tree.allowed(list(range(len(tree.tree))), self.state.vocab_size)  # [N, V]
-        step = self.session.forward(tokens, positions, mask, rows=rows, argmax=self.argmax,
-                                    allowed=allowed if self.argmax else None, **extras(self.drafter))
+        step = self.session.forward(
+            tokens,
+            positions,
+            mask,
+            rows=rows,
+            argmax=self.argmax,
+            allowed=allowed if self.argmax else None,
+            **extras(self.drafter),
+        )
         if self.sampler is not None:
             path, new = accept_sampled(tree.tree, step.out.masked_fill(~allowed, -torch.inf), self.sampler, context)
         else:
@@ -242,13 +280,13 @@ class ConstrainedRun:
         """The drafter hears of the step as of its own tree: the part after the `k` chain tokens."""
         self.drafter.accepted(new[k:-1])
         if len(path) > k:
-            sub = TokenTree(tree.tokens[k:], [max(p - k, -1) for p in tree.parents[k:]], tree.scores[k:],
-                            tree.keys[k:])
+            sub = TokenTree(tree.tokens[k:], [max(p - k, -1) for p in tree.parents[k:]], tree.scores[k:], tree.keys[k:])
             self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], step.rows_from(k))
 
 
-def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun,
-                        max_new_tokens: int, eos: set[int]) -> tuple[list[int], StepResult]:
+def constrained_prefill(
+    session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun, max_new_tokens: int, eos: set[int]
+) -> tuple[list[int], StepResult]:
     """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name":`)
     and those it likely takes next (` "`: `GrammarState.expected_chain`), so that the prefill's logits
     give the first value's token. Returns the first tokens (those forced, the guesses the model took,
@@ -259,8 +297,9 @@ def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int
     chain, certain = chain[:end], min(certain, end)
     base = len(prompt_ids) - cached - 1  # the prompt's last token, among those sent
     top = base if run.logprobs is not None else base + certain  # the first row asked for
-    step = session.forward(prompt_ids[cached:] + chain, rows=list(range(top, base + len(chain) + 1)),
-                           **extras(run.drafter))
+    step = session.forward(
+        prompt_ids[cached:] + chain, rows=list(range(top, base + len(chain) + 1)), **extras(run.drafter)
+    )
     run.budget.observe_network(step.network_s)
     context = list(prompt_ids) + advance_all(run.state, chain[:certain])
     run.gstats.forced_tokens += certain
@@ -277,14 +316,24 @@ def constrained_prefill(session: StepSession, prompt_ids: list[int], cached: int
     if taken < len(chain):
         session.crop(len(prompt_ids) + taken)
     if run.logprobs is not None:
-        run.logprobs.record(chain[:taken] + [root], step.out[:taken + 1])
+        run.logprobs.record(chain[:taken] + [root], step.out[: taken + 1])
     return chain[:taken] + [root], step.rows_from(base + taken - top)
 
 
-def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                       drafter: Drafter, budget: StepBudget, stats: SpecStats, state: GrammarState,
-                       gstats: GrammarStats, cached: int = 0, sampling: SamplingConfig | None = None,
-                       logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+def constrained_decode(
+    session: StepSession,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    drafter: Drafter,
+    budget: StepBudget,
+    stats: SpecStats,
+    state: GrammarState,
+    gstats: GrammarStats,
+    cached: int = 0,
+    sampling: SamplingConfig | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> Iterator[list[int]]:
     """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), every token
     allowed by the grammar (`state`: before the first token); the same tokens as
     `constrained_sequential`. Yields the new tokens of each step; the request ends with the grammar."""
@@ -293,7 +342,7 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
     run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
     firsts, first = constrained_prefill(session, prompt_ids, cached, run, max_new_tokens, eos)
     if logprobs is None and (cut := close_at(state, firsts, 0, max_new_tokens)) is not None:
-        yield advance_all(state, firsts[:cut[0]] + cut[1])
+        yield advance_all(state, firsts[: cut[0]] + cut[1])
         return
     yield advance_all(state, firsts)
     root, produced, context = firsts[-1], len(firsts), list(prompt_ids) + firsts
@@ -315,8 +364,9 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         returned = time.perf_counter()
         run.learn(tree.tree, len(chain), path, new, step)
         budget.observe_acceptance(tree.tree, path)
-        budget.observe_step(len(tree.tree), step.compute_s, step.network_s,
-                            (sent - started) + (time.perf_counter() - returned))
+        budget.observe_step(
+            len(tree.tree), step.compute_s, step.network_s, (sent - started) + (time.perf_counter() - returned)
+        )
         stats.verified(len(tree.tree), len(path) - 1)
         stats.expected_tokens += expected
         stats.choices.append(len(tree.tree))
@@ -325,17 +375,17 @@ def constrained_decode(session: StepSession, prompt_ids: list[int], max_new_toke
             new, keep = new[:n], path[:n]  # the cache keeps the context up to, not including, the last token
         closing = None
         if logprobs is None and (cut := close_at(state, new, produced, max_new_tokens)) is not None:
-            new, keep, closing = new[:cut[0]], path[:max(cut[0], 1)], cut[1]
+            new, keep, closing = new[: cut[0]], path[: max(cut[0], 1)], cut[1]
         session.settle(keep)
         if logprobs is not None:
             logprobs.record(new, step.out[path[: len(new)]])
-        gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1:len(new) + 1])
+        gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1 : len(new) + 1])
         if closing is not None:  # no room to complete the output after new[len(new)]: complete it now
             yield advance_all(state, new + closing)
             return
         advance_all(state, new)
         produced += len(new)
         context.extend(new)
-        drafter.extend(new[len(chain):])
+        drafter.extend(new[len(chain) :])
         root = new[-1]
         yield new

@@ -154,8 +154,7 @@ class Walk:
         self.out.forced += match is None
         self.descend(match, node, forced, 1.0, FORCED, chain + 1, choices)
 
-    def descend(self, src: int | None, parent: int, tok: int, score: float, key, chain: int,
-                choices: int = 0) -> None:
+    def descend(self, src: int | None, parent: int, tok: int, score: float, key, chain: int, choices: int = 0) -> None:
         if src is None and len(self.out.tree) >= MAX_WALK:
             return
         node = self.out.tree.add(parent, tok, score, key)
@@ -171,7 +170,9 @@ class Walk:
             self.state.rollback(1)
 
 
-def graft(walked: ConstrainedTree, tree: TokenTree, at: int, state: GrammarState, max_forced: int = 16) -> ConstrainedTree:
+def graft(
+    walked: ConstrainedTree, tree: TokenTree, at: int, state: GrammarState, max_forced: int = 16
+) -> ConstrainedTree:
     """`walked` (from `constrain`, `state` at its root) with the nodes of `tree` (rooted at `walked`'s
     node `at`) it lacks, walked through the grammar like the rest; `walked` itself is extended."""
     path = walked.tree.paths()[at]
@@ -191,8 +192,9 @@ VALUE_END_SCORES = {PUNCT_LED: 0.35, SPACE_LED: 0.12}
 MAX_VALUE_END_SITES = 4  # nodes per tree that get the string's closing tokens
 
 
-def value_end_sites(walked: ConstrainedTree, reach: list[float], tokenizer: GrammarTokenizer,
-                    first: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
+def value_end_sites(
+    walked: ConstrainedTree, reach: list[float], tokenizer: GrammarTokenizer, first: int
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """The likeliest nodes of `walked` (from node `first` on) inside a JSON string where a word ends and a
     drafted child begins another word or punctuation (a copy of the prompt going on past its phrase),
     and the string's closing tokens the grammar allows there with their scores: (reach × score, node,
@@ -211,8 +213,9 @@ def value_end_sites(walked: ConstrainedTree, reach: list[float], tokenizer: Gram
     return sorted(sites, reverse=True)[:MAX_VALUE_END_SITES]
 
 
-def add_value_ends(walked: ConstrainedTree, reach: list[float], state: GrammarState, first: int,
-                   max_forced: int = 16) -> ConstrainedTree:
+def add_value_ends(
+    walked: ConstrainedTree, reach: list[float], state: GrammarState, first: int, max_forced: int = 16
+) -> ConstrainedTree:
     """`walked` (`state` at its root; `reach`: its nodes' chances) with the string's closing tokens at
     its likeliest `value_end_sites`, each followed by the chain it forces (the next key); extended in
     place."""

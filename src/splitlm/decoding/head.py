@@ -133,8 +133,14 @@ class HeadRunner:
     (`native_bf16`) the head and its LM-head rows run in bf16, as it was trained: half the bytes of
     the 8k-row head to read at every depth (2.1 -> 1.0 ms per depth for 6 rows on this CPU)."""
 
-    def __init__(self, head: DraftHead, embed: torch.Tensor, lm_head: torch.Tensor, embed_scale: float = 1.0,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        head: DraftHead,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        embed_scale: float = 1.0,
+        dtype: torch.dtype | None = None,
+    ):
         w = lm_head.detach().float()[head.vocab_ids]  # [S, D]
         if dtype is None:
             dtype = torch.bfloat16 if native_bf16(w.device) else torch.float32
@@ -190,8 +196,15 @@ class HeadDrafter(Drafter):
     guided = True
     drafts_after = True
 
-    def __init__(self, runner: HeadRunner, max_depth: int = 8, k: int = 4, width: int = 6, max_nodes: int = 64,
-                 min_reach: float = 0.01):
+    def __init__(
+        self,
+        runner: HeadRunner,
+        max_depth: int = 8,
+        k: int = 4,
+        width: int = 6,
+        max_nodes: int = 64,
+        min_reach: float = 0.01,
+    ):
         self.runner, self.max_depth, self.k, self.width, self.max_nodes = runner, max_depth, k, width, max_nodes
         self.min_reach = min_reach
         self.hidden: torch.Tensor | None = None  # [D] of the node before the anchor (the last bonus token)
@@ -215,7 +228,7 @@ class HeadDrafter(Drafter):
         the context gained after the anchor; None when there is none to draft from."""
         if self.hidden is None or len(self.known) > MAX_ROLL:
             return None
-        return self.runner.roll(self.hidden, self.context[-len(self.known) - 1:-1]) if self.known else self.hidden
+        return self.runner.roll(self.hidden, self.context[-len(self.known) - 1 : -1]) if self.known else self.hidden
 
     def propose(self, guide: TokenTree | None = None) -> TokenTree:
         tree = TokenTree.root_only(self.context[-1])

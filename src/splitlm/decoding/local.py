@@ -32,9 +32,17 @@ class LocalSession:
         self.cache.crop(n)
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0, allowed: torch.Tensor | None = None) -> StepResult:
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        rows: list[int] | None = None,
+        argmax: bool = False,
+        extras: int = 0,
+        allowed: torch.Tensor | None = None,
+    ) -> StepResult:
         """Like `EdgeSession.forward`: with `extras` = k, the step holds each row's top-k ids and
         final-normed hidden state; with `argmax` and `allowed` [R, V], each row's greedy id among its allowed."""
         start = time.perf_counter()
@@ -44,8 +52,12 @@ class LocalSession:
             positions = list(range(self.cache.length, self.cache.length + len(ids)))
         dev = self.model.embed_tokens.weight.device
         m = self.model
-        h = m.stack(embed(m.embed_tokens, torch.tensor([ids], device=dev), m.cfg), torch.tensor(positions, device=dev),
-                    None if mask is None else mask.to(dev), self.cache)[0]  # [T, D]
+        h = m.stack(
+            embed(m.embed_tokens, torch.tensor([ids], device=dev), m.cfg),
+            torch.tensor(positions, device=dev),
+            None if mask is None else mask.to(dev),
+            self.cache,
+        )[0]  # [T, D]
         h = h if rows is None else h[rows]
         logits = to_host(m.logits(h))  # [R, V]
         compute_s = time.perf_counter() - start

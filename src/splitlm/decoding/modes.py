@@ -103,20 +103,41 @@ def auto(s: DraftSources) -> Drafter:
     return AutoDrafter(drafters)
 
 
-SPEC_MODES: dict[str, SpecMode] = {m.name: m for m in (
-    SpecMode("none", "no drafting, one token per round trip", lambda s: Drafter()),
-    SpecMode("ngram", "earlier occurrences of the context's suffix", lambda s: NgramDrafter(max_depth=s.spec.max_depth)),
-    SpecMode("lookahead", "a Jacobi window iterated inside each pass, its n-gram pool",
-             lambda s: LookaheadDrafter(width=s.spec.window, ngram=s.spec.ngram)),
-    SpecMode("recycle", "each token's top-k successors from its latest pass",
-             lambda s: RecycledDrafter(s.memory.recycle), needs_memory=True),
-    SpecMode("suffix", "the longest earlier match in the request, the warm-up corpus and past outputs", suffix,
-             needs_memory=True),
-    SpecMode("head", "the draft head of `splitlm train-head`", head, needs_memory=True),
-    SpecMode("auto", "suffix, recycle, head and prompt copies merged", auto, needs_memory=True, needs_text=True),
-    SpecMode("auto-window", "the older combination of ngram, local-text n-grams and a lookahead window", auto_window,
-             needs_corpus=True, adapts_window=True),
-)}
+SPEC_MODES: dict[str, SpecMode] = {
+    m.name: m
+    for m in (
+        SpecMode("none", "no drafting, one token per round trip", lambda s: Drafter()),
+        SpecMode(
+            "ngram", "earlier occurrences of the context's suffix", lambda s: NgramDrafter(max_depth=s.spec.max_depth)
+        ),
+        SpecMode(
+            "lookahead",
+            "a Jacobi window iterated inside each pass, its n-gram pool",
+            lambda s: LookaheadDrafter(width=s.spec.window, ngram=s.spec.ngram),
+        ),
+        SpecMode(
+            "recycle",
+            "each token's top-k successors from its latest pass",
+            lambda s: RecycledDrafter(s.memory.recycle),
+            needs_memory=True,
+        ),
+        SpecMode(
+            "suffix",
+            "the longest earlier match in the request, the warm-up corpus and past outputs",
+            suffix,
+            needs_memory=True,
+        ),
+        SpecMode("head", "the draft head of `splitlm train-head`", head, needs_memory=True),
+        SpecMode("auto", "suffix, recycle, head and prompt copies merged", auto, needs_memory=True, needs_text=True),
+        SpecMode(
+            "auto-window",
+            "the older combination of ngram, local-text n-grams and a lookahead window",
+            auto_window,
+            needs_corpus=True,
+            adapts_window=True,
+        ),
+    )
+}
 
 
 def spec_mode(name: str) -> SpecMode:
@@ -126,8 +147,12 @@ def spec_mode(name: str) -> SpecMode:
     return SPEC_MODES[name]
 
 
-def make_drafter(cfg: SpecConfig, corpus: NgramModel | None = None, memory: DraftMemory | None = None,
-                 text: TextTokenizer | None = None) -> Drafter:
+def make_drafter(
+    cfg: SpecConfig,
+    corpus: NgramModel | None = None,
+    memory: DraftMemory | None = None,
+    text: TextTokenizer | None = None,
+) -> Drafter:
     """The drafter of `cfg.mode`. `corpus`: the local text's n-gram model (`auto-window` drafts from it
     when given); `memory`: the state `recycle`, `suffix`, `head` and `auto` keep across requests (a
     fresh one if None); `text`: the tokenizer's text view (`auto` copies the prompt's text with it).

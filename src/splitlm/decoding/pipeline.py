@@ -45,13 +45,26 @@ from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 class PipeSession(Protocol):
     """What pipelining needs from a session (`splitlm.edge.session.EdgeSession`)."""
 
-    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None,
-                argmax: bool = False) -> StepResult: ...
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        rows: list[int] | None = None,
+        argmax: bool = False,
+    ) -> StepResult: ...
 
-    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None,
-             rows: list[int] | None = None, keep: list[int] | None = None, argmax: bool = False,
-             extras: int = 0) -> object: ...
+    def send(
+        self,
+        ids: list[int],
+        positions: list[int],
+        mask: torch.Tensor | None = None,
+        rows: list[int] | None = None,
+        keep: list[int] | None = None,
+        argmax: bool = False,
+        extras: int = 0,
+    ) -> object: ...
 
     def receive(self, flight) -> StepResult: ...
 
@@ -152,9 +165,19 @@ class PipelinedRun:
         else bets move the one drafter ahead and it learns nothing (None)."""
         return drafter if bet_drafter is not None else None
 
-    def __init__(self, session: PipeSession, drafter: Drafter, budget: StepBudget, stats: SpecStats,
-                 sampler: Sampler | None, context: list[int], limits: Limits, always_bet: bool = False,
-                 logprobs: LogprobRecorder | None = None, bet_drafter: Drafter | None = None):
+    def __init__(
+        self,
+        session: PipeSession,
+        drafter: Drafter,
+        budget: StepBudget,
+        stats: SpecStats,
+        sampler: Sampler | None,
+        context: list[int],
+        limits: Limits,
+        always_bet: bool = False,
+        logprobs: LogprobRecorder | None = None,
+        bet_drafter: Drafter | None = None,
+    ):
         self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
         self.bet_drafter = bet_drafter or drafter
         self.learning = self.learner(drafter, bet_drafter) is not None
@@ -190,17 +213,25 @@ class PipelinedRun:
         else:
             tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
             mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
-        step.flight = self.session.send(tokens, positions, mask, rows, keep,
-                                        argmax=self.sampler is None and self.logprobs is None,
-                                        **(extras(self.drafter) if step.learns else {}))
+        step.flight = self.session.send(
+            tokens,
+            positions,
+            mask,
+            rows,
+            keep,
+            argmax=self.sampler is None and self.logprobs is None,
+            **(extras(self.drafter) if step.learns else {}),
+        )
         self.flight.append(step)
 
     def fill(self) -> None:
         """Send a step on the verified context when none that stands is in flight; bet on the step
         in flight when it is alone."""
         if all(s.void for s in self.flight) and not self.done():
-            self.send(Step(self.propose(self.drafter, self.context, False), list(self.context), True,
-                           learns=self.learning), self.keep_next)
+            self.send(
+                Step(self.propose(self.drafter, self.context, False), list(self.context), True, learns=self.learning),
+                self.keep_next,
+            )
             self.keep_next = None
         if len(self.flight) == 1 and not self.flight[0].void:
             self.bet(self.flight[0])
@@ -222,8 +253,11 @@ class PipelinedRun:
         path, p = bet
         tokens = [prev.tree.tokens[i] for i in path[1:]]
         done = len(prev.ctx) + len(tokens) - self.limits.prompt_len  # generated if the bet holds
-        if not self.pays(p, len(prev.tree)) or done + 1 >= self.limits.max_new_tokens \
-                or self.limits.eos.intersection(tokens):
+        if (
+            not self.pays(p, len(prev.tree))
+            or done + 1 >= self.limits.max_new_tokens
+            or self.limits.eos.intersection(tokens)
+        ):
             return
         ctx = prev.ctx + tokens
         nxt = Step(self.propose(self.bet_drafter, ctx, True), ctx, False)
@@ -262,7 +296,7 @@ class PipelinedRun:
         fresh, keep, stop = self.cut(step, path, new)
         if self.logprobs is not None:  # fresh[i] is new[skip + i], chosen at node path[skip + i]
             skip = len(self.context) - len(step.ctx)
-            self.logprobs.record(fresh, logits[path[skip: skip + len(fresh)]])
+            self.logprobs.record(fresh, logits[path[skip : skip + len(fresh)]])
         self.last = (step, keep)
         self.resolve_bet(step, path, new, logits, keep, stop)
         self.produced += len(fresh)
@@ -281,7 +315,7 @@ class PipelinedRun:
         """The tokens `step` adds to the context (a pipelined step's first token was the step before's
         bonus), cut at an end token or the length limit; the entries of its block the caches keep; and
         whether decoding stops."""
-        fresh = (step.ctx + new)[len(self.context):]
+        fresh = (step.ctx + new)[len(self.context) :]
         keep_len = len(path)
         n = stop_at(fresh, self.produced, self.limits.max_new_tokens, self.limits.eos)
         if n is not None:
@@ -290,8 +324,9 @@ class PipelinedRun:
             keep_len = len(self.context) - len(step.ctx) + n
         return fresh, step.block_keep(path[:keep_len]), n is not None
 
-    def resolve_bet(self, step: Step, path: list[int], new: list[int], logits: torch.Tensor, keep: list[int],
-                    stop: bool) -> None:
+    def resolve_bet(
+        self, step: Step, path: list[int], new: list[int], logits: torch.Tensor, keep: list[int], stop: bool
+    ) -> None:
         """After `step` is verified: the step sent on its bet stands (the bet held) or is void (every
         cache rolls back to the accepted path); with no step on a bet, `keep` goes with the next send."""
         nxt = self.flight[0] if self.flight else None
@@ -324,11 +359,20 @@ class PipelinedRun:
             self.session.discard(s.flight)
 
 
-def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                     drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
-                     sampling: SamplingConfig | None = None, always_bet: bool = False,
-                     logprobs: LogprobRecorder | None = None,
-                     bet_drafter: Drafter | None = None) -> Iterator[list[int]]:
+def pipelined_decode(
+    session: PipeSession,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    drafter: Drafter,
+    budget: StepBudget,
+    stats: SpecStats,
+    cached: int = 0,
+    sampling: SamplingConfig | None = None,
+    always_bet: bool = False,
+    logprobs: LogprobRecorder | None = None,
+    bet_drafter: Drafter | None = None,
+) -> Iterator[list[int]]:
     """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), with up to two
     steps in flight. Yields the new tokens of each verified step. `bet_drafter` (another drafter of
     the same mode and memory) drafts the steps sent on a bet, and `drafter` learns from the others;
@@ -341,8 +385,18 @@ def pipelined_decode(session: PipeSession, prompt_ids: list[int], max_new_tokens
     learner = PipelinedRun.learner(drafter, bet_drafter)
     sampler, root, first = prefill(session, prompt_ids, cached, budget, sampling, learner, logprobs)
     yield [root]
-    run = PipelinedRun(session, drafter, budget, stats, sampler, list(prompt_ids) + [root],
-                       Limits(max_new_tokens, eos, len(prompt_ids)), always_bet, logprobs, bet_drafter)
+    run = PipelinedRun(
+        session,
+        drafter,
+        budget,
+        stats,
+        sampler,
+        list(prompt_ids) + [root],
+        Limits(max_new_tokens, eos, len(prompt_ids)),
+        always_bet,
+        logprobs,
+        bet_drafter,
+    )
     if learner is not None:
         learner.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first)
     try:

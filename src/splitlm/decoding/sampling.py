@@ -85,8 +85,9 @@ def token_distribution(logits: torch.Tensor, cfg: SamplingConfig, context: list[
     return probs
 
 
-def sample_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
-                 context: list[int] | None = None) -> int:
+def sample_token(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None, context: list[int] | None = None
+) -> int:
     """One token id from logits [V] (`context`: the tokens so far, for the repetition penalty)."""
     if cfg.greedy:
         return int(penalize(logits, context, cfg.repetition_penalty).argmax())
@@ -116,12 +117,20 @@ class Sampler:
         probs = token_distribution(logits, self.cfg, context).double()
         cdf = torch.cumsum(probs, 0)
         u = self.uniform(len(context)) * float(cdf[-1])
-        return min(int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64), right=True)),
-                   int(probs.nonzero()[-1]))
+        return min(
+            int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64), right=True)), int(probs.nonzero()[-1])
+        )
 
 
-def sample_decode(session, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                  cfg: SamplingConfig, cached: int = 0, logprobs=None) -> Iterator[list[int]]:
+def sample_decode(
+    session,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    cfg: SamplingConfig,
+    cached: int = 0,
+    logprobs=None,
+) -> Iterator[list[int]]:
     """Sequential decoding with sampling, one token (one round trip) per step; `session` is a
     `splitlm.decoding.speculative.StepSession` whose caches already hold the first `cached` prompt
     tokens. Yields [token] per step; `logprobs` (a `splitlm.decoding.logprobs.LogprobRecorder`)

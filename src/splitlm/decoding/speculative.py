@@ -25,9 +25,16 @@ class StepSession(Protocol):
     session's. With `argmax` and `allowed` [R, V] bool (a grammar's masks), each row's greedy token is
     chosen among its allowed ones."""
 
-    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None,
-                argmax: bool = False, allowed: torch.Tensor | None = None) -> StepResult: ...
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        rows: list[int] | None = None,
+        argmax: bool = False,
+        allowed: torch.Tensor | None = None,
+    ) -> StepResult: ...
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
@@ -68,14 +75,21 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         s = max(self.steps, 1)
-        return {"steps": self.steps, "tree_nodes": self.tree_nodes, "window_tokens": self.window_tokens,
-                "mean_tree_nodes": round(self.tree_nodes / s, 2),
-                "mean_window_tokens": round(self.window_tokens / s, 2),
-                "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
-                "mean_expected_tokens": round(self.expected_tokens / s, 3),
-                "pipelined_steps": self.pipelined, "discarded_steps": self.discarded, "missed_bets": self.missed,
-                "drafts": self.drafts, "draft_tokens": self.draft_tokens,
-                "accepted_per_position": list(self.accepted_per_position)}
+        return {
+            "steps": self.steps,
+            "tree_nodes": self.tree_nodes,
+            "window_tokens": self.window_tokens,
+            "mean_tree_nodes": round(self.tree_nodes / s, 2),
+            "mean_window_tokens": round(self.window_tokens / s, 2),
+            "mean_accepted_drafts": round(self.accepted_drafts / s, 3),
+            "mean_expected_tokens": round(self.expected_tokens / s, 3),
+            "pipelined_steps": self.pipelined,
+            "discarded_steps": self.discarded,
+            "missed_bets": self.missed,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
 
 
 def build_step(tree: TokenTree, window: Window | None, base: int):
@@ -107,15 +121,24 @@ def greedy_ids(out: torch.Tensor) -> list[int]:
     return (out if out.dim() == 1 else out.argmax(-1)).tolist()
 
 
-def prefill(session: StepSession, prompt_ids: list[int], cached: int, budget: StepBudget,
-            sampling: SamplingConfig | None, drafter: Drafter | None = None,
-            logprobs: LogprobRecorder | None = None) -> tuple[Sampler | None, int, StepResult]:
+def prefill(
+    session: StepSession,
+    prompt_ids: list[int],
+    cached: int,
+    budget: StepBudget,
+    sampling: SamplingConfig | None,
+    drafter: Drafter | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> tuple[Sampler | None, int, StepResult]:
     """Run the uncached prompt tokens; returns the sampler (None for greedy), the first token and the
     prefill's step. With `logprobs` every step asks for logits (greedy too) and the first token's goes there."""
     sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    step = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1],
-                           argmax=sampler is None and logprobs is None,
-                           **({} if drafter is None else extras(drafter)))
+    step = session.forward(
+        prompt_ids[cached:],
+        rows=[len(prompt_ids) - cached - 1],
+        argmax=sampler is None and logprobs is None,
+        **({} if drafter is None else extras(drafter)),
+    )
     # the prefill's network time is a round trip like any other; its compute (a long causal pass,
     # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
     budget.observe_network(step.network_s)
@@ -134,10 +157,18 @@ def stop_at(tokens: list[int], produced: int, max_new_tokens: int, eos: set[int]
     return None
 
 
-def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                       drafter: Drafter, budget: StepBudget, stats: SpecStats, cached: int = 0,
-                       sampling: SamplingConfig | None = None,
-                       logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+def speculative_decode(
+    session: StepSession,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    drafter: Drafter,
+    budget: StepBudget,
+    stats: SpecStats,
+    cached: int = 0,
+    sampling: SamplingConfig | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> Iterator[list[int]]:
     """Yield the new tokens of each step (the first chunk comes from the prefill). A drafter that
     `adapts_window` has its lookahead window resized every step to what the measured link and
     compute afford.
@@ -163,17 +194,19 @@ def speculative_decode(session: StepSession, prompt_ids: list[int], max_new_toke
         tree, window, choice = plan_step(drafter, budget, session.max_step_tokens)
         tokens, positions, mask, rows = build_step(tree, window, len(context) - 1)
         sent = time.perf_counter()
-        step = session.forward(tokens, positions, mask, rows=rows, argmax=sampler is None and logprobs is None,
-                               **extras(drafter))
+        step = session.forward(
+            tokens, positions, mask, rows=rows, argmax=sampler is None and logprobs is None, **extras(drafter)
+        )
         returned = time.perf_counter()
         path, new, argmax = accept(tree, step, sampler, context)
         drafter.accepted(new[:-1])
         drafter.verified(tree, path, new, step)
         if window is not None:
-            drafter.lookahead.observe(argmax[len(tree):])
+            drafter.lookahead.observe(argmax[len(tree) :])
         budget.observe_acceptance(tree, path)
-        budget.observe_step(len(tokens), step.compute_s, step.network_s,
-                            (sent - started) + (time.perf_counter() - returned))
+        budget.observe_step(
+            len(tokens), step.compute_s, step.network_s, (sent - started) + (time.perf_counter() - returned)
+        )
         record(stats, tree, window, path, choice)
         keep = path
         if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
@@ -204,8 +237,9 @@ def plan_step(drafter: Drafter, budget: StepBudget, cap: int | None) -> tuple[To
     return tree.pruned(choice.nodes, choice.reach), window, choice
 
 
-def accept(tree: TokenTree, step: StepResult, sampler: Sampler | None,
-           context: list[int]) -> tuple[list[int], list[int], list[int]]:
+def accept(
+    tree: TokenTree, step: StepResult, sampler: Sampler | None, context: list[int]
+) -> tuple[list[int], list[int], list[int]]:
     """Verify `tree` against the pass's rows: the accepted path, the new tokens (accepted and the
     bonus) and every row's greedy token (the window's rows follow the tree's)."""
     if sampler:

@@ -14,6 +14,7 @@ class StepResult:
     in-process sessions of tests, audits and offline benchmarks).
 
     R is the number of rows asked for (all T new tokens when no rows were named)."""
+
     out: torch.Tensor  # [R, V] the rows' logits, or with argmax each row's greedy id [R]
     tokens: int = 0  # T: new tokens sent (the step's size, for the compute fit)
     network_s: float = 0.0  # round trip less the cloud's compute and the edge's (de)serialisation
@@ -25,5 +26,9 @@ class StepResult:
 
     def rows_from(self, k: int) -> StepResult:
         """The same step with its rows from `k` on (out, topk, hidden): what a part of its tree sees."""
-        return replace(self, out=self.out[k:], topk=None if self.topk is None else self.topk[k:],
-                       hidden=None if self.hidden is None else self.hidden[k:])
+        return replace(
+            self,
+            out=self.out[k:],
+            topk=None if self.topk is None else self.topk[k:],
+            hidden=None if self.hidden is None else self.hidden[k:],
+        )

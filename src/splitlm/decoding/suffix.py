@@ -87,7 +87,7 @@ class SuffixIndex:
         out = []
         for p in picks.tolist():
             start = n - p  # the forward index just after the match's last token
-            cont = self.text[start:start + depth].tolist()
+            cont = self.text[start : start + depth].tolist()
             if SEP in cont:
                 cont = cont[: cont.index(SEP)]
             if cont:
@@ -176,8 +176,13 @@ class SuffixDrafter(CalibratedDrafter):
 
     name = "suffix"
 
-    def __init__(self, indexes: list[SuffixIndex], calibration: KeyedCalibration | None = None,
-                 max_depth: int = 16, max_matches: int = 24):
+    def __init__(
+        self,
+        indexes: list[SuffixIndex],
+        calibration: KeyedCalibration | None = None,
+        max_depth: int = 16,
+        max_matches: int = 24,
+    ):
         self.indexes = [ix for ix in indexes if ix is not None]
         self.calibration = calibration or KeyedCalibration()
         self.max_depth, self.max_matches = max_depth, max_matches
@@ -203,7 +208,7 @@ class SuffixDrafter(CalibratedDrafter):
         for c in conts:
             node = 0
             for d in range(1, len(c) + 1):
-                share = counts[tuple(c[:d])] / counts[tuple(c[:d - 1])] if d > 1 else counts[tuple(c[:1])] / total
+                share = counts[tuple(c[:d])] / counts[tuple(c[: d - 1])] if d > 1 else counts[tuple(c[:1])] / total
                 key = (source, m, min(d, 6), min(4, int(share * 4)))
                 prior = 0.9 * share * match_len / (match_len + 2.0)
                 node = tree.add(node, c[d - 1], self.calibration.p(key, prior), key)
@@ -215,7 +220,7 @@ class SuffixDrafter(CalibratedDrafter):
         seen, hops = set(), 0
         while state > 0 and hops < 4:  # the latest match, then the latest of shorter matches
             e = self.sam.end[state]
-            cont = ctx[e + 1:e + 1 + depth_for(length, self.max_depth)]
+            cont = ctx[e + 1 : e + 1 + depth_for(length, self.max_depth)]
             if cont and tuple(cont[:4]) not in seen:
                 seen.add(tuple(cont[:4]))
                 self._add(tree, [cont], 0, length)
@@ -230,8 +235,9 @@ class SuffixDrafter(CalibratedDrafter):
             if hi - lo < 3 and len(ranges) > 1:  # few long matches: the next shorter one votes too
                 m2, lo2, hi2 = ranges[-2]
                 if m2 >= 2:
-                    self._add(tree, ix.continuations(lo2, hi2, depth_for(m2, self.max_depth), self.max_matches),
-                              source, m2)
+                    self._add(
+                        tree, ix.continuations(lo2, hi2, depth_for(m2, self.max_depth), self.max_matches), source, m2
+                    )
             self._add(tree, conts, source, m)
         self.last = tree
         return tree

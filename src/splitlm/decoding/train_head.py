@@ -34,7 +34,9 @@ REPORT_SCHEMA = "splitlm.train-head/1"
 
 
 @torch.inference_mode()
-def features(model, seqs: list[list[int]], batch_tokens: int = 4096, progress=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def features(
+    model, seqs: list[list[int]], batch_tokens: int = 4096, progress=None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: final-normed hidden states H [T, D] (bf16) and greedy next tokens G [T]."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list = [None] * len(seqs)
@@ -43,7 +45,7 @@ def features(model, seqs: list[list[int]], batch_tokens: int = 4096, progress=No
         n = 1  # sorted by length: grow the group while its padded size fits
         while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
             n += 1
-        group = order[i:i + n]
+        group = order[i : i + n]
         t = max(len(seqs[j]) for j in group)
         ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -63,16 +65,19 @@ class Batches:
     def __init__(self, data, seqs, starts, unroll: int):
         self.data, self.unroll = data, unroll
         self.x = [torch.tensor(s) for s in seqs]
-        self.pos = [(i, t) for i, (s, a) in enumerate(zip(seqs, starts, strict=True))
-                    for t in range(max(a - 1, 0), len(s) - 1 - unroll)]
+        self.pos = [
+            (i, t)
+            for i, (s, a) in enumerate(zip(seqs, starts, strict=True))
+            for t in range(max(a - 1, 0), len(s) - 1 - unroll)
+        ]
 
     def get(self, idx: list[tuple[int, int]]):
         """h0 [B, D], tokens [K, B], target tokens [K, B], target states [K, B, D]."""
         k = self.unroll
         h0 = torch.stack([self.data[i][0][t] for i, t in idx]).float()
-        toks = torch.stack([self.x[i][t + 1:t + 1 + k] for i, t in idx], 1)
-        gt = torch.stack([self.data[i][1][t + 1:t + 1 + k] for i, t in idx], 1)
-        ht = torch.stack([self.data[i][0][t + 1:t + 1 + k] for i, t in idx], 1).float()
+        toks = torch.stack([self.x[i][t + 1 : t + 1 + k] for i, t in idx], 1)
+        gt = torch.stack([self.data[i][1][t + 1 : t + 1 + k] for i, t in idx], 1)
+        ht = torch.stack([self.data[i][0][t + 1 : t + 1 + k] for i, t in idx], 1).float()
         return h0, toks, gt, ht
 
 
@@ -104,8 +109,12 @@ def acceptance_by_depth(head, emb, w, batches: Batches, sub_of: torch.Tensor, li
         alive = hit
         cum.append(float(alive.float().mean()))
     top4 = head.vocab_ids[logits[0].topk(4, -1).indices]
-    return {"positions": len(idx), "conditional": [round(c, 4) for c in cond], "cumulative": [round(c, 4) for c in cum],
-            "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4)}
+    return {
+        "positions": len(idx),
+        "conditional": [round(c, 4) for c in cond],
+        "cumulative": [round(c, 4) for c in cum],
+        "top4_depth1": round(float((top4 == gt[0][:, None]).any(-1).float().mean()), 4),
+    }
 
 
 def answer_sequences(records: list[dict], tok, unroll: int) -> tuple[list[list[int]], list[int]]:
@@ -135,10 +144,21 @@ def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> 
     return chosen, held[: max(1, len(chosen) // 9)]
 
 
-def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None = None, max_tokens: int = 1_000_000,
-               vocab: int = 8192, inner: int = 1024, unroll: int = 4, minutes: float = 25.0, batch: int = 256,
-               lr: float = 2e-3, seed: int = 0, log: Callable[[str], None] = lambda _: None,
-               out: str | Path | None = None) -> dict:
+def train_head(
+    model_spec: str,
+    edge_dir: str | Path,
+    warmup: str | Path | None = None,
+    max_tokens: int = 1_000_000,
+    vocab: int = 8192,
+    inner: int = 1024,
+    unroll: int = 4,
+    minutes: float = 25.0,
+    batch: int = 256,
+    lr: float = 2e-3,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda _: None,
+    out: str | Path | None = None,
+) -> dict:
     """Train the head, write EDGE_DIR/draft_head.safetensors (and the model's copy in the cache), each with
     its report beside it (`X.json`: acceptance by depth on the held-out answers, data, settings, time,
     the command to reproduce it), and the report as `out/train-head-<stamp>.json` when `out` is given;
@@ -157,16 +177,19 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
         raise SplitLMError(f"no warm-up answers for {edge_dir}: run `splitlm warmup` first (or pass --warmup FILE)")
     records = read_warmup_records(path)
     model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
-    if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(model.embed_tokens.weight.float(),
-                                                                      edge.embed_tokens.weight.float().bfloat16().float()):
+    if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(
+        model.embed_tokens.weight.float(), edge.embed_tokens.weight.float().bfloat16().float()
+    ):
         raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
     seqs, starts = answer_sequences(records, tok, unroll)
     chosen, held_out = split_answers(seqs, starts, max_tokens)
     keep = chosen + held_out
     n_tok = sum(len(seqs[i]) for i in keep)
-    log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
-        f"on {n_tok} tokens")
+    log(
+        f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
+        f"on {n_tok} tokens"
+    )
     with tqdm(total=n_tok, unit="tok", desc="features", leave=False) as bar:
         data = features(model, [seqs[i] for i in keep], progress=bar)
     feat_s = time.perf_counter() - start
@@ -213,16 +236,38 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
     cached = cached_head_path(edge.manifest.model_hash)  # what later splits of this model load
     cached.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(head_out, cached)
-    settings = {"max_tokens": max_tokens, "vocab": vocab, "inner": inner, "unroll": unroll, "minutes": minutes,
-                "batch": batch, "lr": lr, "seed": seed}
-    doc = {"schema": REPORT_SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "head": str(head_out),
-           "cached": str(cached), "head_sha256": file_digest(head_out), "model": model_spec,
-           "model_hash": edge.manifest.model_hash, "warmup": str(path), "settings": settings,
-           "reproduce": reproduce_command(model_spec, warmup, settings),
-           "train_answers": len(chosen), "train_positions": len(tr.pos),
-           "steps": done, "loss_first": round(loss_first or 0.0, 4), "loss_last": round(loss_ema or 0.0, 4),
-           "vocab": len(vocab_ids), "vocab_coverage": round(coverage, 4),
-           "heldout": report, "features_s": round(feat_s, 1), "seconds": round(time.perf_counter() - start, 1)}
+    settings = {
+        "max_tokens": max_tokens,
+        "vocab": vocab,
+        "inner": inner,
+        "unroll": unroll,
+        "minutes": minutes,
+        "batch": batch,
+        "lr": lr,
+        "seed": seed,
+    }
+    doc = {
+        "schema": REPORT_SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "head": str(head_out),
+        "cached": str(cached),
+        "head_sha256": file_digest(head_out),
+        "model": model_spec,
+        "model_hash": edge.manifest.model_hash,
+        "warmup": str(path),
+        "settings": settings,
+        "reproduce": reproduce_command(model_spec, warmup, settings),
+        "train_answers": len(chosen),
+        "train_positions": len(tr.pos),
+        "steps": done,
+        "loss_first": round(loss_first or 0.0, 4),
+        "loss_last": round(loss_ema or 0.0, 4),
+        "vocab": len(vocab_ids),
+        "vocab_coverage": round(coverage, 4),
+        "heldout": report,
+        "features_s": round(feat_s, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     doc["provenance"] = provenance([head_out])
     for head_path in (head_out, cached):  # the report next to each copy of the head
         write_json(head_report_path(head_path), doc)
@@ -233,14 +278,23 @@ def train_head(model_spec: str, edge_dir: str | Path, warmup: str | Path | None 
 
 def reproduce_command(model_spec: str, warmup: str | Path | None, settings: dict) -> str:
     """The `splitlm train-head` command line that trains a head like this one (EDGE: any split of the model)."""
-    cmd = f"splitlm train-head --edge EDGE --model {model_spec} --max-tokens {settings['max_tokens']} " \
-          f"--minutes {settings['minutes']:g}"
+    cmd = (
+        f"splitlm train-head --edge EDGE --model {model_spec} --max-tokens {settings['max_tokens']} "
+        f"--minutes {settings['minutes']:g}"
+    )
     return cmd + (f" --warmup {warmup}" if warmup else "")
 
 
 @torch.inference_mode()
-def evaluate_head(model_spec: str, edge_dir: str | Path, head_path: str | Path, warmup: str | Path | None = None,
-                  max_tokens: int = 1_000_000, unroll: int = 4, log: Callable[[str], None] = lambda _: None) -> dict:
+def evaluate_head(
+    model_spec: str,
+    edge_dir: str | Path,
+    head_path: str | Path,
+    warmup: str | Path | None = None,
+    max_tokens: int = 1_000_000,
+    unroll: int = 4,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict:
     """A trained head's acceptance by depth on the answers `train_head` holds out with the same data and
     `max_tokens` (every tenth answer, as many as a ninth of the training answers): the report's `heldout`
     figures again, for a head whose report is lost. Runs the full model over the held-out answers only."""
@@ -261,13 +315,22 @@ def evaluate_head(model_spec: str, edge_dir: str | Path, head_path: str | Path, 
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
     seqs, starts = answer_sequences(read_warmup_records(path), tok, unroll)
     _, held_out = split_answers(seqs, starts, max_tokens)
-    log(f"{path}: {len(held_out)} held-out answers; full-model features on {sum(len(seqs[i]) for i in held_out)} tokens")
+    log(
+        f"{path}: {len(held_out)} held-out answers; full-model features on {sum(len(seqs[i]) for i in held_out)} tokens"
+    )
     data = features(model, [seqs[i] for i in held_out])
     ho = Batches(data, [seqs[i] for i in held_out], [starts[i] for i in held_out], unroll)
     sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
     sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[head.vocab_ids]
-    return {"head": str(head_path), "head_sha256": file_digest(head_path), "model": model_spec,
-            "model_hash": edge.manifest.model_hash, "warmup": str(path), "heldout_answers": len(held_out),
-            "heldout": acceptance_by_depth(head, emb, w, ho, sub_of), "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "head": str(head_path),
+        "head_sha256": file_digest(head_path),
+        "model": model_spec,
+        "model_hash": edge.manifest.model_hash,
+        "warmup": str(path),
+        "heldout_answers": len(held_out),
+        "heldout": acceptance_by_depth(head, emb, w, ho, sub_of),
+        "seconds": round(time.perf_counter() - start, 1),
+    }

@@ -70,8 +70,9 @@ class TokenTree:
             kids.setdefault(self.parents[i], []).append(i)
         return kids
 
-    def add(self, parent: int, token: int, score: float, key=None,
-            combine: Callable[[float, float], float] | None = None) -> int:
+    def add(
+        self, parent: int, token: int, score: float, key=None, combine: Callable[[float, float], float] | None = None
+    ) -> int:
         """Add `token` under `parent` unless that child exists (then keep the higher score and its key,
         or with `combine` give it combine(its score, `score`)); return its index."""
         existing = self.child(parent, token)
@@ -95,7 +96,9 @@ class TokenTree:
             out.append(() if p < 0 else out[p] + (self.tokens[i],))
         return out
 
-    def add_tree(self, other: TokenTree, at: int = 0, combine: Callable[[float, float], float] | None = None) -> list[int]:
+    def add_tree(
+        self, other: TokenTree, at: int = 0, combine: Callable[[float, float], float] | None = None
+    ) -> list[int]:
         """Add `other`'s nodes (its root is this tree's node `at`) with their scores and keys, by `add`;
         return the node each of them is here, [len(other)]."""
         where = [at]
@@ -140,8 +143,12 @@ class TokenTree:
                 keep.update(chain)
         old = sorted(keep)
         index = {o: n for n, o in enumerate(old)}
-        return TokenTree([self.tokens[o] for o in old], [index.get(self.parents[o], -1) for o in old],
-                         [self.scores[o] for o in old], [self.keys[o] for o in old])
+        return TokenTree(
+            [self.tokens[o] for o in old],
+            [index.get(self.parents[o], -1) for o in old],
+            [self.scores[o] for o in old],
+            [self.keys[o] for o in old],
+        )
 
 
 def accept_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], list[int]]:
@@ -157,8 +164,9 @@ def accept_greedy(tree: TokenTree, argmax: list[int]) -> tuple[list[int], list[i
     return path, tokens
 
 
-def accept_sampled(tree: TokenTree, logits: torch.Tensor, sampler: Sampler,
-                   context: list[int]) -> tuple[list[int], list[int]]:
+def accept_sampled(
+    tree: TokenTree, logits: torch.Tensor, sampler: Sampler, context: list[int]
+) -> tuple[list[int], list[int]]:
     """Exact speculative sampling over a tree of drafts.
 
     logits[i] [V]: the target's logits after node i's path; `context`: the tokens so far, the root

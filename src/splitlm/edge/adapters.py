@@ -43,8 +43,14 @@ class AdapterInfo:
 def _module_of(key: str) -> str:
     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
     name = key.removeprefix(PREFIX)
-    for marker in (".lora_A", ".lora_B", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector",
-                   ".base_layer"):  # (peft saves a targeted embedding's or tied head's base weight too)
+    for marker in (
+        ".lora_A",
+        ".lora_B",
+        ".lora_embedding_A",
+        ".lora_embedding_B",
+        ".lora_magnitude_vector",
+        ".base_layer",
+    ):  # (peft saves a targeted embedding's or tied head's base weight too)
         if marker in name:
             return name.split(marker)[0]
     return name.rsplit(".", 1)[0]
@@ -72,8 +78,10 @@ def read_adapter(path: str | Path):
     if kind != "LORA":
         raise SplitLMError(f"{path}: a {kind} adapter; the edge applies LoRA adapters only")
     if getattr(config, "modules_to_save", None):
-        raise SplitLMError(f"{path}: the adapter replaces whole modules ({', '.join(config.modules_to_save)}); "
-                           "the edge applies LoRA weights only")
+        raise SplitLMError(
+            f"{path}: the adapter replaces whole modules ({', '.join(config.modules_to_save)}); "
+            "the edge applies LoRA weights only"
+        )
     return config, weights
 
 
@@ -82,15 +90,19 @@ def check_edge_modules(modules: list[str], num_layers: int, head: int, tail: int
     lo, hi = head, num_layers - tail  # the cloud's layers
     cloud = sorted({i for m in modules if (i := _layer(m)) is not None and lo <= i < hi})
     if cloud:
-        raise SplitLMError(f"the adapter changes layer(s) {', '.join(map(str, cloud))}, which the cloud runs "
-                           f"(layers [{lo}, {hi})); an edge adapter may change only layers [0, {head})"
-                           f"{f' and [{hi}, {num_layers})' if tail else ''}, the embedding and the LM head")
+        raise SplitLMError(
+            f"the adapter changes layer(s) {', '.join(map(str, cloud))}, which the cloud runs "
+            f"(layers [{lo}, {hi})); an edge adapter may change only layers [0, {head})"
+            f"{f' and [{hi}, {num_layers})' if tail else ''}, the embedding and the LM head"
+        )
     bad = [m for m in modules if _layer(m) is None and m not in ("model.embed_tokens", "lm_head")]
     if split_head:
         bad += [m for m in modules if m == "lm_head"]
     if bad:
-        raise SplitLMError(f"the adapter changes {', '.join(sorted(set(bad)))}, which the edge does not hold "
-                           "(or, in the split-head topology, shares with the cloud)")
+        raise SplitLMError(
+            f"the adapter changes {', '.join(sorted(set(bad)))}, which the edge does not hold "
+            "(or, in the split-head topology, shares with the cloud)"
+        )
 
 
 class _FullModelView(nn.Module):
@@ -100,7 +112,9 @@ class _FullModelView(nn.Module):
         super().__init__()
         inner = nn.Module()
         inner.embed_tokens = edge_model.embed_tokens
-        layers = {str(s.start + j): block for s in (edge_model.head, edge_model.tail) for j, block in enumerate(s.layers)}
+        layers = {
+            str(s.start + j): block for s in (edge_model.head, edge_model.tail) for j, block in enumerate(s.layers)
+        }
         inner.layers = nn.ModuleDict(layers)
         self.model = inner
         if edge_model.lm_head is not None:

@@ -82,14 +82,26 @@ class EdgeAPI:
         self.created = int(time.time())
         self.fingerprint = f"splitlm-{edge.model.manifest.fingerprint[:16]}"
         self.token_bytes = TokenBytes(edge.text)  # each token's bytes, for logprobs
-        routes = [Route(path, guarded(endpoint, self.internal_error), methods=[method]) for path, endpoint, method in (
-            ("/v1/models", self.models, "GET"), ("/v1/models/{model:path}", self.model, "GET"),
-            ("/v1/chat/completions", self.chat_completions, "POST"), ("/v1/completions", self.completions, "POST"),
-            ("/metrics", self.metrics_text, "GET"), ("/healthz", self.healthz, "GET"))]
-        self.app = Starlette(routes=routes, exception_handlers={APIError: self.api_error,
-                                                                HTTPException: self.http_error,
-                                                                ClientDisconnect: self.client_gone,
-                                                                Exception: self.internal_error})
+        routes = [
+            Route(path, guarded(endpoint, self.internal_error), methods=[method])
+            for path, endpoint, method in (
+                ("/v1/models", self.models, "GET"),
+                ("/v1/models/{model:path}", self.model, "GET"),
+                ("/v1/chat/completions", self.chat_completions, "POST"),
+                ("/v1/completions", self.completions, "POST"),
+                ("/metrics", self.metrics_text, "GET"),
+                ("/healthz", self.healthz, "GET"),
+            )
+        ]
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={
+                APIError: self.api_error,
+                HTTPException: self.http_error,
+                ClientDisconnect: self.client_gone,
+                Exception: self.internal_error,
+            },
+        )
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -102,10 +114,13 @@ class EdgeAPI:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
-        message = {404: f"unknown URL {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-        return await self.api_error(request, APIError(exc.status_code, message, code="not_found"
-                                                      if exc.status_code == 404 else None))
+        message = {
+            404: f"unknown URL {request.method} {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, exc.detail)
+        return await self.api_error(
+            request, APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        )
 
     async def client_gone(self, request: Request, exc: ClientDisconnect) -> Response:
         """The client went away before its answer: nothing to send, a 499 (nginx's) in the log and metrics."""
@@ -122,11 +137,19 @@ class EdgeAPI:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if not scheme:
-            raise APIError(401, "no API key given: send 'Authorization: Bearer KEY'", "invalid_request_error",
-                           code="invalid_api_key")
+            raise APIError(
+                401,
+                "no API key given: send 'Authorization: Bearer KEY'",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, f"the Authorization header must read 'Bearer KEY', not {scheme!r}",
-                           "invalid_request_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                f"the Authorization header must read 'Bearer KEY', not {scheme!r}",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key", "invalid_request_error", code="invalid_api_key")
 
@@ -141,8 +164,12 @@ class EdgeAPI:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.config.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     # -- routes ------------------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -166,8 +193,15 @@ class EdgeAPI:
         clouds = await asyncio.gather(*(asyncio.to_thread(cloud_health, url, tls_ca) for url in self.edge.cloud_urls))
         up = [c for c in clouds if c["status"] == "ok"]
         # "cloud": one that answers (requests fail over to it), else the first; "clouds": every URL of --cloud
-        return JSONResponse({"status": "ok" if up else "degraded", "model": self.config.model_name,
-                             "cloud": (up or clouds)[0], "clouds": list(clouds)}, status_code=200 if up else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if up else "degraded",
+                "model": self.config.model_name,
+                "cloud": (up or clouds)[0],
+                "clouds": list(clouds),
+            },
+            status_code=200 if up else 503,
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat(await self.body(request), self.config.default_temperature)
@@ -198,13 +232,19 @@ class EdgeAPI:
         room = self.edge.context_length - len(prompt_ids)
         if req.max_tokens is None:
             if room < 1:
-                raise invalid(param, f"the prompt has {len(prompt_ids)} tokens; the context holds "
-                              f"{self.edge.context_length}", "context_length_exceeded")
+                raise invalid(
+                    param,
+                    f"the prompt has {len(prompt_ids)} tokens; the context holds {self.edge.context_length}",
+                    "context_length_exceeded",
+                )
             return min(room, self.config.default_max_tokens)
         if req.max_tokens > room:
-            raise invalid(param, f"this model's context holds {self.edge.context_length} tokens; the prompt has "
-                          f"{len(prompt_ids)} and max_tokens asks for {req.max_tokens} more",
-                          "context_length_exceeded")
+            raise invalid(
+                param,
+                f"this model's context holds {self.edge.context_length} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens asks for {req.max_tokens} more",
+                "context_length_exceeded",
+            )
         return req.max_tokens
 
     def check_grammar(self, req: GenerationRequest) -> None:
@@ -216,17 +256,33 @@ class EdgeAPI:
             except GrammarError as e:
                 raise invalid(req.grammar_param or "response_format", str(e), "invalid_schema") from None
 
-    def generate(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int,
-                 cancel: threading.Event, emit, clock: RequestClock, logprobs=None) -> GenerationResult | None:
+    def generate(
+        self,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        max_tokens: int,
+        cancel: threading.Event,
+        emit,
+        clock: RequestClock,
+        logprobs=None,
+    ) -> GenerationResult | None:
         """In a worker thread: generate, calling emit(text) per piece; None if cancelled. `logprobs`: the
         request's `LogprobRecorder`."""
         self.metrics.started(clock)
         try:
             if cancel.is_set():
                 return None
-            stream = self.pool.stream(prompt_ids, max_tokens, spec=self.config.spec, sampling=req.sampling,
-                                      stop=req.stop, cache_policy=req.cache_policy, response_format=req.grammar,
-                                      logprobs=logprobs, interrupt=cancel.is_set)  # a long prefill stops too
+            stream = self.pool.stream(
+                prompt_ids,
+                max_tokens,
+                spec=self.config.spec,
+                sampling=req.sampling,
+                stop=req.stop,
+                cache_policy=req.cache_policy,
+                response_format=req.grammar,
+                logprobs=logprobs,
+                interrupt=cancel.is_set,
+            )  # a long prefill stops too
             for piece in stream:
                 if cancel.is_set():
                     stream.close()
@@ -236,12 +292,16 @@ class EdgeAPI:
         finally:
             self.metrics.ended()
 
-    async def respond(self, request: Request, endpoint: str, req: GenerationRequest, prompt_ids: list[int],
-                      chat: bool) -> Response:
+    async def respond(
+        self, request: Request, endpoint: str, req: GenerationRequest, prompt_ids: list[int], chat: bool
+    ) -> Response:
         max_tokens = self.max_tokens(req, prompt_ids, "messages" if chat else "prompt")
         if req.cache_policy is not None and not self.edge.cache_policy.allows(req.cache_policy):
-            raise invalid("cache_policy", f"cache_policy {req.cache_policy} is looser than this server's "
-                          f"({self.edge.cache_policy}): a request may only tighten it")
+            raise invalid(
+                "cache_policy",
+                f"cache_policy {req.cache_policy} is looser than this server's "
+                f"({self.edge.cache_policy}): a request may only tighten it",
+            )
         await asyncio.to_thread(self.check_grammar, req)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         loop = asyncio.get_running_loop()
@@ -254,8 +314,9 @@ class EdgeAPI:
                 loop.call_soon_threadsafe(queue.put_nowait, answer.piece(piece))
 
         clock = self.metrics.arrived()
-        job = loop.run_in_executor(self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit, clock,
-                                   answer.recorder)
+        job = loop.run_in_executor(
+            self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit, clock, answer.recorder
+        )
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         job.add_done_callback(lambda _: self.metrics.left(clock))
         if not req.stream:
@@ -269,8 +330,17 @@ class EdgeAPI:
             RequestNote.of(result)
             self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
             whole = answer.whole(result)
-            return JSONResponse(completion_body(rid, chat, result, self.config.model_name, self.fingerprint, whole,
-                                                answer.logprobs_body(whole.logprobs)))
+            return JSONResponse(
+                completion_body(
+                    rid,
+                    chat,
+                    result,
+                    self.config.model_name,
+                    self.fingerprint,
+                    whole,
+                    answer.logprobs_body(whole.logprobs),
+                )
+            )
         try:  # a failure before the first token still gets an error status
             first = await unless_gone(request, asyncio.ensure_future(queue.get()))
         except ClientDisconnect:
@@ -280,11 +350,15 @@ class EdgeAPI:
         if first is None and isinstance(job.exception(), CloudError | SplitLMError):
             raise cloud_failure(job.exception())
         self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-        return StreamingResponse(self.events(endpoint, rid, chat, req, first, queue, job, cancel, clock, answer),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            self.events(endpoint, rid, chat, req, first, queue, job, cancel, clock, answer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
-    async def events(self, endpoint, rid, chat, req, first, queue, job, cancel, clock,
-                     answer: AnswerBuilder) -> AsyncIterator[str]:
+    async def events(
+        self, endpoint, rid, chat, req, first, queue, job, cancel, clock, answer: AnswerBuilder
+    ) -> AsyncIterator[str]:
         """SSE chunks: the role (chat), the text pieces from `first` on, the tool calls, the finish
         reason, usage, [DONE]."""
         out = Chunks(rid, chat, self.config.model_name, self.fingerprint, answer)
@@ -338,6 +412,7 @@ def cloud_health(url: str, tls_ca: str | None = None, timeout_s: float = 3.0) ->
 @dataclass
 class RequestNote:
     """What a generation request's log line adds: its prompt tokens and how many were reused."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -377,8 +452,14 @@ class RequestLog:
             await self.app(scope, receive, sending)
         finally:
             quiet = scope["path"] in ("/healthz", "/metrics")  # polled: only with -v
-            (log.debug if quiet else log.info)("%s %s %d %.0f ms%s", scope["method"], scope["path"], status[0],
-                                               (time.perf_counter() - start) * 1000, note)
+            (log.debug if quiet else log.info)(
+                "%s %s %d %.0f ms%s",
+                scope["method"],
+                scope["path"],
+                status[0],
+                (time.perf_counter() - start) * 1000,
+                note,
+            )
 
 
 def listen_socket(host: str, port: int):
@@ -429,8 +510,14 @@ def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 80
     api = EdgeAPI(edge, config)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who can reach it can use the model", host)
-    log.info("serving model '%s' on http://%s:%d/v1 (cloud %s%s)", config.model_name, host, sock.getsockname()[1],
-             ",".join(edge.cloud_urls), ", API key required" if config.api_key else "")
+    log.info(
+        "serving model '%s' on http://%s:%d/v1 (cloud %s%s)",
+        config.model_name,
+        host,
+        sock.getsockname()[1],
+        ",".join(edge.cloud_urls),
+        ", API key required" if config.api_key else "",
+    )
     server = uvicorn.Server(uvicorn.Config(RequestLog(api.app), log_level="warning", access_log=False))
     try:
         server.run(sockets=[sock])

@@ -73,6 +73,7 @@ def token_entry(token: int, logprob: float, nbytes: bytes) -> dict:
 @dataclass
 class Delta:
     """What one streamed chunk carries."""
+
     content: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offset: int = 0  # characters of the generated text before the first token of `logprobs` (completions)
@@ -81,6 +82,7 @@ class Delta:
 @dataclass
 class Answer:
     """A finished answer: the content (None when only calls), the calls, why it ended, its tokens' logprobs."""
+
     content: str | None
     tool_calls: list[ToolCall]
     finish_reason: str
@@ -110,7 +112,7 @@ class AnswerBuilder:
         while self.reported < len(records) and self.tokens_bytes < n_bytes:
             self.tokens_bytes += len(self.token_bytes(records[self.reported].token))
             self.reported += 1
-        return records[start: self.reported]
+        return records[start : self.reported]
 
     def delta(self, content: str, n_bytes: int) -> Delta:
         """A chunk's content and the logprobs of the tokens the text's first `n_bytes` newly reach."""
@@ -143,8 +145,13 @@ class AnswerBuilder:
     def chat_logprobs(self, records: list[TokenLogprob]) -> dict:
         """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": None}."""
         tb = self.token_bytes
-        content = [{**token_entry(r.token, r.logprob, tb(r.token)),
-                    "top_logprobs": [token_entry(t, lp, tb(t)) for t, lp in r.top]} for r in records]
+        content = [
+            {
+                **token_entry(r.token, r.logprob, tb(r.token)),
+                "top_logprobs": [token_entry(t, lp, tb(t)) for t, lp in r.top],
+            }
+            for r in records
+        ]
         return {"content": content, "refusal": None}
 
     def completion_logprobs(self, records: list[TokenLogprob], offset: int = 0) -> dict:
@@ -156,9 +163,12 @@ class AnswerBuilder:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{tb(t).decode("utf-8", "replace"): lp for t, lp in r.top} for r in records],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{tb(t).decode("utf-8", "replace"): lp for t, lp in r.top} for r in records],
+            "text_offset": offsets,
+        }
 
     def logprobs_body(self, records: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
         """The choice's `logprobs` for `records` (None when the request asked for none)."""

@@ -14,8 +14,15 @@ CAPACITY_RETRY_AFTER_S = 2
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -27,8 +34,13 @@ class APIError(Exception):
 def cloud_failure(e: Exception) -> APIError:
     """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, else 502."""
     if getattr(e, "code", None) == ErrorCode.CAPACITY:
-        return APIError(503, f"the cloud is at capacity: {e}", "server_error", code="cloud_capacity",
-                        headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)})
+        return APIError(
+            503,
+            f"the cloud is at capacity: {e}",
+            "server_error",
+            code="cloud_capacity",
+            headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
+        )
     return APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
 
 
@@ -41,6 +53,7 @@ def guarded(endpoint, on_error):
     """`endpoint` with an unexpected exception answered by `on_error` (a 500) here: Starlette's
     handler of last resort re-raises it after answering, and the server then drops the keep-alive
     connection under the client."""
+
     async def run(request: Request) -> Response:
         try:
             return await endpoint(request)
@@ -48,4 +61,5 @@ def guarded(endpoint, on_error):
             raise
         except Exception as exc:
             return await on_error(request, exc)
+
     return run

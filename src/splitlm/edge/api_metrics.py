@@ -49,42 +49,74 @@ class EdgeMetrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("splitlm_edge_requests_total", "HTTP API requests by route and status.",
-                                ["endpoint", "status"], registry=r)
-        self.running = Gauge("splitlm_edge_num_requests_running", "Generation requests a worker is running.",
-                             registry=r)
-        self.waiting = Gauge("splitlm_edge_num_requests_waiting",
-                             "Generation requests accepted and waiting for a worker (--max-concurrent).", registry=r)
-        self.prompt_tokens = Counter("splitlm_edge_prompt_tokens_total", "Prompt tokens of finished requests.",
-                                     registry=r)
-        self.generation_tokens = Counter("splitlm_edge_generation_tokens_total",
-                                         "Generated tokens of finished requests.", registry=r)
-        self.round_trips = Counter("splitlm_edge_round_trips_total", "Cloud round trips (prefill included).",
-                                   registry=r)
-        self.tokens_per_round_trip = Histogram("splitlm_edge_tokens_per_round_trip",
-                                               "Per request: generated tokens per decoding round trip.",
-                                               buckets=TOKENS_PER_ROUND_TRIP, registry=r)
+        self.requests = Counter(
+            "splitlm_edge_requests_total", "HTTP API requests by route and status.", ["endpoint", "status"], registry=r
+        )
+        self.running = Gauge(
+            "splitlm_edge_num_requests_running", "Generation requests a worker is running.", registry=r
+        )
+        self.waiting = Gauge(
+            "splitlm_edge_num_requests_waiting",
+            "Generation requests accepted and waiting for a worker (--max-concurrent).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "splitlm_edge_prompt_tokens_total", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "splitlm_edge_generation_tokens_total", "Generated tokens of finished requests.", registry=r
+        )
+        self.round_trips = Counter(
+            "splitlm_edge_round_trips_total", "Cloud round trips (prefill included).", registry=r
+        )
+        self.tokens_per_round_trip = Histogram(
+            "splitlm_edge_tokens_per_round_trip",
+            "Per request: generated tokens per decoding round trip.",
+            buckets=TOKENS_PER_ROUND_TRIP,
+            registry=r,
+        )
         self.bytes = Counter("splitlm_edge_bytes_total", "Bytes exchanged with the cloud.", ["direction"], registry=r)
         self.errors = Counter("splitlm_edge_errors_total", "Failed requests by error type.", ["type"], registry=r)
-        self.e2e = Histogram("splitlm_edge_e2e_request_latency_seconds", "Arrival to the last token out.",
-                             ["endpoint"], buckets=SECOND_BUCKETS, registry=r)
-        self.queue_time = Histogram("splitlm_edge_request_queue_time_seconds", "Arrival to a worker taking it.",
-                                    buckets=SECOND_BUCKETS, registry=r)
-        self.ttft = Histogram("splitlm_edge_time_to_first_token_seconds",
-                              "Arrival to the first token out (queue, cloud session's OPEN and prefill).",
-                              buckets=SECOND_BUCKETS, registry=r)
-        self.tpot = Histogram("splitlm_edge_time_per_output_token_seconds",
-                              "Per request: decoding time per output token after the first.",
-                              buckets=TOKEN_SECOND_BUCKETS, registry=r)
-        self.drafts = Counter("splitlm_edge_spec_decode_num_drafts_total",
-                              "Verification steps that carried drafted tokens.", registry=r)
-        self.draft_tokens = Counter("splitlm_edge_spec_decode_num_draft_tokens_total",
-                                    "Drafted tokens verified.", registry=r)
-        self.accepted_tokens = Counter("splitlm_edge_spec_decode_num_accepted_tokens_total",
-                                       "Drafted tokens accepted.", registry=r)
-        self.accepted_per_pos = Counter("splitlm_edge_spec_decode_num_accepted_tokens_per_pos_total",
-                                        "Drafted tokens accepted, by depth in the draft (0: the first).",
-                                        ["position"], registry=r)
+        self.e2e = Histogram(
+            "splitlm_edge_e2e_request_latency_seconds",
+            "Arrival to the last token out.",
+            ["endpoint"],
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "splitlm_edge_request_queue_time_seconds",
+            "Arrival to a worker taking it.",
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "splitlm_edge_time_to_first_token_seconds",
+            "Arrival to the first token out (queue, cloud session's OPEN and prefill).",
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "splitlm_edge_time_per_output_token_seconds",
+            "Per request: decoding time per output token after the first.",
+            buckets=TOKEN_SECOND_BUCKETS,
+            registry=r,
+        )
+        self.drafts = Counter(
+            "splitlm_edge_spec_decode_num_drafts_total", "Verification steps that carried drafted tokens.", registry=r
+        )
+        self.draft_tokens = Counter(
+            "splitlm_edge_spec_decode_num_draft_tokens_total", "Drafted tokens verified.", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "splitlm_edge_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "splitlm_edge_spec_decode_num_accepted_tokens_per_pos_total",
+            "Drafted tokens accepted, by depth in the draft (0: the first).",
+            ["position"],
+            registry=r,
+        )
 
     # -- a request's way through the workers -------------------------------------------------------
     def arrived(self) -> RequestClock:
@@ -138,16 +170,27 @@ class PrefixPoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c, u = self.pool.counters, self.pool.usage()
-        yield CounterMetricFamily("splitlm_edge_prefix_cache_queries",
-                                  "Prompt tokens of requests that looked for a pooled prefix.", c.queried_tokens)
-        yield CounterMetricFamily("splitlm_edge_prefix_cache_hits",
-                                  "Prompt tokens reused from pooled states (not prefilled again).", c.hit_tokens)
-        yield CounterMetricFamily("splitlm_edge_prefix_pool_evictions",
-                                  "Pooled states closed for the pool's limits or idle time.", c.evictions)
+        yield CounterMetricFamily(
+            "splitlm_edge_prefix_cache_queries",
+            "Prompt tokens of requests that looked for a pooled prefix.",
+            c.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "splitlm_edge_prefix_cache_hits",
+            "Prompt tokens reused from pooled states (not prefilled again).",
+            c.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "splitlm_edge_prefix_pool_evictions",
+            "Pooled states closed for the pool's limits or idle time.",
+            c.evictions,
+        )
         yield GaugeMetricFamily("splitlm_edge_prefix_pool_sessions", "Conversation states in the pool.", u.sessions)
-        held = GaugeMetricFamily("splitlm_edge_prefix_pool_bytes",
-                                 "Memory the pooled states hold, by side (the cloud's: its K/V entries, estimated).",
-                                 labels=["side"])
+        held = GaugeMetricFamily(
+            "splitlm_edge_prefix_pool_bytes",
+            "Memory the pooled states hold, by side (the cloud's: its K/V entries, estimated).",
+            labels=["side"],
+        )
         held.add_metric(["edge"], u.edge_bytes)
         held.add_metric(["cloud"], u.cloud_bytes)
         yield held

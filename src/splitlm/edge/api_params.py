@@ -33,48 +33,51 @@ def _p(name, endpoint, status, accepts=(None,), example=None) -> Param:
     return Param(name, endpoint, status, accepts, example)
 
 
-PARAMETERS: dict[str, Param] = {p.name: p for p in [
-    _p("model", "both", "supported"),
-    _p("messages", "chat", "supported"),
-    _p("prompt", "completions", "supported"),
-    _p("max_tokens", "both", "supported"),
-    _p("max_completion_tokens", "chat", "supported"),
-    _p("temperature", "both", "supported"),
-    _p("top_p", "both", "supported"),
-    _p("top_k", "both", "supported"),
-    _p("cache_policy", "both", "supported"),
-    _p("seed", "both", "supported"),
-    _p("stop", "both", "supported"),
-    _p("stream", "both", "supported"),
-    _p("stream_options", "both", "supported"),
-    _p("response_format", "both", "supported"),
-    _p("tools", "chat", "supported"),
-    _p("tool_choice", "chat", "supported"),
-    _p("parallel_tool_calls", "chat", "supported"),
-    _p("logprobs", "both", "supported"),
-    _p("top_logprobs", "chat", "supported"),
-    _p("n", "both", "limited", (None, 1), 2),
-    _p("best_of", "completions", "limited", (None, 1), 2),
-    _p("modalities", "chat", "limited", (None, ["text"]), ["text", "audio"]),
-    _p("frequency_penalty", "both", "refused", (None, 0, 0.0), 0.5),
-    _p("presence_penalty", "both", "refused", (None, 0, 0.0), 0.5),
-    _p("logit_bias", "both", "refused", (None, {}), {"50": 10}),
-    _p("audio", "chat", "refused", (None,), {"voice": "alloy", "format": "wav"}),
-    _p("reasoning_effort", "chat", "refused", (None,), "low"),
-    _p("verbosity", "chat", "refused", (None,), "low"),
-    _p("web_search_options", "chat", "refused", (None,), {}),
-    _p("functions", "chat", "refused", (None, []), [{"name": "f", "parameters": {"type": "object"}}]),
-    _p("function_call", "chat", "refused", (None, "none"), "auto"),
-    _p("echo", "completions", "refused", (None, False), True),
-    _p("suffix", "completions", "refused", (None, ""), "!"),
-    _p("prediction", "chat", "ignored"),
-    _p("store", "chat", "ignored"),
-    _p("metadata", "chat", "ignored"),
-    _p("service_tier", "both", "ignored"),
-    _p("user", "both", "ignored"),
-    _p("safety_identifier", "chat", "ignored"),
-    _p("prompt_cache_key", "chat", "ignored"),
-]}
+PARAMETERS: dict[str, Param] = {
+    p.name: p
+    for p in [
+        _p("model", "both", "supported"),
+        _p("messages", "chat", "supported"),
+        _p("prompt", "completions", "supported"),
+        _p("max_tokens", "both", "supported"),
+        _p("max_completion_tokens", "chat", "supported"),
+        _p("temperature", "both", "supported"),
+        _p("top_p", "both", "supported"),
+        _p("top_k", "both", "supported"),
+        _p("cache_policy", "both", "supported"),
+        _p("seed", "both", "supported"),
+        _p("stop", "both", "supported"),
+        _p("stream", "both", "supported"),
+        _p("stream_options", "both", "supported"),
+        _p("response_format", "both", "supported"),
+        _p("tools", "chat", "supported"),
+        _p("tool_choice", "chat", "supported"),
+        _p("parallel_tool_calls", "chat", "supported"),
+        _p("logprobs", "both", "supported"),
+        _p("top_logprobs", "chat", "supported"),
+        _p("n", "both", "limited", (None, 1), 2),
+        _p("best_of", "completions", "limited", (None, 1), 2),
+        _p("modalities", "chat", "limited", (None, ["text"]), ["text", "audio"]),
+        _p("frequency_penalty", "both", "refused", (None, 0, 0.0), 0.5),
+        _p("presence_penalty", "both", "refused", (None, 0, 0.0), 0.5),
+        _p("logit_bias", "both", "refused", (None, {}), {"50": 10}),
+        _p("audio", "chat", "refused", (None,), {"voice": "alloy", "format": "wav"}),
+        _p("reasoning_effort", "chat", "refused", (None,), "low"),
+        _p("verbosity", "chat", "refused", (None,), "low"),
+        _p("web_search_options", "chat", "refused", (None,), {}),
+        _p("functions", "chat", "refused", (None, []), [{"name": "f", "parameters": {"type": "object"}}]),
+        _p("function_call", "chat", "refused", (None, "none"), "auto"),
+        _p("echo", "completions", "refused", (None, False), True),
+        _p("suffix", "completions", "refused", (None, ""), "!"),
+        _p("prediction", "chat", "ignored"),
+        _p("store", "chat", "ignored"),
+        _p("metadata", "chat", "ignored"),
+        _p("service_tier", "both", "ignored"),
+        _p("user", "both", "ignored"),
+        _p("safety_identifier", "chat", "ignored"),
+        _p("prompt_cache_key", "chat", "ignored"),
+    ]
+}
 
 
 def check_params(body: dict, endpoint: str) -> None:
@@ -87,8 +90,14 @@ def check_params(body: dict, endpoint: str) -> None:
             continue
         if p.endpoint not in (endpoint, "both"):
             if p.status != "ignored":
-                raise invalid(name, f"'{name}' is not a parameter of /v1/{endpoint.replace('chat', 'chat/completions')}",
-                              "unsupported_parameter")
+                raise invalid(
+                    name,
+                    f"'{name}' is not a parameter of /v1/{endpoint.replace('chat', 'chat/completions')}",
+                    "unsupported_parameter",
+                )
         elif p.status in ("limited", "refused") and not p.takes(value):
-            raise invalid(name, f"'{name}' = {value!r} is not supported by this server (docs/api.md, "
-                          "'Request parameters')", "unsupported_parameter")
+            raise invalid(
+                name,
+                f"'{name}' = {value!r} is not supported by this server (docs/api.md, 'Request parameters')",
+                "unsupported_parameter",
+            )

@@ -55,7 +55,9 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # what the answer must follow: response_format, or a forced tool call
     grammar_param: str | None = None  # the parameter it comes from (named by a 400 when it does not compile)
     logprobs: int | None = None  # None: no logprobs; k: each token's and its k likeliest alternatives'
-    cache_policy: CachePolicy | None = None  # extra_body {"cache_policy": ...}; None: the server's (docs/prefix-reuse.md)
+    cache_policy: CachePolicy | None = (
+        None  # extra_body {"cache_policy": ...}; None: the server's (docs/prefix-reuse.md)
+    )
 
     @property
     def forced_call(self) -> bool:
@@ -77,8 +79,9 @@ def check_json(body) -> None:
     while stack:
         name, value, depth = stack.pop()
         if isinstance(value, dict | list) and depth >= MAX_DEPTH:
-            raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", param=name,
-                           code="invalid_json")
+            raise APIError(
+                400, f"the request body is nested deeper than {MAX_DEPTH} levels", param=name, code="invalid_json"
+            )
         if isinstance(value, dict):
             stack += [(name, k, depth + 1) for k in value] + [(name, v, depth + 1) for v in value.values()]
         elif isinstance(value, list):
@@ -87,8 +90,12 @@ def check_json(body) -> None:
             try:
                 value.encode()
             except UnicodeEncodeError:
-                raise APIError(400, "the request body holds a lone UTF-16 surrogate, which is not text", param=name,
-                               code="invalid_json") from None
+                raise APIError(
+                    400,
+                    "the request body holds a lone UTF-16 surrogate, which is not text",
+                    param=name,
+                    code="invalid_json",
+                ) from None
 
 
 def check_length(chars: int, param: str, text: TextCodec, context_length: int) -> None:
@@ -96,8 +103,11 @@ def check_length(chars: int, param: str, text: TextCodec, context_length: int) -
     tokens: tokenizing it would hold the tokenizer's lock, and so every other request, for seconds."""
     limit = LENGTH_MARGIN * text.longest_token * context_length
     if text.longest_token and chars > limit:
-        raise invalid(param, f"the prompt has {chars} characters; the context holds {context_length} tokens, "
-                      f"at most {limit} characters", "context_length_exceeded")
+        raise invalid(
+            param,
+            f"the prompt has {chars} characters; the context holds {context_length} tokens, at most {limit} characters",
+            "context_length_exceeded",
+        )
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float | None) -> float | None:
@@ -153,16 +163,20 @@ def response_format(body: dict) -> GrammarSpec | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise invalid("response_format", "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema'}",
-                      "invalid_type")
+        raise invalid(
+            "response_format",
+            "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema'}",
+            "invalid_type",
+        )
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_object":
         return GrammarSpec.json_object()
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise invalid("response_format.json_schema", "response_format.json_schema must be an object with a 'name'",
-                      "invalid_type")
+        raise invalid(
+            "response_format.json_schema", "response_format.json_schema must be an object with a 'name'", "invalid_type"
+        )
     if not isinstance(spec.get("strict", False), bool | None):
         raise invalid("response_format.json_schema.strict", "'strict' must be a boolean", "invalid_type")
     schema = spec.get("schema", {"type": "object"})
@@ -193,8 +207,12 @@ def _common(body: dict, default_temperature: float, chat: bool) -> GenerationReq
     if top_p == 0.0:
         raise invalid("top_p", "'top_p' must be greater than 0")
     seed = _int(body, "seed", -(2**63), 2**64 - 1)
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=_int(body, "top_k", 0) or 0,
-                              seed=None if seed is None else seed % 2**64)
+    sampling = SamplingConfig(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_int(body, "top_k", 0) or 0,
+        seed=None if seed is None else seed % 2**64,
+    )
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     stream = _bool(body, "stream")
@@ -206,10 +224,18 @@ def _common(body: dict, default_temperature: float, chat: bool) -> GenerationReq
             raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     include_usage = stream and bool(options) and _bool(options, "include_usage", "stream_options.include_usage")
     grammar = response_format(body)
-    return GenerationRequest(model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
-                             include_usage=include_usage, grammar=grammar,
-                             grammar_param=None if grammar is None else "response_format",
-                             logprobs=_logprobs(body, chat), cache_policy=_cache_policy(body))
+    return GenerationRequest(
+        model,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        grammar=grammar,
+        grammar_param=None if grammar is None else "response_format",
+        logprobs=_logprobs(body, chat),
+        cache_policy=_cache_policy(body),
+    )
 
 
 def _cache_policy(body: dict) -> CachePolicy | None:
@@ -231,12 +257,16 @@ def _content(message: dict, i: int) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"messages[{i}].content", "only text content parts ({'type': 'text', 'text': ...}) "
-                              "are supported", "unsupported_content")
+                raise invalid(
+                    f"messages[{i}].content",
+                    "only text content parts ({'type': 'text', 'text': ...}) are supported",
+                    "unsupported_content",
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts",
-                  "invalid_type")
+    raise invalid(
+        f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts", "invalid_type"
+    )
 
 
 def _turn(message, i: int) -> Turn:
@@ -252,8 +282,11 @@ def _turn(message, i: int) -> Turn:
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}] (role tool) needs a 'tool_call_id'",
-                          "missing_required_parameter")
+            raise invalid(
+                f"messages[{i}].tool_call_id",
+                f"messages[{i}] (role tool) needs a 'tool_call_id'",
+                "missing_required_parameter",
+            )
         return Turn("tool", _content(message, i), tool_call_id=call_id)
     return Turn(ROLES[role], _content(message, i))
 
@@ -267,12 +300,17 @@ def _check_tool_results(turns: list[Turn]) -> None:
             calls = turn.tool_calls if turn.role == "assistant" else []
             continue
         if not calls:
-            raise invalid(f"messages[{i}]", f"messages[{i}] (role tool) must answer a call of an assistant "
-                          "message with 'tool_calls' before it")
+            raise invalid(
+                f"messages[{i}]",
+                f"messages[{i}] (role tool) must answer a call of an assistant message with 'tool_calls' before it",
+            )
         ids = {c.id for c in calls}
         if turn.tool_call_id not in ids and "" not in ids:  # a call sent back without an id: unchecked
-            raise invalid(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id {turn.tool_call_id!r} is "
-                          f"not one of the calls before it ({', '.join(sorted(map(repr, ids)))})")
+            raise invalid(
+                f"messages[{i}].tool_call_id",
+                f"messages[{i}].tool_call_id {turn.tool_call_id!r} is "
+                f"not one of the calls before it ({', '.join(sorted(map(repr, ids)))})",
+            )
 
 
 def _tools(body: dict, req: GenerationRequest) -> None:
@@ -314,7 +352,8 @@ def parse_completion(body, vocab_size: int, default_temperature: float = 1.0) ->
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
         raise invalid("prompt", "only one prompt per request is supported", "unsupported_parameter")
     elif not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids",
-                      "missing_required_parameter")
+        raise invalid(
+            "prompt", "'prompt' must be a non-empty string or a list of token ids", "missing_required_parameter"
+        )
     req.prompt = prompt
     return req

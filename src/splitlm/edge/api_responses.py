@@ -12,16 +12,27 @@ from splitlm.edge.runtime import GenerationResult
 
 def usage(result: GenerationResult) -> dict:
     n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}  # reused: docs/prefix-reuse.md
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_out,
+        "total_tokens": n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens},
+    }  # reused: docs/prefix-reuse.md
 
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def completion_body(rid: str, chat: bool, result: GenerationResult, model: str, fingerprint: str,
-                    answer: Answer | None = None, logprobs: dict | None = None) -> dict:
+def completion_body(
+    rid: str,
+    chat: bool,
+    result: GenerationResult,
+    model: str,
+    fingerprint: str,
+    answer: Answer | None = None,
+    logprobs: dict | None = None,
+) -> dict:
     """The whole response; `answer`: the content and tool calls read from the result (default: its text)."""
     answer = answer or Answer(result.text, [], result.finish_reason, None)
     if chat:
@@ -31,13 +42,29 @@ def completion_body(rid: str, chat: bool, result: GenerationResult, model: str, 
         choice = {"index": 0, "message": message, "finish_reason": answer.finish_reason, "logprobs": logprobs}
     else:
         choice = {"index": 0, "text": result.text, "finish_reason": answer.finish_reason, "logprobs": logprobs}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": fingerprint, "choices": [choice],
-            "usage": usage(result), "splitlm": result.stats.to_dict()}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+        "usage": usage(result),
+        "splitlm": result.stats.to_dict(),
+    }
 
 
-def chunk(rid: str, chat: bool, text: str | None, model: str, fingerprint: str, finish: str | None = None,
-          role: bool = False, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+def chunk(
+    rid: str,
+    chat: bool,
+    text: str | None,
+    model: str,
+    fingerprint: str,
+    finish: str | None = None,
+    role: bool = False,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         if tool_calls:
@@ -45,9 +72,14 @@ def chunk(rid: str, chat: bool, text: str | None, model: str, fingerprint: str, 
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model,
-            "system_fingerprint": fingerprint, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+    }
 
 
 def call_deltas(calls: list[ToolCall]) -> list[list[dict]]:

@@ -34,8 +34,10 @@ class FunctionTool:
 
     def definition(self) -> dict:
         """The OpenAI definition (what a chat template and our system prompt show the model)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass(frozen=True)
@@ -78,15 +80,17 @@ def _tool(item, i: int) -> FunctionTool:
         raise invalid(f"{where}.function.name", f"{where}.function.name must match {NAME.pattern}, got {name!r}")
     description = fn.get("description") or ""
     if not isinstance(description, str):
-        raise invalid(f"{where}.function.description", f"{where}.function.description must be a string",
-                      "invalid_type")
+        raise invalid(f"{where}.function.description", f"{where}.function.description must be a string", "invalid_type")
     parameters = fn.get("parameters")
     if parameters is None:
         return FunctionTool(name, description)
     check_schema(parameters, f"{where}.function.parameters")
     if parameters.get("type", "object") != "object":  # a call's arguments are a JSON object
-        raise invalid(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON Schema of "
-                      f"type 'object', got type {parameters['type']!r}", "invalid_schema")
+        raise invalid(
+            f"{where}.function.parameters",
+            f"{where}.function.parameters must be a JSON Schema of type 'object', got type {parameters['type']!r}",
+            "invalid_schema",
+        )
     return FunctionTool(name, description, {"type": "object", **parameters})
 
 
@@ -117,13 +121,18 @@ def parse_tool_choice(body: dict, tools: list[FunctionTool]) -> ToolChoice:
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         mode, name = "function", choice["function"].get("name")
         if name is None:
-            raise invalid("tool_choice.function.name", "tool_choice names no function: add 'function': {'name': ...}",
-                          "missing_required_parameter")
+            raise invalid(
+                "tool_choice.function.name",
+                "tool_choice names no function: add 'function': {'name': ...}",
+                "missing_required_parameter",
+            )
         if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise invalid("tool_choice", f"tool_choice names the function {name!r}, which is not in 'tools'")
     else:
-        raise invalid("tool_choice", "'tool_choice' must be none, auto, required or "
-                      "{'type': 'function', 'function': {'name': ...}}")
+        raise invalid(
+            "tool_choice",
+            "'tool_choice' must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+        )
     if mode != "none" and not tools:
         raise invalid("tool_choice", "'tool_choice' is only allowed when 'tools' are specified")
     return ToolChoice(mode, name)
@@ -137,22 +146,28 @@ def parse_call_list(items, where: str) -> list[ToolCall]:
     for j, item in enumerate(items):
         fn = item.get("function") if isinstance(item, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise invalid(f"{where}[{j}]", f"{where}[{j}] must be {{'id', 'type': 'function', 'function': "
-                          "{'name': str, 'arguments': str}}", "invalid_type")
+            raise invalid(
+                f"{where}[{j}]",
+                f"{where}[{j}] must be {{'id', 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
+                "invalid_type",
+            )
         calls.append(ToolCall(fn["name"], fn["arguments"], str(item.get("id") or "")))
     return calls
 
 
 # -- the prompt ------------------------------------------------------------------------------------
 
+
 def tools_section(tools: list[FunctionTool]) -> str:
     """The system prompt's part that lists the functions, for a chat template without tool support."""
     lines = "\n".join(json.dumps(t.definition()) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE
+    )
 
 
 def call_text(call: ToolCall) -> str:
@@ -170,6 +185,7 @@ def _arguments(call: ToolCall):
 @dataclass
 class Turn:
     """One message of a chat request."""
+
     role: str  # system | user | assistant | tool
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)  # assistant: the calls it made
@@ -182,8 +198,10 @@ def native_messages(turns: list[Turn]) -> list[dict]:
     for t in turns:
         m: dict = {"role": t.role, "content": t.content}
         if t.tool_calls:
-            m["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": _arguments(c)}} for c in t.tool_calls]
+            m["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                for c in t.tool_calls
+            ]
         if t.tool_call_id is not None:
             m["tool_call_id"] = t.tool_call_id
         out.append(m)
@@ -216,6 +234,7 @@ def plain_messages(turns: list[Turn], tools: list[FunctionTool]) -> list[dict]:
 
 # -- the grammar of a forced call -----------------------------------------------------------------
 
+
 def _renamed_refs(node, renames: dict[str, str]):
     """`node` with every `{"$ref": "#/$defs/X"}` of `renames` pointing at its new name."""
     if isinstance(node, dict):
@@ -241,8 +260,14 @@ def call_schema(tools: list[FunctionTool]) -> dict:
         renames = {k: f"{t.name}.{k}" for k, v in own.items() if k in defs and defs[k] != v}
         params = _renamed_refs(params, renames)
         defs.update({renames.get(k, k): _renamed_refs(v, renames) for k, v in own.items()})
-        options.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": JSON_OPTIONS}  # json.dumps' separators, as every JSON grammar of ours
     if defs:
@@ -262,6 +287,7 @@ def call_grammar(tools: list[FunctionTool], choice: ToolChoice, parallel: bool) 
 
 # -- calls read back -----------------------------------------------------------------------------
 
+
 def read_calls(text: str, tools: list[FunctionTool], parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """The content and the calls of a model's answer. Every `<tool_call>` block must be closed and
     hold a JSON object naming one of `tools` with object `arguments`; if any does not, there are no
@@ -273,8 +299,12 @@ def read_calls(text: str, tools: list[FunctionTool], parallel: bool = True) -> t
             call = json.loads(match.group(1))
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in names \
-                or not isinstance(call.get("arguments"), dict):
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or call["name"] not in names
+            or not isinstance(call.get("arguments"), dict)
+        ):
             return text, []
         calls.append(ToolCall(call["name"], json.dumps(call["arguments"])))
     content = CALL.sub("", text).strip()
@@ -295,8 +325,10 @@ class CallFilter:
         text = self.held + piece
         start = text.find(CALL_OPEN)
         if start < 0:  # hold back a tail that could begin one
-            start = next((i for i in range(max(0, len(text) - len(CALL_OPEN) + 1), len(text))
-                          if CALL_OPEN.startswith(text[i:])), len(text))
+            start = next(
+                (i for i in range(max(0, len(text) - len(CALL_OPEN) + 1), len(text)) if CALL_OPEN.startswith(text[i:])),
+                len(text),
+            )
         out, self.held = text[:start], text[start:]
         self.shown += out
         return out

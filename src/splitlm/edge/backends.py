@@ -42,6 +42,7 @@ class TailOut:
     """A step's outputs on the edge: `out` [R, V] logits, or with argmax each row's greedy id [R];
     with extras each row's k likeliest ids `topk` [R, k] and final-normed hidden state `hidden` [R, D]
     (None where the back end has none). Host tensors."""
+
     out: torch.Tensor
     topk: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
@@ -49,6 +50,7 @@ class TailOut:
 
 class Block(Protocol):
     """What a back end reads of a block of new tokens (`splitlm.edge.link.Flight`)."""
+
     ids: list[int]  # T
     positions: list[int]  # [T]
     mask: torch.Tensor | None  # [T, T] visibility among the new tokens (None: causal)
@@ -60,6 +62,7 @@ class Block(Protocol):
 
 class EdgeBackend(Protocol):
     """What an edge session runs on the edge: embedding and head layers, then tail and LM head."""
+
     cfg: ModelConfig
     vocab: VocabSubset  # the ids the model may emit
     device: torch.device
@@ -105,6 +108,7 @@ def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.T
 
 class LocalHead:
     """The embedding and head layers of an edge model (torch or ONNX Runtime), shared by every back end."""
+
     max_logit_rows: int | None = None
     final_hidden = False
     hidden_down = True
@@ -123,8 +127,12 @@ class LocalHead:
 
     def head(self, ids: list[int], positions: list[int], mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
         dev = self.device
-        return self.model.embed_and_head(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
-                                         None if mask is None else to_device(mask, dev), cache)[0]  # [T, D]
+        return self.model.embed_and_head(
+            torch.tensor([ids], device=dev),
+            torch.tensor(positions, device=dev),
+            None if mask is None else to_device(mask, dev),
+            cache,
+        )[0]  # [T, D]
 
     def reply_rows(self, rows: list[int] | None) -> list[int] | None:
         return None
@@ -141,6 +149,7 @@ class LocalHead:
 
 class TorchBackend(LocalHead):
     """Tail-local on torch: tail layers, final norm and LM head (`EdgeModel`)."""
+
     final_hidden = True
 
     def __init__(self, model: EdgeModel, vocab: VocabSubset, device: torch.device):
@@ -165,6 +174,7 @@ class TorchBackend(LocalHead):
 
 class OnnxBackend(LocalHead):
     """Tail-local in ONNX Runtime on the CPU: the tail graph ends in the LM head (logits, no final hidden state)."""
+
     dtype = torch.float32
 
     def finish(self, reply: Result, f: Block, cache: KVCache) -> TailOut:
@@ -177,6 +187,7 @@ class OnnxBackend(LocalHead):
 class SplitHeadBackend(LocalHead):
     """Split-head: the cloud runs every remaining layer and its slice of the LM head; the edge completes
     the LM head with its own columns, over the authorised vocabulary only."""
+
     hidden_down = False
 
     def __init__(self, model: EdgeModel, vocab: VocabSubset, device: torch.device):
@@ -193,8 +204,9 @@ class SplitHeadBackend(LocalHead):
     def connected(self, client: CloudClient, wire_dtype: str) -> None:
         """Rows of logits one RESULT may hold: what the frame limits (the client's and the cloud's) leave."""
         frame = min(client.max_frame_bytes, client.info.limits.max_frame_bytes or client.max_frame_bytes)
-        per_row = wire_nbytes(wire_dtype, [1, self.vocab.size]) + \
-            wire_nbytes(wire_dtype, [1, self.model.manifest.d_end])
+        per_row = wire_nbytes(wire_dtype, [1, self.vocab.size]) + wire_nbytes(
+            wire_dtype, [1, self.model.manifest.d_end]
+        )
         self.max_logit_rows = max(1, (frame - RESULT_RESERVE_BYTES) // per_row)
 
     def reply_rows(self, rows: list[int] | None) -> list[int] | None:
@@ -209,8 +221,9 @@ class SplitHeadBackend(LocalHead):
         d, s = self.model.manifest.d_end, self.vocab.size
         if z is None or h_end.shape != (n_rows, d) or z.shape != (n_rows, s):
             raise SplitLMError(f"the cloud's split-head RESULT does not hold {n_rows} rows of h[:{d}] and {s} logits")
-        return edge_logits(self.model, to_device(h_end, self.device), to_device(z, self.device), self.vocab_ids,
-                           self.w_end)
+        return edge_logits(
+            self.model, to_device(h_end, self.device), to_device(z, self.device), self.vocab_ids, self.w_end
+        )
 
     def finish(self, reply: Result, f: Block, cache: KVCache) -> TailOut:
         logits = self.logits(reply, len(f.ids) if f.rows is None else len(f.rows))  # [R, V]
@@ -219,8 +232,9 @@ class SplitHeadBackend(LocalHead):
         return TailOut(to_host(masked_argmax(logits, f.allowed) if f.argmax else logits), topk)
 
 
-def load_model(edge_dir: Path, device: str = "auto", dtype: str | None = "auto",
-               edge_adapter: str | Path | None = None) -> tuple[EdgeModel | OnnxEdge, torch.device]:
+def load_model(
+    edge_dir: Path, device: str = "auto", dtype: str | None = "auto", edge_adapter: str | Path | None = None
+) -> tuple[EdgeModel | OnnxEdge, torch.device]:
     """The edge shard's model and where it runs: torch on `device` in `dtype` (with a LoRA adapter merged),
     or with `device` onnx / onnx:int8 the graphs of `splitlm export-onnx` in ONNX Runtime on the CPU."""
     onnx = parse_onnx_device(device)  # None, or the precision of the ONNX Runtime graphs
@@ -233,8 +247,9 @@ def load_model(edge_dir: Path, device: str = "auto", dtype: str | None = "auto",
     if dtype not in (None, "auto", "fp32"):
         raise SplitLMError(f"--device {device} sets the precision itself (onnx or onnx:int8); drop --dtype {dtype}")
     if edge_adapter:
-        raise SplitLMError("--edge-adapter is merged into the graphs at export: "
-                           "`splitlm export-onnx --edge DIR --edge-adapter PATH`")
+        raise SplitLMError(
+            "--edge-adapter is merged into the graphs at export: `splitlm export-onnx --edge DIR --edge-adapter PATH`"
+        )
     return OnnxEdge(edge_dir, onnx), torch.device("cpu")  # the caches stay torch tensors in host memory
 
 

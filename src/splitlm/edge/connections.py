@@ -70,6 +70,7 @@ class Pool(Generic[T]):
 class ClientSettings:
     """How each connection to a cloud is made: `splitlm.transport.client.CloudClient`'s arguments but the URL
     (the keepalive pings' timeout is their interval)."""
+
     fingerprint: str  # the edge shard's: the cloud must serve the matching cloud shard
     timeout_s: float = 60.0
     identity: Identity | str | Path | None = None
@@ -82,10 +83,18 @@ class ClientSettings:
     def connect(self, url: str, open_timeout_s: float | None = None) -> CloudClient:
         """A new connection to `url`; `open_timeout_s` caps the time to open it (not its requests')."""
         timeout_s = self.timeout_s if open_timeout_s is None else min(self.timeout_s, max(open_timeout_s, 0.1))
-        client = CloudClient(url, fingerprint=self.fingerprint, timeout_s=timeout_s, identity=self.identity,
-                             cloud_key=self.cloud_key, known_hosts=self.known_hosts, tls_ca=self.tls_ca,
-                             rekey=self.rekey, ping_interval_s=self.ping_interval_s,
-                             ping_timeout_s=self.ping_interval_s)
+        client = CloudClient(
+            url,
+            fingerprint=self.fingerprint,
+            timeout_s=timeout_s,
+            identity=self.identity,
+            cloud_key=self.cloud_key,
+            known_hosts=self.known_hosts,
+            tls_ca=self.tls_ca,
+            rekey=self.rekey,
+            ping_interval_s=self.ping_interval_s,
+            ping_timeout_s=self.ping_interval_s,
+        )
         client.timeout_s = self.timeout_s
         return client
 
@@ -95,8 +104,7 @@ class CloudConnections:
     takes a connection of its own (`open_session`) and gives it back when done (`give`), or drops it
     when it failed (`drop`); after a lost cloud, `reconnect` tries the next one, with backoff."""
 
-    def __init__(self, urls: str | list[str], settings: ClientSettings,
-                 failover_timeout_s: float = FAILOVER_TIMEOUT_S):
+    def __init__(self, urls: str | list[str], settings: ClientSettings, failover_timeout_s: float = FAILOVER_TIMEOUT_S):
         self.urls = parse_cloud_urls(urls)
         self.settings = settings
         self.failover_timeout_s = failover_timeout_s
@@ -138,8 +146,9 @@ class CloudConnections:
                 if not e.retryable or n == 1:
                     raise
                 if i == n - 1:
-                    raise CloudError(f"none of the {n} clouds could be reached (the last: {e})", e.code,
-                                     retryable=True) from None
+                    raise CloudError(
+                        f"none of the {n} clouds could be reached (the last: {e})", e.code, retryable=True
+                    ) from None
                 log.info("%s; trying the next cloud", e)
                 continue
             self._first = k

@@ -37,8 +37,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """`edge`: the `splitlm.edge.Edge` whose model and cloud connection the turns use."""
 
-    def __init__(self, edge, system: str | None = None, spec: SpecConfig | None = None,
-                 cache_policy: str | None = None, sampling: SamplingConfig | None = None):
+    def __init__(
+        self,
+        edge,
+        system: str | None = None,
+        spec: SpecConfig | None = None,
+        cache_policy: str | None = None,
+        sampling: SamplingConfig | None = None,
+    ):
         if edge.tokenizer is None or not edge.tokenizer.chat_template:
             raise SplitLMError("a conversation needs a tokenizer with a chat template")
         self.edge, self.spec, self.sampling = edge, spec or SpecConfig(), sampling
@@ -58,8 +64,9 @@ class Conversation:
             self.session.crop(keep)
         result = None
         try:
-            for delta, result in self.edge.run_ids(ids, max_new_tokens, True, self.spec, self.sampling,
-                                                   session=self.session, cached=keep):
+            for delta, result in self.edge.run_ids(
+                ids, max_new_tokens, True, self.spec, self.sampling, session=self.session, cached=keep
+            ):
                 yield delta, result
         except BaseException:  # interrupted (stream closed, Ctrl-C, an error): as if the turn never happened
             self.messages.pop()

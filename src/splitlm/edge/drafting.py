@@ -31,8 +31,9 @@ class DraftState:
     tokenizer (none: no local text), whose lock also guards the tables here; `with_head`: whether the
     edge's back end gives the final hidden state that a trained draft head reads."""
 
-    def __init__(self, edge_dir: Path, model: EdgeModel | OnnxEdge, device: torch.device, text: TextCodec,
-                 with_head: bool):
+    def __init__(
+        self, edge_dir: Path, model: EdgeModel | OnnxEdge, device: torch.device, text: TextCodec, with_head: bool
+    ):
         self.edge_dir, self.model, self.device, self.with_head = edge_dir, model, device, with_head
         self.tokenizer = text.tokenizer
         self._lock = text.lock  # the pools' table, the corpus model, the tokenizer
@@ -53,8 +54,11 @@ class DraftState:
         """The local text's documents as token ids (tokenized once; none without a tokenizer)."""
         with self._lock:
             if warmup not in self._corpus_ids:
-                self._corpus_ids[warmup] = [] if self.tokenizer is None else \
-                    self.tokenizer(self.corpus_documents(warmup), add_special_tokens=False).input_ids
+                self._corpus_ids[warmup] = (
+                    []
+                    if self.tokenizer is None
+                    else self.tokenizer(self.corpus_documents(warmup), add_special_tokens=False).input_ids
+                )
             return self._corpus_ids[warmup]
 
     def corpus_model(self) -> NgramModel | None:
@@ -88,8 +92,9 @@ class DraftState:
         head = load_head(self.edge_dir, self.model.manifest.model_hash) if self.with_head else None
         if head is None:
             return None
-        return HeadRunner(head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight,
-                          self.model.cfg.embed_scale)
+        return HeadRunner(
+            head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, self.model.cfg.embed_scale
+        )
 
     def budgets(self, spec: SpecConfig, constrained: bool = False) -> Pool[StepBudget]:
         """The step budgets of one speculative configuration: what a budget learns (link, compute cost,
@@ -100,6 +105,7 @@ class DraftState:
         with self._lock:
             key = (*memory_key(spec), spec.window, constrained)
             if key not in self._budgets:
-                self._budgets[key] = Pool(lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes,
-                                                             cost=spec.cost))
+                self._budgets[key] = Pool(
+                    lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes, cost=spec.cost)
+                )
             return self._budgets[key]

@@ -87,20 +87,43 @@ class EdgeGrammars:
         return self.compile(spec).start()
 
 
-def constrained_steps(session: StepSession, prompt_ids: list[int], max_new_tokens: int, eos: set[int],
-                      drafter: Drafter, budget: StepBudget, spec: SpecConfig, spec_stats: SpecStats,
-                      state: GrammarState, stats: GenerationStats, cached: int = 0,
-                      sampling: SamplingConfig | None = None,
-                      logprobs: LogprobRecorder | None = None) -> Iterator[list[int]]:
+def constrained_steps(
+    session: StepSession,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos: set[int],
+    drafter: Drafter,
+    budget: StepBudget,
+    spec: SpecConfig,
+    spec_stats: SpecStats,
+    state: GrammarState,
+    stats: GenerationStats,
+    cached: int = 0,
+    sampling: SamplingConfig | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> Iterator[list[int]]:
     """The decoding loop of a constrained request: sequential under spec mode `none`, grammar-aware
     speculation otherwise (pipelining does not apply); `stats.grammar` follows it."""
     gstats = GrammarStats()
     if spec.mode == "none":
-        steps = constrained_sequential(session, prompt_ids, max_new_tokens, eos, state, gstats, cached, sampling,
-                                       logprobs)
+        steps = constrained_sequential(
+            session, prompt_ids, max_new_tokens, eos, state, gstats, cached, sampling, logprobs
+        )
     else:
-        steps = constrained_decode(session, prompt_ids, max_new_tokens, eos, drafter, budget, spec_stats, state,
-                                   gstats, cached, sampling, logprobs)
+        steps = constrained_decode(
+            session,
+            prompt_ids,
+            max_new_tokens,
+            eos,
+            drafter,
+            budget,
+            spec_stats,
+            state,
+            gstats,
+            cached,
+            sampling,
+            logprobs,
+        )
     for new in steps:
         stats.grammar = gstats.to_dict()
         yield new

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Flight:
     """One forward's block of new tokens, from its send until its keep is applied everywhere."""
+
     ids: list[int]
     h: torch.Tensor  # [T, D] head outputs of the new tokens
     positions: list[int]
@@ -63,6 +64,7 @@ class Flight:
 class CloudView:
     """The cloud's cache of one session as the edge counts it, and the keep and crop it still owes
     the cloud (piggy-backed on the next FORWARD)."""
+
     committed: int = 0  # committed entries the cloud holds (a prefix; a suffix under window:N)
     pending: int = 0  # size of the cloud's pending block
     keep: list[int] | None = None  # to piggy-back on the next FORWARD
@@ -125,6 +127,7 @@ class CloudView:
 @dataclass
 class Reply:
     """A step's RESULT as taken off the link, and what taking it cost."""
+
     result: Result | None  # None: a void block a failover did not re-send
     bytes_down: int = 0
     serialize_s: float = 0.0  # its decryption and decoding
@@ -161,13 +164,23 @@ class CloudLink:
     the cloud does not hold under the cache policy (`none`, after `revoke`, a new session after a
     failover) is re-sent as context rows instead of being recomputed."""
 
-    def __init__(self, connections: CloudConnections, backend: EdgeBackend, policy: CachePolicy, wire_dtype: str,
-                 split: int, recover: Recover, observer: StepObserver | None = None):
+    def __init__(
+        self,
+        connections: CloudConnections,
+        backend: EdgeBackend,
+        policy: CachePolicy,
+        wire_dtype: str,
+        split: int,
+        recover: Recover,
+        observer: StepObserver | None = None,
+    ):
         self.connections, self.backend, self.policy, self.wire_dtype = connections, backend, policy, wire_dtype
         self.split, self.recover, self.observer = split, recover, observer
         self.key = AESGCM.generate_key(bit_length=256) if policy.sealed else None  # never leaves this session
         self.client, self.id = connections.open_session(self.open_request())
-        self.history = torch.zeros(0, backend.cfg.hidden_size, device=backend.device)  # [L, D] fp32 (the residual stream)
+        self.history = torch.zeros(
+            0, backend.cfg.hidden_size, device=backend.device
+        )  # [L, D] fp32 (the residual stream)
         self.history_pos: list[int] = []
         self.flights: deque[Flight] = deque()  # sent, reply not yet taken (oldest first)
         self.cloud = CloudView()
@@ -179,8 +192,13 @@ class CloudLink:
 
     def control(self) -> Control:
         """The control tuple of this session's next request."""
-        return Control(cache=self.policy.retention > 0, window=self.policy.window, dtype=self.wire_dtype,
-                       split=self.split, key=self.key)
+        return Control(
+            cache=self.policy.retention > 0,
+            window=self.policy.window,
+            dtype=self.wire_dtype,
+            split=self.split,
+            key=self.key,
+        )
 
     def context_rows(self, length: int) -> int:
         """How many of the session's `length` committed rows, counted from the end, the cloud lacks."""
@@ -192,8 +210,11 @@ class CloudLink:
         cloud's tokens per forward (re-sent context rows count); None when the step fits."""
         per_forward = self.client.info.limits.max_tokens_per_forward
         room = max(1, per_forward - self.context_rows(length)) if per_forward else None
-        exceeded = [cap for cap, n in ((self.policy.window, n_ids), (self.backend.max_logit_rows, n_rows),
-                                       (room, n_ids)) if cap is not None and n > cap]
+        exceeded = [
+            cap
+            for cap, n in ((self.policy.window, n_ids), (self.backend.max_logit_rows, n_rows), (room, n_ids))
+            if cap is not None and n > cap
+        ]
         return min(exceeded) if exceeded else None
 
     def commit(self, h: torch.Tensor, positions: list[int], keep: list[int] | None) -> None:
@@ -234,16 +255,25 @@ class CloudLink:
         the keep and crop the cloud still owes; then count what the cloud holds."""
         client = self.client
         start = time.perf_counter()
-        sent = torch.cat([self.history[f.start - c:f.start], f.h]) if c else f.h  # [C + T, D]
+        sent = torch.cat([self.history[f.start - c : f.start], f.h]) if c else f.h  # [C + T, D]
         sent = to_host(sent)  # the wire codec reads host memory (one copy per step)
-        sent_pos = self.history_pos[f.start - c:f.start] + f.positions if c else f.positions
+        sent_pos = self.history_pos[f.start - c : f.start] + f.positions if c else f.positions
         up, ser = client.bytes_up, client.serialize_s
         f.edge_s += time.perf_counter() - start
         f.first_sent = f.first_sent or start
-        request = Forward(sent, torch.as_tensor(sent_pos, dtype=torch.long), f.mask, self.cloud.keep, self.cloud.crop,
-                          c, self.control(), self.backend.reply_rows(f.rows))
-        f.sent = client.send_forward(self.id, request, self.wire_dtype,
-                                     self.backend.reply_elements(f.n_rows, sent.numel()))
+        request = Forward(
+            sent,
+            torch.as_tensor(sent_pos, dtype=torch.long),
+            f.mask,
+            self.cloud.keep,
+            self.cloud.crop,
+            c,
+            self.control(),
+            self.backend.reply_rows(f.rows),
+        )
+        f.sent = client.send_forward(
+            self.id, request, self.wire_dtype, self.backend.reply_elements(f.n_rows, sent.numel())
+        )
         if self.observer is not None:
             self.observer.sent(request)
         f.serialize_s += client.serialize_s - ser

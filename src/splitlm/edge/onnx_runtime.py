@@ -42,18 +42,28 @@ class _Segment:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.n_layers, self.kv_shape, self.path = n_layers, kv_shape, path
-        self.inputs = {i.name for i in self.session.get_inputs()}  # (a graph without layers drops what it does not read)
+        self.inputs = {
+            i.name for i in self.session.get_inputs()
+        }  # (a graph without layers drops what it does not read)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.n_layers)
 
-    def run(self, feeds: dict[str, np.ndarray], positions: torch.Tensor, mask: torch.Tensor | None,
-            cache: KVCache | None, t: int) -> np.ndarray:
+    def run(
+        self,
+        feeds: dict[str, np.ndarray],
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        t: int,
+    ) -> np.ndarray:
         """Feed the mask, positions and past entries of `cache`; append the new entries; the first output."""
         past = 0 if cache is None else cache.length
         new_mask = causal_mask(t) if mask is None else mask.cpu()
         positions = positions.reshape(-1).cpu().long()  # [T]
-        for i in range(self.n_layers):  # the S entries so far, [1, Hkv, S, hd] (a copy: ONNX Runtime reads dense arrays)
+        for i in range(
+            self.n_layers
+        ):  # the S entries so far, [1, Hkv, S, hd] (a copy: ONNX Runtime reads dense arrays)
             view = None if cache is None or not past else cache.view(i)
             if view is None:
                 k = v = np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=np.float32)
@@ -65,8 +75,9 @@ class _Segment:
             keys = cache.positions.cpu()  # [S+T]
         else:
             keys = positions
-        feeds.update(positions=positions.numpy(), mask=full_mask(new_mask, past)[0, 0].numpy(),
-                     key_positions=keys.numpy())
+        feeds.update(
+            positions=positions.numpy(), mask=full_mask(new_mask, past)[0, 0].numpy(), key_positions=keys.numpy()
+        )
         out = self.session.run(None, {k: v for k, v in feeds.items() if k in self.inputs})
         if cache is not None:
             for i in range(self.n_layers):
@@ -89,8 +100,10 @@ class OnnxEdge:
         if onnx.fingerprint != self.manifest.fingerprint:
             raise SplitLMError(f"{edge_dir}: the ONNX export is of another split; run `splitlm export-onnx` again")
         if precision not in onnx.precisions:
-            raise SplitLMError(f"{edge_dir} has no {precision} ONNX export; run `splitlm export-onnx --edge "
-                               f"{edge_dir}{' --int8' if precision == 'int8' else ''}`")
+            raise SplitLMError(
+                f"{edge_dir} has no {precision} ONNX export; run `splitlm export-onnx --edge "
+                f"{edge_dir}{' --int8' if precision == 'int8' else ''}`"
+            )
         self.precision, self.adapter = precision, onnx.adapter
         threads = threads or int(os.environ.get("SPLITLM_ONNX_THREADS", "0")) or torch.get_num_threads()
         kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
@@ -98,15 +111,26 @@ class OnnxEdge:
         self.tail = _Segment(graph_file(edge_dir, "tail", precision), onnx.tail_layers, kv, threads)
         log.info("edge %s: ONNX Runtime %s graphs (CPU)", edge_dir, precision)
 
-    def embed_and_head(self, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None = None,
-                       cache: KVCache | None = None) -> torch.Tensor:
+    def embed_and_head(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        new_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """ids [1, T] -> head outputs [1, T, D] fp32."""
         t = ids.shape[-1]
         h = self.head.run({"ids": ids.reshape(1, t).cpu().long().numpy()}, positions, new_mask, cache, t)
         return torch.from_numpy(h)
 
-    def tail_and_logits(self, h: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None = None,
-                        cache: KVCache | None = None, rows: list[int] | None = None) -> torch.Tensor:
+    def tail_and_logits(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        new_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """h [1, T, D] -> logits [1, T or len(rows), V]."""
         t = h.shape[1]
         rows = torch.arange(t) if rows is None else torch.as_tensor(rows, dtype=torch.long)

@@ -63,7 +63,9 @@ class StageFit:
     def __init__(self, prior: tuple[float, float, float], window: int = 128):
         self.coef = prior
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._pseudo = [(n, past, prior[0] + prior[1] * n + prior[2] * past) for n, past in ((1, 0), (256, 0), (1, 2048))]
+        self._pseudo = [
+            (n, past, prior[0] + prior[1] * n + prior[2] * past) for n, past in ((1, 0), (256, 0), (1, 2048))
+        ]
 
     def add(self, n: int, past: int, seconds: float) -> None:
         self.samples.append((n, past, seconds))
@@ -91,8 +93,9 @@ class PrefillCosts:
         self.link = LinkEstimate()
         self._lock = threading.Lock()
 
-    def observe(self, tokens: int, past: int, head_s: float, tail_s: float, cloud_s: float, nbytes: int,
-                network_s: float | None) -> None:
+    def observe(
+        self, tokens: int, past: int, head_s: float, tail_s: float, cloud_s: float, nbytes: int, network_s: float | None
+    ) -> None:
         """One forward of `tokens` new tokens after `past` cached entries; `network_s` only when it
         was alone on the link."""
         with self._lock:
@@ -106,14 +109,21 @@ class PrefillCosts:
         """The stage costs now, with the link's bytes per token up and down."""
         with self._lock:
             s = self.link.s_per_byte
-            return Stages(self.head.coef, (s * FRAME_OVERHEAD, s * up_per_token, 0.0), self.cloud.coef,
-                          (s * FRAME_OVERHEAD, s * down_per_token, 0.0), self.tail.coef, self.link.rtt_s)
+            return Stages(
+                self.head.coef,
+                (s * FRAME_OVERHEAD, s * up_per_token, 0.0),
+                self.cloud.coef,
+                (s * FRAME_OVERHEAD, s * down_per_token, 0.0),
+                self.tail.coef,
+                self.link.rtt_s,
+            )
 
 
 @dataclass
 class Stages:
     """Seconds per chunk of n tokens after `past` cached entries, a + b·n + g·past, of each stage;
     and the round trip's latency."""
+
     head: tuple[float, float, float]
     up: tuple[float, float, float]
     cloud: tuple[float, float, float]
@@ -201,6 +211,7 @@ class ChunkRecord:
 @dataclass
 class PrefillRun:
     """How one prompt went through (`EdgeSession.last_prefill`)."""
+
     tokens: int
     chunk: int
     predicted_s: float | None  # the plan's prediction (None: a fixed chunk size)

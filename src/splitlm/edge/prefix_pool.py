@@ -50,6 +50,7 @@ FULL = (ErrorCode.LIMIT_EXCEEDED, ErrorCode.CAPACITY)  # a new session refused: 
 @dataclass(frozen=True)
 class PoolLimits:
     """How much the pool may hold (`serve-edge --prefix-pool`, `--prefix-pool-mb`, `--prefix-pool-ttl`)."""
+
     sessions: int = DEFAULT_SESSIONS  # pooled states at most; 0 disables reuse
     megabytes: float = DEFAULT_MEGABYTES  # on each side: the edge's memory and the cloud's KV; 0 disables reuse
     ttl_s: float = DEFAULT_TTL_S  # a state idle this long is closed; 0: no limit
@@ -66,6 +67,7 @@ class PoolLimits:
 @dataclass
 class PoolCounters:
     """Totals since the pool was made (what `/metrics` reports)."""
+
     queried_tokens: int = 0  # prompt tokens of the requests that looked for a pooled prefix
     hit_tokens: int = 0  # of those, the tokens reused (not prefilled again)
     evictions: int = 0  # pooled states closed for the limits or the idle time
@@ -75,6 +77,7 @@ class PoolCounters:
 @dataclass
 class PoolUsage:
     """What the pooled states hold now."""
+
     sessions: int = 0
     edge_bytes: int = 0
     cloud_bytes: int = 0
@@ -83,6 +86,7 @@ class PoolUsage:
 @dataclass
 class Pooled:
     """A pooled state: its session, the token ids its caches hold, in order, and its cost."""
+
     session: EdgeSession
     ids: list[int]
     edge_bytes: int
@@ -93,6 +97,7 @@ class Pooled:
 @dataclass
 class Lease:
     """A request's session (pooled or fresh), held by that request alone."""
+
     session: EdgeSession
     cached: int  # prompt tokens already in its caches
     poolable: bool  # may go back to the pool after the request
@@ -138,11 +143,20 @@ class PrefixPool:
             self.sweeper.start()
 
     # -- the entry point -----------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-               stop_at_eos: bool = True, spec: SpecConfig | str | None = None, sampling: SamplingConfig | None = None,
-               stop: str | list[str] | None = None, *,
-               cache_policy: str | CachePolicy | None = None, interrupt: Callable[[], bool] | None = None,
-               **options) -> Stream:
+    def stream(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        chat: bool = False,
+        stop_at_eos: bool = True,
+        spec: SpecConfig | str | None = None,
+        sampling: SamplingConfig | None = None,
+        stop: str | list[str] | None = None,
+        *,
+        cache_policy: str | CachePolicy | None = None,
+        interrupt: Callable[[], bool] | None = None,
+        **options,
+    ) -> Stream:
         """`Edge.stream` (same arguments; others in `options` go to it as they are) from the longest
         pooled prefix the request's cache policy (default: the edge's) allows; the state goes back to
         the pool after the request, or, if it was cancelled, cropped back to what was committed.
@@ -155,25 +169,31 @@ class PrefixPool:
         options = dict(stop_at_eos=stop_at_eos, spec=spec, sampling=sampling, stop=stop, **options)
         return Stream(self._run(prompt_ids, max_new_tokens, policy, options, interrupt))
 
-    def _run(self, prompt_ids: list[int], max_new_tokens: int, policy: CachePolicy, options: dict,
-             interrupt: Callable[[], bool] | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
+    def _run(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        policy: CachePolicy,
+        options: dict,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> Iterator[tuple[str, GenerationResult | None]]:
         lease = self.checkout(prompt_ids, policy, len(prompt_ids) + max_new_tokens)
         lease.session.interrupt = interrupt
         try:
             result = yield from self._generate(lease, prompt_ids, max_new_tokens, options)
         except Interrupted:  # its caller asked it to stop: nothing to report
-            self.release(lease, prompt_ids[:lease.cached])
+            self.release(lease, prompt_ids[: lease.cached])
             return
         except GeneratorExit:  # cancelled: what was committed stays, the half-finished step goes
-            self.release(lease, prompt_ids[:len(prompt_ids) if lease.session.stats.new_tokens else lease.cached])
+            self.release(lease, prompt_ids[: len(prompt_ids) if lease.session.stats.new_tokens else lease.cached])
             raise
         except CloudError:
             close_quietly(lease.session)
             raise
         except BaseException:
-            self.release(lease, prompt_ids[:lease.cached])
+            self.release(lease, prompt_ids[: lease.cached])
             raise
-        self.release(lease, (prompt_ids + result.token_ids)[:lease.session.length])
+        self.release(lease, (prompt_ids + result.token_ids)[: lease.session.length])
 
     def _generate(self, lease: Lease, prompt_ids: list[int], max_new_tokens: int, options: dict):
         """The request on the lease's session; a pooled one whose cloud session has gone (expired,
@@ -272,8 +292,12 @@ class PrefixPool:
             log.warning("closing a session that cannot be pooled: %s", e)
             close_quietly(session)
             return
-        entry = Pooled(session, ids[:session.length], edge_bytes(session),
-                       self.cloud_token_bytes * min(session.length, session.policy.retention))
+        entry = Pooled(
+            session,
+            ids[: session.length],
+            edge_bytes(session),
+            self.cloud_token_bytes * min(session.length, session.policy.retention),
+        )
         if max(entry.edge_bytes, entry.cloud_bytes) > self.limits.cap_bytes:  # alone over the cap: the others stay
             with self.lock:
                 self.counters.evictions += 1
@@ -298,8 +322,9 @@ class PrefixPool:
         return victims
 
     def _usage(self) -> PoolUsage:
-        return PoolUsage(len(self.entries), sum(e.edge_bytes for e in self.entries),
-                         sum(e.cloud_bytes for e in self.entries))
+        return PoolUsage(
+            len(self.entries), sum(e.edge_bytes for e in self.entries), sum(e.cloud_bytes for e in self.entries)
+        )
 
     def usage(self) -> PoolUsage:
         with self.lock:

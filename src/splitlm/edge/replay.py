@@ -111,12 +111,14 @@ def rebuild(link: CloudLink, upto: int, then: int) -> int:
     done = 0
     while per_forward and upto - done + then > per_forward:
         n = min(per_forward, upto - done)
-        h, pos = to_host(link.history[done:done + n]), link.history_pos[done:done + n]  # [n, D]
-        request = Forward(h, torch.as_tensor(pos, dtype=torch.long), control=link.control(),
-                          rows=link.backend.reply_rows([n - 1]))
+        h, pos = to_host(link.history[done : done + n]), link.history_pos[done : done + n]  # [n, D]
+        request = Forward(
+            h, torch.as_tensor(pos, dtype=torch.long), control=link.control(), rows=link.backend.reply_rows([n - 1])
+        )
         client = link.client
-        client.receive_forward(client.send_forward(link.id, request, link.wire_dtype,
-                                                   max(h.numel(), link.backend.vocab.size)))
+        client.receive_forward(
+            client.send_forward(link.id, request, link.wire_dtype, max(h.numel(), link.backend.vocab.size))
+        )
         done += n
         link.cloud.committed = done
     return done

@@ -69,8 +69,11 @@ class GenerationStats:
         return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
-                "tokens_per_s": round(self.tokens_per_s, 3)}
+        return {
+            **asdict(self),
+            "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }
 
 
 @dataclass
@@ -113,6 +116,9 @@ class Stream:
 def format_stats(s: GenerationStats) -> str:
     """One line: mode, tokens, round trips, tokens per round trip, TTFT, speed, bytes."""
     drafters = s.drafter.partition("(")[2].rstrip(")")  # auto(suffix+recycle+head) -> suffix+recycle+head
-    return (f"[{s.spec_mode}{f' with {drafters}' if drafters else ''}: {s.new_tokens} tokens, {s.round_trips} round trips, "
-            f"{s.tokens_per_round_trip:.2f} tokens/round trip, TTFT {s.prefill_s * 1000:.0f} ms, "
-            f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} KiB{s.failover_note}]")
+    return (
+        f"[{s.spec_mode}{f' with {drafters}' if drafters else ''}: {s.new_tokens} tokens, {s.round_trips} round trips, "
+        f"{s.tokens_per_round_trip:.2f} tokens/round trip, TTFT {s.prefill_s * 1000:.0f} ms, "
+        f"{s.tokens_per_s:.1f} tok/s, up {s.bytes_up / 1024:.1f} KiB, down {s.bytes_down / 1024:.1f} "
+        f"KiB{s.failover_note}]"
+    )

@@ -63,19 +63,37 @@ def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
 
 def spec_label(spec: SpecConfig, sampling: SamplingConfig) -> str:
     """How a request decodes, for its stats: `auto`, `lookahead pipelined`, `none (sampling)`, ..."""
-    return spec.mode + (" pipelined" if spec.pipeline and spec.mode != "none" else "") + \
-        ("" if sampling.plain_greedy else " (sampling)")
+    return (
+        spec.mode
+        + (" pipelined" if spec.pipeline and spec.mode != "none" else "")
+        + ("" if sampling.plain_greedy else " (sampling)")
+    )
 
 
 class Edge:
     """The edge side of a split model, connected to a cloud server (one of a list, to fail over to)."""
 
-    def __init__(self, edge_dir: str | Path, cloud_url: str | list[str], wire_dtype: str = "auto",
-                 timeout_s: float = 60.0, *,
-                 cache_policy: str | None = "session", identity=None, cloud_key=None, known_hosts=None, tls_ca=None,
-                 rekey=None, vocab: str | VocabSubset | None = "all", device: str = "auto", dtype: str = "auto",
-                 failover_timeout_s: float = FAILOVER_TIMEOUT_S, ping_interval_s: float | None = PING_INTERVAL_S,
-                 prefill_chunk: int | str = "auto", edge_adapter: str | Path | None = None):
+    def __init__(
+        self,
+        edge_dir: str | Path,
+        cloud_url: str | list[str],
+        wire_dtype: str = "auto",
+        timeout_s: float = 60.0,
+        *,
+        cache_policy: str | None = "session",
+        identity=None,
+        cloud_key=None,
+        known_hosts=None,
+        tls_ca=None,
+        rekey=None,
+        vocab: str | VocabSubset | None = "all",
+        device: str = "auto",
+        dtype: str = "auto",
+        failover_timeout_s: float = FAILOVER_TIMEOUT_S,
+        ping_interval_s: float | None = PING_INTERVAL_S,
+        prefill_chunk: int | str = "auto",
+        edge_adapter: str | Path | None = None,
+    ):
         """cloud_url: one URL, or several (a list, or comma-separated) that serve the same cloud shard:
         when the connection or the cloud dies mid-request, a session reconnects (the same or the next
         one, with backoff, for at most `failover_timeout_s` seconds) and replays what the cloud lost
@@ -121,9 +139,20 @@ class Edge:
         self.backend = make_backend(self.model, self.vocab, self.device)  # what every session runs on the edge
         self.dtype = self.backend.dtype
         self.drafting = DraftState(self.edge_dir, self.model, self.device, self.text, self.backend.final_hidden)
-        self.connections = CloudConnections(cloud_url, ClientSettings(
-            self.model.manifest.fingerprint, timeout_s, identity, cloud_key, known_hosts, tls_ca, rekey, ping_interval_s),
-            failover_timeout_s)
+        self.connections = CloudConnections(
+            cloud_url,
+            ClientSettings(
+                self.model.manifest.fingerprint,
+                timeout_s,
+                identity,
+                cloud_key,
+                known_hosts,
+                tls_ca,
+                rekey,
+                ping_interval_s,
+            ),
+            failover_timeout_s,
+        )
         self.cloud_urls = self.connections.urls
         self.client = self.connections.connect()  # the first connection: fail early if the cloud cannot be reached
         self.connections.give(self.client)
@@ -147,8 +176,10 @@ class Edge:
     def check_fits(self, prompt_tokens: int) -> None:
         """Refuse, before anything is sent, a prompt that leaves no room for one new token."""
         if prompt_tokens >= self.context_length:
-            raise SplitLMError(f"the prompt has {prompt_tokens} tokens, but this model's context holds "
-                               f"{self.context_length} (prompt and answer together); shorten the prompt")
+            raise SplitLMError(
+                f"the prompt has {prompt_tokens} tokens, but this model's context holds "
+                f"{self.context_length} (prompt and answer together); shorten the prompt"
+            )
 
     def corpus_documents(self) -> list[str]:
         """Local text for the `auto` drafter (`DraftState.corpus_documents`)."""
@@ -164,12 +195,25 @@ class Edge:
 
     def open_session(self, cache_policy: str | CachePolicy | None = None) -> EdgeSession:
         """A cloud session of its own (a connection from the pool) with the edge's caches for it."""
-        setup = SessionSetup(self.backend, self.connections, self.wire_dtype, self.cache_policy,
-                             self.model.manifest.head, self.prefill_chunk, self.prefill_costs, self.observer)
+        setup = SessionSetup(
+            self.backend,
+            self.connections,
+            self.wire_dtype,
+            self.cache_policy,
+            self.model.manifest.head,
+            self.prefill_chunk,
+            self.prefill_costs,
+            self.observer,
+        )
         return EdgeSession(setup, cache_policy)
 
-    def conversation(self, system: str | None = None, spec: SpecConfig | str | None = None,
-                     cache_policy: str | None = None, sampling: SamplingConfig | None = None) -> Conversation:
+    def conversation(
+        self,
+        system: str | None = None,
+        spec: SpecConfig | str | None = None,
+        cache_policy: str | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> Conversation:
         """A multi-turn chat that keeps its cloud session (and the authorised cache) across turns."""
         from splitlm.edge.conversation import Conversation
 
@@ -213,11 +257,19 @@ class Edge:
             return SpecConfig("none")
         return spec or SpecConfig()
 
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 128, stop_at_eos: bool = True,
-                     spec: SpecConfig | None = None, sampling: SamplingConfig | None = None,
-                     session: EdgeSession | None = None, cached: int = 0, *,
-                     logprobs: LogprobRecorder | None = None,
-                     grammar: GrammarSpec | None = None) -> Iterator[tuple[list[int], GenerationStats]]:
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 128,
+        stop_at_eos: bool = True,
+        spec: SpecConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        session: EdgeSession | None = None,
+        cached: int = 0,
+        *,
+        logprobs: LogprobRecorder | None = None,
+        grammar: GrammarSpec | None = None,
+    ) -> Iterator[tuple[list[int], GenerationStats]]:
         """Decode; yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
         `spec` mode `none` every step is one round trip and one token, other modes verify a drafted
         tree per step. With a temperature > 0 (or a repetition penalty) trees are verified by exact
@@ -252,17 +304,52 @@ class Edge:
             start = time.perf_counter()
             s.setup_s = start - called
             if state is not None:
-                steps = constrained_steps(session, prompt_ids, max_new_tokens, eos, drafter, budget, spec, spec_stats,
-                                          state, s, cached, sampling, logprobs)
+                steps = constrained_steps(
+                    session,
+                    prompt_ids,
+                    max_new_tokens,
+                    eos,
+                    drafter,
+                    budget,
+                    spec,
+                    spec_stats,
+                    state,
+                    s,
+                    cached,
+                    sampling,
+                    logprobs,
+                )
             elif spec.mode == "none" and not sampling.plain_greedy:
-                steps = sample_decode(session, prompt_ids, max_new_tokens, eos, sampling, cached=cached,
-                                      logprobs=logprobs)
+                steps = sample_decode(
+                    session, prompt_ids, max_new_tokens, eos, sampling, cached=cached, logprobs=logprobs
+                )
             elif spec.pipeline and spec.mode != "none" and session.pipelines:
-                steps = pipelined_decode(session, prompt_ids, max_new_tokens, eos, drafter, budget, spec_stats, cached,
-                                         sampling, logprobs=logprobs, bet_drafter=self._drafter(spec)[0])
+                steps = pipelined_decode(
+                    session,
+                    prompt_ids,
+                    max_new_tokens,
+                    eos,
+                    drafter,
+                    budget,
+                    spec_stats,
+                    cached,
+                    sampling,
+                    logprobs=logprobs,
+                    bet_drafter=self._drafter(spec)[0],
+                )
             else:
-                steps = speculative_decode(session, prompt_ids, max_new_tokens, eos, drafter,
-                                           budget, spec_stats, cached=cached, sampling=sampling, logprobs=logprobs)
+                steps = speculative_decode(
+                    session,
+                    prompt_ids,
+                    max_new_tokens,
+                    eos,
+                    drafter,
+                    budget,
+                    spec_stats,
+                    cached=cached,
+                    sampling=sampling,
+                    logprobs=logprobs,
+                )
             for new in steps:
                 produced += new
                 if s.new_tokens == 0:
@@ -270,10 +357,13 @@ class Edge:
                 s.new_tokens += len(new)
                 s.decode_s = time.perf_counter() - start - s.prefill_s
                 if spec.mode != "none":
-                    s.spec = {**spec_stats.to_dict(), "rtt_s": round(budget.rtt_s, 4),
-                              "compute_c0_s": round(budget.compute.c0, 5),
-                              "compute_c1_s": round(budget.compute.c1, 6),
-                              "overhead_s": round(budget.overhead_s, 5)}
+                    s.spec = {
+                        **spec_stats.to_dict(),
+                        "rtt_s": round(budget.rtt_s, 4),
+                        "compute_c0_s": round(budget.compute.c0, 5),
+                        "compute_c1_s": round(budget.compute.c1, 6),
+                        "overhead_s": round(budget.overhead_s, 5),
+                    }
                     s.count_drafts(spec_stats)
                 yield new, s
             if memory is not None:
@@ -283,37 +373,86 @@ class Edge:
             if own:
                 session.close()
 
-    def run_ids(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, spec: SpecConfig,
-                sampling: SamplingConfig | None = None, stop: str | list[str] | None = None,
-                session: EdgeSession | None = None, cached: int = 0, *,
-                logprobs: LogprobRecorder | None = None,
-                grammar: GrammarSpec | None = None) -> Iterator[tuple[str, GenerationResult | None]]:
+    def run_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_at_eos: bool,
+        spec: SpecConfig,
+        sampling: SamplingConfig | None = None,
+        stop: str | list[str] | None = None,
+        session: EdgeSession | None = None,
+        cached: int = 0,
+        *,
+        logprobs: LogprobRecorder | None = None,
+        grammar: GrammarSpec | None = None,
+    ) -> Iterator[tuple[str, GenerationResult | None]]:
         """Yields (new text, None) while decoding, then (last text, result). Text that could be the
         start of a stop string is held back until it is not; at a stop string the text is cut
         (`splitlm.edge.text.text_pieces`)."""
-        steps = self.generate_ids(prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached,
-                                  logprobs=logprobs, grammar=grammar)
-        return text_pieces(steps, self.decode, prompt_ids, stop, set(self.cfg.eos_token_ids) if stop_at_eos else set(),
-                           logprobs)
+        steps = self.generate_ids(
+            prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached, logprobs=logprobs, grammar=grammar
+        )
+        return text_pieces(
+            steps, self.decode, prompt_ids, stop, set(self.cfg.eos_token_ids) if stop_at_eos else set(), logprobs
+        )
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
-                 sampling: SamplingConfig | None = None, stop: str | list[str] | None = None, *,
-                 logprobs: LogprobRecorder | None = None, response_format=None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        chat: bool = False,
+        stop_at_eos: bool = True,
+        spec: SpecConfig | str | None = None,
+        sampling: SamplingConfig | None = None,
+        stop: str | list[str] | None = None,
+        *,
+        logprobs: LogprobRecorder | None = None,
+        response_format=None,
+    ) -> GenerationResult:
         """Generate from a prompt (text, or token ids). `stop`: stop strings (the text ends before the
         first one); `sampling`: temperature / top-p / top-k / seed (default greedy); `logprobs`: a
         `LogprobRecorder(top=k)` that receives each token's log-probability (also in `result.logprobs`);
         `response_format`: a JSON schema, pydantic class or `GrammarSpec` the output matches (`grammar_from_format`)."""
-        *_, (_, result) = self.run_ids(self.text.prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, as_spec(spec),
-                                       sampling, stop, logprobs=logprobs, grammar=grammar_from_format(response_format))
+        *_, (_, result) = self.run_ids(
+            self.text.prompt_ids(prompt, chat),
+            max_new_tokens,
+            stop_at_eos,
+            as_spec(spec),
+            sampling,
+            stop,
+            logprobs=logprobs,
+            grammar=grammar_from_format(response_format),
+        )
         return result
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
-               stop_at_eos: bool = True, spec: SpecConfig | str | None = None,
-               sampling: SamplingConfig | None = None, stop: str | list[str] | None = None,
-               session: EdgeSession | None = None, cached: int = 0, *,
-               logprobs: LogprobRecorder | None = None, response_format=None) -> Stream:
+    def stream(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        chat: bool = False,
+        stop_at_eos: bool = True,
+        spec: SpecConfig | str | None = None,
+        sampling: SamplingConfig | None = None,
+        stop: str | list[str] | None = None,
+        session: EdgeSession | None = None,
+        cached: int = 0,
+        *,
+        logprobs: LogprobRecorder | None = None,
+        response_format=None,
+    ) -> Stream:
         """Like `generate`, as text pieces (they join to its text); `session`, `cached`: see `generate_ids`."""
-        return Stream(self.run_ids(self.text.prompt_ids(prompt, chat), max_new_tokens, stop_at_eos, as_spec(spec),
-                                   sampling, stop, session, cached, logprobs=logprobs,
-                                   grammar=grammar_from_format(response_format)))
+        return Stream(
+            self.run_ids(
+                self.text.prompt_ids(prompt, chat),
+                max_new_tokens,
+                stop_at_eos,
+                as_spec(spec),
+                sampling,
+                stop,
+                session,
+                cached,
+                logprobs=logprobs,
+                grammar=grammar_from_format(response_format),
+            )
+        )

@@ -33,6 +33,7 @@ SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the comm
 @dataclass
 class SessionSetup:
     """What the sessions of one edge share (`splitlm.edge.Edge.open_session` gathers it)."""
+
     backend: EdgeBackend
     connections: CloudConnections
     wire_dtype: str
@@ -55,8 +56,9 @@ class EdgeSession:
             raise SplitLMError(str(e)) from None
         self.backend = setup.backend
         self.prefill_chunk, self.prefill_costs = setup.prefill_chunk, setup.prefill_costs
-        self.link = CloudLink(setup.connections, setup.backend, policy, setup.wire_dtype, setup.split,
-                              replay.failover, setup.observer)
+        self.link = CloudLink(
+            setup.connections, setup.backend, policy, setup.wire_dtype, setup.split, replay.failover, setup.observer
+        )
         self.head_cache, self.tail_cache = self.backend.new_caches()
         self.pending: Flight | None = None  # the last forward's block, not yet settled
         self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
@@ -156,9 +158,17 @@ class EdgeSession:
         self.link.tighten(cache_policy)
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                keep: list[int] | None = None, rows: list[int] | None = None, argmax: bool = False,
-                extras: int = 0, allowed: torch.Tensor | None = None) -> StepResult:
+    def forward(
+        self,
+        ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        rows: list[int] | None = None,
+        argmax: bool = False,
+        extras: int = 0,
+        allowed: torch.Tensor | None = None,
+    ) -> StepResult:
         """Run T new tokens through edge head -> cloud -> edge tail; the step's `out` holds logits
         [len(rows) or T, V] (with `argmax`: each row's greedy token, [len(rows) or T], through the
         screened LM head). With `extras` = k > 0 it also holds each row's k likeliest ids (`topk`,
@@ -184,15 +194,25 @@ class EdgeSession:
                 raise SplitLMError("a chunked forward takes default positions")
             return stream_prefill.chunked(self, ids, want, limit, argmax)
         if limit is not None:
-            raise SplitLMError(f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
-                               f"({self.policy.window}) or the rows of logits one reply may hold "
-                               f"({self.backend.max_logit_rows})")
+            raise SplitLMError(
+                f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
+                f"({self.policy.window}) or the rows of logits one reply may hold "
+                f"({self.backend.max_logit_rows})"
+            )
         return self._finish(self.send_block(ids, positions, mask, rows, argmax, extras, allowed))
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
-    def send(self, ids: list[int], positions: list[int], mask: torch.Tensor | None = None, rows: list[int] | None = None,
-             keep: list[int] | None = None, argmax: bool = False, extras: int = 0) -> Flight:
+    def send(
+        self,
+        ids: list[int],
+        positions: list[int],
+        mask: torch.Tensor | None = None,
+        rows: list[int] | None = None,
+        keep: list[int] | None = None,
+        argmax: bool = False,
+        extras: int = 0,
+    ) -> Flight:
         """Settle the last block with `keep` and send a step without waiting for its reply (take it with
         `receive`, oldest first; `extras` as `forward`'s). Its tokens see the context once `keep` applies."""
         if len(self.link.flights) >= 2:
@@ -241,9 +261,16 @@ class EdgeSession:
             self.stats.edge_compute_s += time.perf_counter() - t0
         self.link.rewind(n, h, pos)  # the re-computed entries go up as context rows with the next request
 
-    def send_block(self, ids: list[int], positions: list[int] | None, mask: torch.Tensor | None,
-                   rows: list[int] | None, argmax: bool = False, extras: int = 0,
-                   allowed: torch.Tensor | None = None) -> Flight:
+    def send_block(
+        self,
+        ids: list[int],
+        positions: list[int] | None,
+        mask: torch.Tensor | None,
+        rows: list[int] | None,
+        argmax: bool = False,
+        extras: int = 0,
+        allowed: torch.Tensor | None = None,
+    ) -> Flight:
         """Run the head on a block of new tokens and send it now (no checks, nothing settled; failing
         over if the cloud is gone); its reply is taken with `receive` or `discard`, oldest first."""
         if positions is None:
@@ -251,9 +278,19 @@ class EdgeSession:
         n, c = self.length, self.link.context_rows(self.length)
         t0 = time.perf_counter()
         h = self.backend.head(ids, positions, mask, self.head_cache)  # [T, D]
-        f = Flight(list(ids), h, list(positions), mask, rows, n, argmax, extras, allowed=allowed,
-                   edge_s=time.perf_counter() - t0,
-                   overlapped=bool(self.link.flights))
+        f = Flight(
+            list(ids),
+            h,
+            list(positions),
+            mask,
+            rows,
+            n,
+            argmax,
+            extras,
+            allowed=allowed,
+            edge_s=time.perf_counter() - t0,
+            overlapped=bool(self.link.flights),
+        )
         self.pending = f
         self.link.send(f, c)
         return f
@@ -282,12 +319,26 @@ class EdgeSession:
         tail_s = time.perf_counter() - t2
         self.stats.edge_compute_s += f.edge_s + tail_s
         alone = not f.overlapped and not self.link.flights  # nothing else was on the link: its wait is the network's
-        self.prefill_costs.observe(len(f.ids), f.start, f.edge_s + f.serialize_s, tail_s + reply.serialize_s,
-                                   reply.compute_s, f.bytes_up + reply.bytes_down, reply.network_s if alone else None)
+        self.prefill_costs.observe(
+            len(f.ids),
+            f.start,
+            f.edge_s + f.serialize_s,
+            tail_s + reply.serialize_s,
+            reply.compute_s,
+            f.bytes_up + reply.bytes_down,
+            reply.network_s if alone else None,
+        )
         if tail is None:
             return None
-        return StepResult(tail.out, len(f.ids), reply.network_s, f.edge_s + tail_s + reply.compute_s, f.overlapped,
-                          tail.topk, tail.hidden)
+        return StepResult(
+            tail.out,
+            len(f.ids),
+            reply.network_s,
+            f.edge_s + tail_s + reply.compute_s,
+            f.overlapped,
+            tail.topk,
+            tail.hidden,
+        )
 
     def close(self) -> None:
         """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""

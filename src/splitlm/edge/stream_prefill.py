@@ -24,6 +24,7 @@ from splitlm.transport.codecs import wire_nbytes
 
 class PrefillSession(Protocol):
     """What a prefill in chunks needs of a session."""
+
     link: CloudLink  # its cloud side
     backend: EdgeBackend
     stats: GenerationStats
@@ -37,8 +38,15 @@ class PrefillSession(Protocol):
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
-    def send_block(self, ids: list[int], positions: list[int] | None, mask: torch.Tensor | None,
-                   rows: list[int] | None, argmax: bool = False, extras: int = 0) -> Flight: ...
+    def send_block(
+        self,
+        ids: list[int],
+        positions: list[int] | None,
+        mask: torch.Tensor | None,
+        rows: list[int] | None,
+        argmax: bool = False,
+        extras: int = 0,
+    ) -> Flight: ...
 
     def receive(self, f: Flight) -> StepResult: ...
 
@@ -67,8 +75,13 @@ def plan_for(session: PrefillSession, total: int, max_chunk: int) -> prefill.Pla
     if setting != "auto":
         chunk = min(int(setting), max_chunk)
         return None if chunk >= total else prefill.Plan(chunk, None, None)
-    p = prefill.plan(total, max_chunk, session.prefill_costs.stages(*bytes_per_token(session)), session.length,
-                     session.link.client.info.limits.pass_rows)
+    p = prefill.plan(
+        total,
+        max_chunk,
+        session.prefill_costs.stages(*bytes_per_token(session)),
+        session.length,
+        session.link.client.info.limits.pass_rows,
+    )
     if p.chunk >= total or p.predicted_s > (1 - prefill.MIN_GAIN) * p.unchunked_s:
         return None  # within the fits' error of one forward, which needs no overlap to go right
     return p
@@ -90,15 +103,25 @@ def stream(session: PrefillSession, ids: list[int], want: list[int], p: prefill.
         steps.append(session.receive(f))
         cloud_s = s.cloud_compute_s - cloud0
         tail_s = s.edge_compute_s - edge0 - f.edge_s + (s.serialize_s - ser0 - f.serialize_s)
-        run.chunks.append(prefill.ChunkRecord(len(f.ids), f.edge_s + f.serialize_s, tail_s, cloud_s, up,
-                                              s.bytes_down - down0, sent_at, time.perf_counter() - start))
+        run.chunks.append(
+            prefill.ChunkRecord(
+                len(f.ids),
+                f.edge_s + f.serialize_s,
+                tail_s,
+                cloud_s,
+                up,
+                s.bytes_down - down0,
+                sent_at,
+                time.perf_counter() - start,
+            )
+        )
 
     for a in range(0, len(ids), p.chunk):
         part = [r - a for r in want if a <= r < a + p.chunk]
         session.settle()  # the chunk before stays whole: this request commits it
         check_interrupt(session)  # the caller (abandoning the session) takes the replies in flight
         up0 = s.bytes_up
-        f = session.send_block(ids[a:a + p.chunk], None, None, part, argmax)
+        f = session.send_block(ids[a : a + p.chunk], None, None, part, argmax)
         flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
         while flights and client.reply_waiting():  # tails of what already came back
             take()
@@ -108,8 +131,7 @@ def stream(session: PrefillSession, ids: list[int], want: list[int], p: prefill.
     s.prefill_round_trips = len(run.chunks)
     session.last_prefill = run
     # a pipelined chunk's wait says nothing about the link: the next step's budget gets the RTT estimate
-    return replace(steps[-1], out=torch.cat([step.out for step in steps]),
-                   network_s=session.prefill_costs.link.rtt_s)
+    return replace(steps[-1], out=torch.cat([step.out for step in steps]), network_s=session.prefill_costs.link.rtt_s)
 
 
 def chunked(session: PrefillSession, ids: list[int], want: list[int], limit: int, argmax: bool) -> StepResult:
@@ -119,7 +141,7 @@ def chunked(session: PrefillSession, ids: list[int], want: list[int], limit: int
     for a in range(0, len(ids), limit):
         check_interrupt(session)
         part = [r - a for r in want if a <= r < a + limit]
-        steps.append(session.receive(session.send_block(ids[a:a + limit], None, None, part, argmax)))
+        steps.append(session.receive(session.send_block(ids[a : a + limit], None, None, part, argmax)))
         session.settle()
     session.stats.prefill_round_trips = -(-len(ids) // limit)
     return replace(steps[-1], out=torch.cat([step.out for step in steps]))

@@ -64,8 +64,10 @@ def content_pieces(tokenizer, messages: list[dict], tools: list[dict] | None) ->
     parts = re.split(f"({'|'.join(marks)})", render(tokenizer, marked_messages, marked_tools))
     pieces = _aligned(text, parts, marks)
     if pieces is None:
-        raise SplitLMError("a message holds a special token's text, which this model's chat template "
-                           "changes in a way that cannot be kept apart from its own; remove it")
+        raise SplitLMError(
+            "a message holds a special token's text, which this model's chat template "
+            "changes in a way that cannot be kept apart from its own; remove it"
+        )
     return pieces
 
 
@@ -184,9 +186,14 @@ class TextCodec:
         return ids
 
 
-def text_pieces(steps: Generator[tuple[list[int], GenerationStats], None, None], decode: Callable[[list[int]], str],
-                prompt_ids: list[int], stop: str | list[str] | None = None,
-                eos: set[int] | None = None, logprobs=None) -> Iterator[tuple[str, GenerationResult | None]]:
+def text_pieces(
+    steps: Generator[tuple[list[int], GenerationStats], None, None],
+    decode: Callable[[list[int]], str],
+    prompt_ids: list[int],
+    stop: str | list[str] | None = None,
+    eos: set[int] | None = None,
+    logprobs=None,
+) -> Iterator[tuple[str, GenerationResult | None]]:
     """The text of a generation's `steps` (new token ids of each step, live stats): yields (new text,
     None) while decoding, then (last text, result). Text that could be the start of a stop string is
     held back until it is not; at a stop string the text is cut (finish reason `stop`, as when the
@@ -213,5 +220,7 @@ def text_pieces(steps: Generator[tuple[list[int], GenerationStats], None, None],
         steps.close()
     if finish != "stop" and ids and ids[-1] in (eos or set()):
         finish = "stop"
-    yield text[sent:], GenerationResult(text, ids, stats, finish, prompt_ids,
-                                        None if logprobs is None else list(logprobs.tokens))
+    yield (
+        text[sent:],
+        GenerationResult(text, ids, stats, finish, prompt_ids, None if logprobs is None else list(logprobs.tokens)),
+    )

@@ -36,13 +36,24 @@ def edge_layers(manifest: Manifest) -> list[int]:
 def text_windows(ids: list[int], seq_len: int) -> list[list[int]]:
     """Consecutive windows of seq_len + 1 tokens (inputs and their next tokens), the last one shorter."""
     step = seq_len
-    windows = [ids[a:a + seq_len + 1] for a in range(0, max(1, len(ids) - 1), step)]
+    windows = [ids[a : a + seq_len + 1] for a in range(0, max(1, len(ids) - 1), step)]
     return [w for w in windows if len(w) >= 2]
 
 
-def train_adapter(model: str, edge_dir: str | Path, text: str, out: str | Path, rank: int = 8, alpha: float = 16.0,
-                  steps: int = 40, lr: float = 1e-3, seq_len: int = 128, targets: tuple[str, ...] = DEFAULT_TARGETS,
-                  seed: int = 0, progress: bool | None = None) -> dict:
+def train_adapter(
+    model: str,
+    edge_dir: str | Path,
+    text: str,
+    out: str | Path,
+    rank: int = 8,
+    alpha: float = 16.0,
+    steps: int = 40,
+    lr: float = 1e-3,
+    seq_len: int = 128,
+    targets: tuple[str, ...] = DEFAULT_TARGETS,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> dict:
     """Fit LoRA (rank `rank`) on `text` for the edge's layers of `model`; save the adapter to `out`.
     Returns a report (tokens, steps, loss before and after, seconds)."""
     from peft import LoraConfig, get_peft_model
@@ -64,8 +75,13 @@ def train_adapter(model: str, edge_dir: str | Path, text: str, out: str | Path, 
         raise SplitLMError("the training text has fewer than 2 tokens")
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets),
-                        layers_to_transform=edge_layers(manifest))
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=list(targets),
+        layers_to_transform=edge_layers(manifest),
+    )
     lora = get_peft_model(base, config)
     params = [p for p in lora.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
@@ -95,10 +111,19 @@ def train_adapter(model: str, edge_dir: str | Path, text: str, out: str | Path, 
     after = mean_loss()
     out = Path(out)
     lora.save_pretrained(out)
-    report = {"adapter": str(out), "tokens": len(ids), "windows": len(windows), "steps": steps, "rank": rank,
-              "layers": edge_layers(manifest), "targets": list(targets),
-              "trainable_params": sum(p.numel() for p in params),
-              "loss_before": round(before, 4), "loss_after": round(after, 4),
-              "perplexity_after": round(math.exp(min(after, 50)), 2), "seconds": round(time.perf_counter() - start, 1)}
+    report = {
+        "adapter": str(out),
+        "tokens": len(ids),
+        "windows": len(windows),
+        "steps": steps,
+        "rank": rank,
+        "layers": edge_layers(manifest),
+        "targets": list(targets),
+        "trainable_params": sum(p.numel() for p in params),
+        "loss_before": round(before, 4),
+        "loss_after": round(after, 4),
+        "perplexity_after": round(math.exp(min(after, 50)), 2),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     log.info("train-adapter: %s", report)
     return report

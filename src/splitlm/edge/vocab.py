@@ -28,17 +28,21 @@ from splitlm.transport.frames import pack_vocab
 
 # inclusive code point ranges
 EN_RANGES = (
-    (0x09, 0x0D), (0x20, 0x7E),  # ASCII whitespace, letters, digits, punctuation, code symbols
+    (0x09, 0x0D),
+    (0x20, 0x7E),  # ASCII whitespace, letters, digits, punctuation, code symbols
     (0xA0, 0x24F),  # Latin-1 Supplement, Latin Extended-A and -B (accented letters, ©, °, ×)
     (0x1E00, 0x1EFF),  # Latin Extended Additional
     (0x2000, 0x206F),  # General Punctuation (dashes, curly quotes, ellipsis)
     (0x20A0, 0x20CF),  # currency symbols (€)
-    (0x2100, 0x214F), (0x2190, 0x22FF),  # letterlike symbols (™), arrows, mathematical operators
+    (0x2100, 0x214F),
+    (0x2190, 0x22FF),  # letterlike symbols (™), arrows, mathematical operators
 )
 ZH_RANGES = EN_RANGES + (
     (0x2E80, 0x2FDF),  # CJK and Kangxi radicals
     (0x3000, 0x303F),  # CJK symbols and punctuation (、。「」)
-    (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),  # CJK ideographs (Ext. A, unified, compatibility)
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),  # CJK ideographs (Ext. A, unified, compatibility)
     (0xFE30, 0xFE4F),  # CJK compatibility forms
     (0xFF00, 0xFFEF),  # half-width and full-width forms (，！？：)
 )
@@ -134,8 +138,17 @@ def _fragments(ranges: tuple) -> tuple[frozenset, ...]:
 
 def _seq_len(lead: int) -> int:
     """Length of the UTF-8 sequence a byte starts (0: a continuation or invalid byte)."""
-    return 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else \
-        4 if 0xF0 <= lead < 0xF5 else 0
+    return (
+        1
+        if lead < 0x80
+        else 2
+        if 0xC2 <= lead < 0xE0
+        else 3
+        if 0xE0 <= lead < 0xF0
+        else 4
+        if 0xF0 <= lead < 0xF5
+        else 0
+    )
 
 
 def bytes_allowed(data: bytes, ranges: tuple) -> bool:
@@ -150,7 +163,7 @@ def bytes_allowed(data: bytes, ranges: tuple) -> bool:
         n = _seq_len(data[i])
         if n == 0:
             return False
-        chunk = data[i:i + n]
+        chunk = data[i : i + n]
         if len(chunk) < n:  # a character completed by a later token
             return chunk in prefixes
         try:

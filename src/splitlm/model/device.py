@@ -38,8 +38,10 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         return torch.device("mps")
     kind, colon, index = spec.partition(":")
     if kind == "onnx":
-        raise SplitLMError(f"--device {spec} runs only the edge's layers (generate, chat, serve-edge, "
-                           "bench --edge-profiles); the cloud's run on cpu or cuda")
+        raise SplitLMError(
+            f"--device {spec} runs only the edge's layers (generate, chat, serve-edge, "
+            "bench --edge-profiles); the cloud's run on cpu or cuda"
+        )
     if kind != "cuda" or (colon and not index.isdigit()):
         raise SplitLMError(f"unknown device {spec!r} (choose from {DEVICE_CHOICES})")
     if not torch.cuda.is_available():
@@ -88,8 +90,9 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
 
 
-def add_device_arguments(p: argparse.ArgumentParser, side: str = "", what: str = "the model's layers",
-                         onnx: bool = False) -> None:
+def add_device_arguments(
+    p: argparse.ArgumentParser, side: str = "", what: str = "the model's layers", onnx: bool = False
+) -> None:
     """--device and --dtype (with side="cloud": --cloud-device and --cloud-dtype, default as the former;
     `onnx`: the edge's --device also takes onnx and onnx:int8, `splitlm.edge.onnx_runtime`)."""
     flag = f"--{side}-" if side else "--"
@@ -97,7 +100,15 @@ def add_device_arguments(p: argparse.ArgumentParser, side: str = "", what: str =
     auto = " (default auto: CUDA where present, else the CPU)", " (default auto: bf16 on CUDA, fp32 elsewhere)"
     notes = same if side else auto
     extra = "; onnx or onnx:int8: ONNX Runtime on the CPU, graphs from `splitlm export-onnx`" if onnx else ""
-    p.add_argument(f"{flag}device", default=None if side else "auto",
-                   metavar=DEVICE_CHOICES + ("|onnx|onnx:int8" if onnx else ""), help=f"where {what} run{notes[0]}{extra}")
-    p.add_argument(f"{flag}dtype", default=None if side else "auto", choices=DTYPE_CHOICES,
-                   help=f"compute precision of {what}, whatever dtype the shard is stored in{notes[1]}")
+    p.add_argument(
+        f"{flag}device",
+        default=None if side else "auto",
+        metavar=DEVICE_CHOICES + ("|onnx|onnx:int8" if onnx else ""),
+        help=f"where {what} run{notes[0]}{extra}",
+    )
+    p.add_argument(
+        f"{flag}dtype",
+        default=None if side else "auto",
+        choices=DTYPE_CHOICES,
+        help=f"compute precision of {what}, whatever dtype the shard is stored in{notes[1]}",
+    )

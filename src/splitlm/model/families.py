@@ -29,8 +29,15 @@ FAMILIES: dict[str, Family] = {  # HF `model_type` -> its row
     "llama": Family(gguf_arch="llama"),  # Llama 1-3, SmolLM
     "mistral": Family(),  # sliding windows on every layer, from `sliding_window` alone
     "qwen2": Family(qkv_bias=True, window_switch="use_sliding_window", gguf_arch="qwen2"),
-    "gemma3_text": Family(scaled_embedding=True, norm_offset=True, qk_norm=True, sandwich_norms=True,
-                          wire_dtype="bf16", rope_per_layer_type=True, gguf_arch="gemma3"),
+    "gemma3_text": Family(
+        scaled_embedding=True,
+        norm_offset=True,
+        qk_norm=True,
+        sandwich_norms=True,
+        wire_dtype="bf16",
+        rope_per_layer_type=True,
+        gguf_arch="gemma3",
+    ),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

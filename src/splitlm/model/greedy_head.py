@@ -7,7 +7,8 @@ read, twice the multiply-adds per instruction; it goes through oneDNN's blocked 
 `linear.frozen_product`: 18 -> 8 ms for one row, 27 -> 15 ms for ten, on the bundled model here).
 Rounding h and W to bf16 (unit roundoff u = 2⁻⁸) moves logit j by at most
 (2u + u²)·Σ|h_i||w_ji| ≤ (2u + u²)·‖h‖·‖w_j‖; accumulating in fp32 adds at most D·2⁻²⁴ of the
-same; rounding the product to bf16 adds u·|logit|. A column whose upper bound lies below some column's lower bound cannot be the argmax. The columns
+same; rounding the product to bf16 adds u·|logit|. A column whose upper bound lies below some column's lower bound
+cannot be the argmax. The columns
 whose bf16 logit, with its own rounding slack and the largest norm term any column has, still
 reaches the best column's lower bound (a superset of those that could win, one to ~100 of 49k per
 row on the bundled model; one comparison per column, no pass for bounds) are recomputed in fp32, so
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from splitlm.model.linear import frozen_product
 from splitlm.model.llama import softcap
 
-U = 2.0 ** -8  # bf16 unit roundoff
+U = 2.0**-8  # bf16 unit roundoff
 
 
 def _seconds(fn, reps: int = 3) -> float:
@@ -56,7 +57,7 @@ class GreedyHead:
             self.screen_product = product16  # h [N, D] -> bf16 logits [N, V]
             self.col_norm = weight.norm(dim=1)  # [V]
             self.col_max = self.col_norm.max()
-            self.rel = 1.01 * (2 * U + U * U + weight.shape[1] * 2.0 ** -24)
+            self.rel = 1.01 * (2 * U + U * U + weight.shape[1] * 2.0**-24)
 
     def _plain(self, h: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         logits = softcap(F.linear(h, self.weight), self.cap)  # [N, V]
@@ -70,8 +71,9 @@ class GreedyHead:
         return self.candidates(h, allowed)[0]
 
     @torch.inference_mode()
-    def candidates(self, h: torch.Tensor, allowed: torch.Tensor | None = None,
-                   k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def candidates(
+        self, h: torch.Tensor, allowed: torch.Tensor | None = None, k: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(argmax [N], and with k > 0 each row's k likeliest ids [N, k], from the screen's bf16 logits
         where it screens: drafting candidates, not exact)."""
         if not self.screen:
@@ -102,5 +104,7 @@ class GreedyHead:
         out = torch.full((n,), vocab, dtype=torch.long, device=h.device)
         out = out.scatter_reduce(0, rows[wins], cols[wins], "amin")  # ties go to the lowest id
         for r in (out == vocab).nonzero()[:, 0].tolist():  # NaN in the row: no bound holds, the plain head decides
-            out[r] = self._plain(h[r:r + 1], allowed if allowed is None or allowed.dim() == 1 else allowed[r:r + 1])[0]
+            out[r] = self._plain(
+                h[r : r + 1], allowed if allowed is None or allowed.dim() == 1 else allowed[r : r + 1]
+            )[0]
         return out, top

@@ -13,8 +13,14 @@ def _empty(shape: list[int], dtype: torch.dtype, device: torch.device | None) ->
         return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _resized(buf: torch.Tensor | None, shape: list[int], like: torch.Tensor, dim: int, used: int,
-             device: torch.device | None = None) -> torch.Tensor:
+def _resized(
+    buf: torch.Tensor | None,
+    shape: list[int],
+    like: torch.Tensor,
+    dim: int,
+    used: int,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """A new buffer of `shape` (dtype of `like`, device of `like` unless given) holding the first `used`
     entries of `buf` along `dim`."""
     new = _empty(shape, like.dtype, like.device if device is None else device)
@@ -100,8 +106,9 @@ class KVCache:
             raise ValueError(f"the cache holds {k.shape[0]} rows, the update has {k_new.shape[0]}")
         return k.narrow(2, end - t, t), v.narrow(2, end - t, t)
 
-    def _grow(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-              used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grow(
+        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, used: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Re)allocate the buffers of `layer` with room for `length` entries, keeping its first `used`."""
         k, v = self.k_buf[layer], self.v_buf[layer]
         if k is not None and k.shape[0] != k_new.shape[0]:

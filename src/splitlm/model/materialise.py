@@ -40,8 +40,9 @@ def real_buffers(model: nn.Module, device: torch.device) -> None:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left[:5])}")
 
 
-def assign_weights(model: nn.Module, weights: Weights, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.float32) -> nn.Module:
+def assign_weights(
+    model: nn.Module, weights: Weights, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Load `weights` into `model` (built on `meta`): floating tensors as `dtype` on `device`."""
     device = torch.device(device)
     stacks = {name: m for name, m in model.named_children() if isinstance(m, LayerStack)}

@@ -43,6 +43,7 @@ SEGMENTS = ("head", "tail")
 @dataclass
 class OnnxManifest:
     """`onnx/onnx.json`: what was exported, for which shard."""
+
     fingerprint: str  # the edge shard's (the graphs hold its weights)
     head_layers: int
     tail_layers: int
@@ -78,8 +79,14 @@ class _ExportCache:
         return torch.cat([self.past[2 * layer], k], dim=2), torch.cat([self.past[2 * layer + 1], v], dim=2)
 
 
-def run_layers(stack: LayerStack, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-               key_positions: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def run_layers(
+    stack: LayerStack,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    key_positions: torch.Tensor,
+    past: list[torch.Tensor],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The stack's layers on x [1, T, D] with the past K/V given as tensors; (output, new K/V)."""
     cache = _ExportCache(past)
     full = mask[None, None]  # [1, 1, T, S+T]
@@ -129,8 +136,16 @@ def _kv_names(n_layers: int, prefix: str) -> list[str]:
 
 
 def _export(graph: nn.Module, args: tuple, inputs: list[str], outputs: list[str], path: Path, n_layers: int) -> None:
-    dyn = {"ids": {1: "T"}, "hidden": {1: "T"}, "positions": {0: "T"}, "mask": {0: "T", 1: "ST"},
-           "key_positions": {0: "ST"}, "rows": {0: "R"}, "logits": {0: "R"}, "h": {1: "T"}}
+    dyn = {
+        "ids": {1: "T"},
+        "hidden": {1: "T"},
+        "positions": {0: "T"},
+        "mask": {0: "T", 1: "ST"},
+        "key_positions": {0: "ST"},
+        "rows": {0: "R"},
+        "logits": {0: "R"},
+        "h": {1: "T"},
+    }
     dyn.update({n: {2: "S"} for n in _kv_names(n_layers, "past")})
     dyn.update({n: {2: "T"} for n in _kv_names(n_layers, "new")})
     dyn = {k: v for k, v in dyn.items() if k in inputs or k in outputs}
@@ -139,8 +154,17 @@ def _export(graph: nn.Module, args: tuple, inputs: list[str], outputs: list[str]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice of its successor
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            torch.onnx.export(graph, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=dyn,
-                              opset_version=OPSET, dynamo=False, do_constant_folding=True)
+            torch.onnx.export(
+                graph,
+                args,
+                str(path),
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_axes=dyn,
+                opset_version=OPSET,
+                dynamo=False,
+                do_constant_folding=True,
+            )
     finally:
         llama.SDPA_GQA = gqa
 
@@ -161,13 +185,22 @@ def export_edge_onnx(model, edge_dir: str | Path, int8: bool = False, adapter: s
     mask = torch.ones(t, s + t, dtype=torch.bool)
     keys = torch.arange(s + t)
     with torch.no_grad():
-        _export(HeadGraph(model).eval(), (torch.zeros(1, t, dtype=torch.long), pos, mask, keys, *kv[:2 * nh]),
-                ["ids", "positions", "mask", "key_positions", *_kv_names(nh, "past")],
-                ["hidden", *_kv_names(nh, "new")], graph_file(edge_dir, "head", "fp32"), nh)
-        _export(TailGraph(model).eval(), (torch.zeros(1, t, cfg.hidden_size), pos, mask, keys, torch.arange(t),
-                                         *kv[:2 * nt]),
-                ["hidden", "positions", "mask", "key_positions", "rows", *_kv_names(nt, "past")],
-                ["logits", *_kv_names(nt, "new")], graph_file(edge_dir, "tail", "fp32"), nt)
+        _export(
+            HeadGraph(model).eval(),
+            (torch.zeros(1, t, dtype=torch.long), pos, mask, keys, *kv[: 2 * nh]),
+            ["ids", "positions", "mask", "key_positions", *_kv_names(nh, "past")],
+            ["hidden", *_kv_names(nh, "new")],
+            graph_file(edge_dir, "head", "fp32"),
+            nh,
+        )
+        _export(
+            TailGraph(model).eval(),
+            (torch.zeros(1, t, cfg.hidden_size), pos, mask, keys, torch.arange(t), *kv[: 2 * nt]),
+            ["hidden", "positions", "mask", "key_positions", "rows", *_kv_names(nt, "past")],
+            ["logits", *_kv_names(nt, "new")],
+            graph_file(edge_dir, "tail", "fp32"),
+            nt,
+        )
     precisions = ["fp32"]
     if int8:
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -176,8 +209,13 @@ def export_edge_onnx(model, edge_dir: str | Path, int8: bool = False, adapter: s
         root.setLevel(logging.ERROR)  # (its advice to pre-process image models first)
         try:
             for seg in SEGMENTS:  # int8 weights per output channel; activations quantised per call (per tensor)
-                quantize_dynamic(graph_file(edge_dir, seg, "fp32"), graph_file(edge_dir, seg, "int8"),
-                                 weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul", "Gather"])
+                quantize_dynamic(
+                    graph_file(edge_dir, seg, "fp32"),
+                    graph_file(edge_dir, seg, "int8"),
+                    weight_type=QuantType.QInt8,
+                    per_channel=True,
+                    op_types_to_quantize=["MatMul", "Gather"],
+                )
         finally:
             root.setLevel(level)
         precisions.append("int8")

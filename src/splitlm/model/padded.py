@@ -3,7 +3,8 @@ one [P, H, T_max, S_max] problem, so that a pass's kernel launches stop growing 
 
 Per sequence, a layer's attention is a dozen small kernels (rotary tables, two cache writes, the
 attention, a reshape); on a GPU each costs its launch, and a pass of 64 sessions of the 8B shape
-kept the GPU busy for 22 % of its 589 ms (docs/devices.md; 173 ms padded). Here the rotary tables apply once to the packed rows, the cache
+kept the GPU busy for 22 % of its 589 ms (docs/devices.md; 173 ms padded). Here the rotary tables apply once to
+the packed rows, the cache
 writes and the padded copies of the caches go as a few multi-tensor copies, and one attention call
 serves every sequence. The pad costs P × T_max × S_max scores, a good trade on a GPU and a poor one
 on a CPU, where the per-sequence path (`Attention.forward`) stays the default.
@@ -52,8 +53,13 @@ class Padding:
         t_max, s_max = max(lengths), max(s)
         starts = [sum(lengths[:i]) for i in range(len(parts))]
         dest = torch.cat([torch.arange(t, device=device) + i * t_max for i, t in enumerate(lengths)])
-        rope = {local: (torch.cat([p.rope[local][0] for p in parts], dim=1),
-                        torch.cat([p.rope[local][1] for p in parts], dim=1)) for local in parts[0].rope}
+        rope = {
+            local: (
+                torch.cat([p.rope[local][0] for p in parts], dim=1),
+                torch.cat([p.rope[local][1] for p in parts], dim=1),
+            )
+            for local in parts[0].rope
+        }
         masks = {}
         for window in parts[0].masks:
             mask = torch.zeros(len(parts), 1, t_max, s_max, dtype=torch.bool, device=device)
@@ -79,7 +85,7 @@ class Padding:
         dst, src = [], []
         for i, cache in enumerate(self.caches):
             k_all, v_all = cache.view(layer)  # [1, Hkv, S_i, hd]
-            dst += [k_pad[i: i + 1, :, : k_all.shape[2]], v_pad[i: i + 1, :, : v_all.shape[2]]]
+            dst += [k_pad[i : i + 1, :, : k_all.shape[2]], v_pad[i : i + 1, :, : v_all.shape[2]]]
             src += [k_all, v_all]
         torch._foreach_copy_(dst, src)  # noqa: SLF001
         return k_pad, v_pad

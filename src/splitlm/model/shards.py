@@ -56,9 +56,18 @@ log = logging.getLogger(__name__)
 
 SHARD_FORMAT = "splitlm-shard/2"  # /1: one weights.safetensors; /2: an index and bounded files
 READABLE_FORMATS = ("splitlm-shard/1", SHARD_FORMAT)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 @dataclass
@@ -118,8 +127,9 @@ TOPOLOGIES = ("tail-local", "split-head")
 
 def stored_dtype_name(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_NAMES:
-        raise SplitLMError(f"the checkpoint stores {str(dtype).removeprefix('torch.')}; choose --dtype "
-                           f"{', '.join(DTYPES)}")
+        raise SplitLMError(
+            f"the checkpoint stores {str(dtype).removeprefix('torch.')}; choose --dtype {', '.join(DTYPES)}"
+        )
     return DTYPE_NAMES[dtype]
 
 
@@ -150,9 +160,16 @@ def check_split_args(dtype: str, topology: str, tail: int, d_end: int | None, ma
         raise SplitLMError(f"--max-file-mb must be positive, got {max_file_mb}")
 
 
-def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "split", dtype: str = "auto",
-                topology: str = "tail-local", d_end: int | None = None,
-                max_file_mb: float = DEFAULT_MAX_FILE_MB) -> Path:
+def split_model(
+    model: str,
+    head: int = 2,
+    tail: int = 2,
+    out: str | Path = "split",
+    dtype: str = "auto",
+    topology: str = "tail-local",
+    d_end: int | None = None,
+    max_file_mb: float = DEFAULT_MAX_FILE_MB,
+) -> Path:
     """Write `out/edge` and `out/cloud`; return `out`.
 
     dtype: `auto` keeps the checkpoint's own dtype; fp32, bf16 or fp16 cast the floating tensors.
@@ -168,17 +185,31 @@ def split_model(model: str, head: int = 2, tail: int = 2, out: str | Path = "spl
     stored = weights.dominant_dtype() if dtype == "auto" else DTYPES[dtype]
     if topology == "split-head":
         d_end = check_d_end(cfg, d_end)
-        log.info(f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
-            f" cloud layers [{head},{cfg.num_layers}) + final norm + LM-head columns [{d_end},{cfg.hidden_size})")
+        log.info(
+            f"splitlm: splitting {model_dir.name} (split-head): edge layers [0,{head}) + LM-head columns [0,{d_end}),"
+            f" cloud layers [{head},{cfg.num_layers}) + final norm + LM-head columns [{d_end},{cfg.hidden_size})"
+        )
     else:
-        log.info(f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
-            f" cloud layers [{head},{cfg.num_layers - tail})")
-    base = Manifest("edge", file_sha256(safetensors_files(model_dir))[:32], cfg.num_layers, head, tail,
-                    stored_dtype_name(stored), topology=topology, d_end=d_end or 0)
+        log.info(
+            f"splitlm: splitting {model_dir.name}: edge layers [0,{head}) + [{cfg.num_layers - tail},{cfg.num_layers}),"
+            f" cloud layers [{head},{cfg.num_layers - tail})"
+        )
+    base = Manifest(
+        "edge",
+        file_sha256(safetensors_files(model_dir))[:32],
+        cfg.num_layers,
+        head,
+        tail,
+        stored_dtype_name(stored),
+        topology=topology,
+        d_end=d_end or 0,
+    )
     base.fingerprint = base.compute_fingerprint()
     pieces = split_pieces(cfg, weights, base)
-    specs = {role: {name: p.spec(weights.tensors[p.source], stored) for name, p in role_pieces.items()}
-             for role, role_pieces in pieces.items()}
+    specs = {
+        role: {name: p.spec(weights.tensors[p.source], stored) for name, p in role_pieces.items()}
+        for role, role_pieces in pieces.items()
+    }
     total = sum(s.nbytes for role_specs in specs.values() for s in role_specs.values())
     out = Path(out)
     with progress_bar(total, f"splitting {model_dir.name}") as bar:
@@ -203,7 +234,7 @@ def producer(weights: Weights, pieces: dict[str, Piece], specs: dict[str, Tensor
         piece = pieces[name]
         t = weights.read(piece.source)
         if piece.cols is not None:
-            t = t[..., piece.cols[0]:piece.cols[1]]
+            t = t[..., piece.cols[0] : piece.cols[1]]
         return t.to(specs[name].dtype).contiguous()
 
     return produce
@@ -244,7 +275,9 @@ class EdgeModel(nn.Module):
         h = self.tail(h, positions, new_mask, cache)
         if rows is not None:
             h = h[:, rows]  # the LM head only where logits are needed
-        return softcap(F.linear(self.norm(h), self.head_weight), self.cfg.final_logit_softcapping)  # [B, T or len(rows), V]
+        return softcap(
+            F.linear(self.norm(h), self.head_weight), self.cfg.final_logit_softcapping
+        )  # [B, T or len(rows), V]
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -310,7 +343,9 @@ def load_edge(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: 
     return assign_weights(model, weights, device, dtype or DTYPES[manifest.dtype]).eval()
 
 
-def load_cloud(shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CloudModel:
+def load_cloud(
+    shard_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> CloudModel:
     """The cloud shard on `device`, its weights as `dtype` (None: the dtype the shard stores)."""
     cfg, manifest, weights = _read_shard(shard_dir, "cloud")
     with torch.device("meta"):
@@ -318,7 +353,9 @@ def load_cloud(shard_dir: str | Path, device: str | torch.device = "cpu", dtype:
     return assign_weights(model, weights, device, dtype or DTYPES[manifest.dtype]).eval()
 
 
-def cached_split(model: str, head: int = 2, tail: int = 2, topology: str = "tail-local", d_end: int | None = None) -> Path:
+def cached_split(
+    model: str, head: int = 2, tail: int = 2, topology: str = "tail-local", d_end: int | None = None
+) -> Path:
     """A split of `model` made once under `$SPLITLM_CACHE/splits/` (what bench, demo and audit reuse)."""
     name = model.replace("/", "_").strip("_.") or "model"
     kind = f"-m{tail}" if topology == "tail-local" else f"-splithead-d{d_end or 'half'}"

@@ -26,15 +26,19 @@ def check_d_end(cfg: ModelConfig, d_end: int | None) -> int:
     return d_end
 
 
-def split_head_pieces(cfg: ModelConfig, edge: dict[str, Piece], cloud: dict[str, Piece],
-                      d_end: int) -> tuple[dict[str, Piece], dict[str, Piece]]:
+def split_head_pieces(
+    cfg: ModelConfig, edge: dict[str, Piece], cloud: dict[str, Piece], d_end: int
+) -> tuple[dict[str, Piece], dict[str, Piece]]:
     """Move the final norm and W[:, d_end:] to the cloud; the edge keeps W[:, :d_end].
 
     `edge` arrives as the tail-local edge's tensors with no tail layers (tail = 0). A tied LM head
     stays the embedding on the edge (its first d_end columns are the edge's part)."""
     w = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"  # [V, D]
-    cloud = {**cloud, "model.norm.weight": edge["model.norm.weight"],
-             "lm_head.weight": Piece(w, (d_end, cfg.hidden_size))}
+    cloud = {
+        **cloud,
+        "model.norm.weight": edge["model.norm.weight"],
+        "lm_head.weight": Piece(w, (d_end, cfg.hidden_size)),
+    }
     edge = {k: v for k, v in edge.items() if k not in ("model.norm.weight", "lm_head.weight")}
     if not cfg.tie_word_embeddings:
         edge["lm_head.weight"] = Piece(w, (0, d_end))  # [V, d_end]
@@ -52,8 +56,9 @@ def cloud_head(model, h: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torc
     return hn[:, :d], z
 
 
-def edge_logits(model, h_end: torch.Tensor, z_cloud: torch.Tensor, vocab: torch.Tensor | None,
-                w_end: torch.Tensor | None = None) -> torch.Tensor:
+def edge_logits(
+    model, h_end: torch.Tensor, z_cloud: torch.Tensor, vocab: torch.Tensor | None, w_end: torch.Tensor | None = None
+) -> torch.Tensor:
     """Full logits [R, V] from the cloud's h[:d] [R, d] and partial logits [R, S]: z_end + z_cloud
     on the authorised ids `vocab` [S] (None = all), −inf elsewhere. `w_end`: W[vocab, :d], if the
     caller keeps it ([S, d]); computed here otherwise."""

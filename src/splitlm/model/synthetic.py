@@ -57,28 +57,92 @@ class SyntheticSpec:
 
 
 def _llama(**overrides) -> dict[str, Any]:
-    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
-                rope_theta=10000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-                bos_token_id=1, eos_token_id=2)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return {**base, **overrides}
 
 
-TINYLLAMA_1B = SyntheticSpec("tinyllama-1.1b", _llama(
-    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-    num_key_value_heads=4, max_position_embeddings=2048, torch_dtype="bfloat16"))
-LLAMA3_8B = SyntheticSpec("llama3-8b", _llama(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=128000,
-    eos_token_id=128001, torch_dtype="bfloat16"))
-QWEN2_SMALL = SyntheticSpec("qwen2-small", dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=8192, hidden_size=512, intermediate_size=2816,
-    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-    rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
-    bos_token_id=None, eos_token_id=2, torch_dtype="float32"), dtype="fp32", max_file_mb=64)
-SMOLLM2_135M = SyntheticSpec("smollm2-135m", dict(
-    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True), dtype="fp32")
+TINYLLAMA_1B = SyntheticSpec(
+    "tinyllama-1.1b",
+    _llama(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
+    ),
+)
+LLAMA3_8B = SyntheticSpec(
+    "llama3-8b",
+    _llama(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        torch_dtype="bfloat16",
+    ),
+)
+QWEN2_SMALL = SyntheticSpec(
+    "qwen2-small",
+    dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=2,
+        torch_dtype="float32",
+    ),
+    dtype="fp32",
+    max_file_mb=64,
+)
+SMOLLM2_135M = SyntheticSpec(
+    "smollm2-135m",
+    dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+    ),
+    dtype="fp32",
+)
 SHAPES = {s.name: s for s in (SMOLLM2_135M, TINYLLAMA_1B, LLAMA3_8B, QWEN2_SMALL)}
 
 
@@ -139,8 +203,9 @@ def write_synthetic(spec: SyntheticSpec, out_dir: Path, device: str | torch.devi
     cfg = ModelConfig.from_hf(spec.config)
     specs = tensor_specs(cfg, DTYPES[spec.dtype])
     (out_dir / "config.json").write_text(json.dumps(spec.config, indent=2))
-    write_weights(out_dir, specs, lambda name: make_tensor(spec.seed, name, specs[name], device),
-                  spec.max_file_mb, prefix="model")
+    write_weights(
+        out_dir, specs, lambda name: make_tensor(spec.seed, name, specs[name], device), spec.max_file_mb, prefix="model"
+    )
     return out_dir
 
 

@@ -40,9 +40,18 @@ DEFAULT_MAX_FILE_MB = 512
 MAX_HEADER_BYTES = 100 * 2**20
 
 ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
@@ -103,8 +112,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             info = TensorInfo(ST_DTYPES[entry["dtype"]], tuple(entry["shape"]), path)
             begin, end = entry["data_offsets"]
             if end - begin != info.nbytes or end > data_bytes:
-                raise ValueError(f"tensor {name} lies past the end of the file" if end > data_bytes
-                                 else f"tensor {name} has {end - begin} bytes, its shape needs {info.nbytes}")
+                raise ValueError(
+                    f"tensor {name} lies past the end of the file"
+                    if end > data_bytes
+                    else f"tensor {name} has {end - begin} bytes, its shape needs {info.nbytes}"
+                )
             infos[name] = info
     except (KeyError, TypeError, ValueError) as e:
         raise SplitLMError(f"{path} is not a valid safetensors file (truncated or damaged: {e})") from None
@@ -156,8 +168,11 @@ class Weights:
         with _open(info.file) as f:
             return _get(f, info.file, name)
 
-    def load(self, names: Iterable[str], convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+    def load(
+        self,
+        names: Iterable[str],
+        convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, convert(tensor)) for each name, file by file. A tensor `convert` returns as it is
         stays a view of the map; after a copy the map is dropped, so the source pages leave RSS."""
         by_file: dict[Path, list[str]] = {}
@@ -248,8 +263,9 @@ def verify_checksums(shard_dir: Path, index: Path) -> None:
         if not (shard_dir / name).is_file():
             raise SplitLMError(f"{shard_dir / name}: missing (the shard's index lists it); split the model again")
     lock = threading.Lock()
-    with bar(sum((shard_dir / f).stat().st_size for f in names), f"verifying {shard_dir.name}",
-             unit_bytes=True) as shown:
+    with bar(
+        sum((shard_dir / f).stat().st_size for f in names), f"verifying {shard_dir.name}", unit_bytes=True
+    ) as shown:
 
         def progress(n: int) -> None:
             with lock:
@@ -259,8 +275,10 @@ def verify_checksums(shard_dir: Path, index: Path) -> None:
             digests = list(pool.map(lambda name: file_sha256([shard_dir / name], progress), names))
     for name, digest in zip(names, digests, strict=True):
         if digest != checksums[name]:
-            raise SplitLMError(f"{shard_dir / name}: checksum mismatch (the file is damaged or was changed after it "
-                               "was written); split the model again")
+            raise SplitLMError(
+                f"{shard_dir / name}: checksum mismatch (the file is damaged or was changed after it "
+                "was written); split the model again"
+            )
 
 
 def shard_weights(shard_dir: Path, verify: bool = True) -> Weights:
@@ -285,6 +303,7 @@ def read_shard_state(shard_dir: Path) -> dict[str, torch.Tensor]:
 
 # --- writing ------------------------------------------------------------------------------------
 
+
 def plan_files(specs: dict[str, TensorSpec], max_file_bytes: int) -> list[list[str]]:
     """Consecutive groups of names of at most `max_file_bytes` each (a larger tensor gets a file of its own)."""
     files: list[list[str]] = []
@@ -298,8 +317,12 @@ def plan_files(specs: dict[str, TensorSpec], max_file_bytes: int) -> list[list[s
     return files
 
 
-def write_safetensors(path: Path, specs: dict[str, TensorSpec], produce: Callable[[str], torch.Tensor],
-                      done: Callable[[int], None] = lambda n: None) -> str:
+def write_safetensors(
+    path: Path,
+    specs: dict[str, TensorSpec],
+    produce: Callable[[str], torch.Tensor],
+    done: Callable[[int], None] = lambda n: None,
+) -> str:
     """Write a safetensors file from its header out, one tensor at a time (`produce(name)`, on demand);
     return the file's SHA-256 (hashed as it is written)."""
     names = sorted(specs, key=lambda n: -specs[n].dtype.itemsize)  # widest first: every tensor stays aligned
@@ -307,8 +330,11 @@ def write_safetensors(path: Path, specs: dict[str, TensorSpec], produce: Callabl
     offset = 0
     for name in names:
         spec = specs[name]
-        header[name] = {"dtype": ST_CODES[spec.dtype], "shape": list(spec.shape),
-                        "data_offsets": [offset, offset + spec.nbytes]}
+        header[name] = {
+            "dtype": ST_CODES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -330,9 +356,14 @@ def write_safetensors(path: Path, specs: dict[str, TensorSpec], produce: Callabl
     return digest.hexdigest()
 
 
-def write_weights(out_dir: Path, specs: dict[str, TensorSpec], produce: Callable[[str], torch.Tensor],
-                  max_file_mb: float = DEFAULT_MAX_FILE_MB, prefix: str = SHARD_PREFIX,
-                  done: Callable[[int], None] = lambda n: None) -> list[Path]:
+def write_weights(
+    out_dir: Path,
+    specs: dict[str, TensorSpec],
+    produce: Callable[[str], torch.Tensor],
+    max_file_mb: float = DEFAULT_MAX_FILE_MB,
+    prefix: str = SHARD_PREFIX,
+    done: Callable[[int], None] = lambda n: None,
+) -> list[Path]:
     """`prefix`-00001-of-0000N.safetensors, ... of at most `max_file_mb` MiB each, and
     `prefix`.safetensors.index.json, in `out_dir`. Each file is written under a temporary name
     and renamed (never truncated in place, so maps of the files it replaces stay valid); the
@@ -352,8 +383,15 @@ def write_weights(out_dir: Path, specs: dict[str, TensorSpec], produce: Callable
         written.append(path)
     index = out_dir / f"{prefix}.safetensors.index.json"
     tmp = index.with_name(f".{index.name}.tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs.values()), "sha256": checksums},
-                               "weight_map": weight_map}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": sum(s.nbytes for s in specs.values()), "sha256": checksums},
+                "weight_map": weight_map,
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, index)
     for old in out_dir.glob(f"{prefix}*.safetensors"):
         if old not in written:
@@ -361,8 +399,9 @@ def write_weights(out_dir: Path, specs: dict[str, TensorSpec], produce: Callable
     return written
 
 
-def write_state(out_dir: Path, state: dict[str, torch.Tensor], max_file_mb: float = DEFAULT_MAX_FILE_MB,
-                prefix: str = SHARD_PREFIX) -> list[Path]:
+def write_state(
+    out_dir: Path, state: dict[str, torch.Tensor], max_file_mb: float = DEFAULT_MAX_FILE_MB, prefix: str = SHARD_PREFIX
+) -> list[Path]:
     """`write_weights` for tensors already in memory."""
     specs = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in state.items()}
     return write_weights(out_dir, specs, state.__getitem__, max_file_mb, prefix)

@@ -48,9 +48,11 @@ from splitlm.transport.messages import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class PendingForward:
     """A FORWARD sent and not yet answered."""
+
     frame: Frame
     sent_at: float
     max_reply_elements: int
@@ -100,8 +102,11 @@ def error_from_frame(reply: Frame, note: str = "") -> CloudError:
     opens a new one and replays into it, docs/failover.md)."""
     code = reply.meta.get("code")
     code = ErrorCode(code) if code in ErrorCode._value2member_map_ else None
-    return CloudError(f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}", code,
-                      retryable=code == ErrorCode.PREEMPTED)
+    return CloudError(
+        f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}",
+        code,
+        retryable=code == ErrorCode.PREEMPTED,
+    )
 
 
 class CloudClient:
@@ -116,11 +121,21 @@ class CloudClient:
     rekey: when this side's sending key rotates (tests force rotations with small limits).
     """
 
-    def __init__(self, url: str, fingerprint: str, timeout_s: float = 60.0, max_frame_bytes: int = 64 * 2**20, *,
-                 identity: Identity | str | Path | None = None, cloud_key: str | bytes | None = None,
-                 known_hosts: str | Path | None = None, tls_ca: str | Path | None = None,
-                 rekey: RekeyPolicy | None = None, ping_interval_s: float | None = PING_INTERVAL_S,
-                 ping_timeout_s: float | None = PING_TIMEOUT_S):
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        timeout_s: float = 60.0,
+        max_frame_bytes: int = 64 * 2**20,
+        *,
+        identity: Identity | str | Path | None = None,
+        cloud_key: str | bytes | None = None,
+        known_hosts: str | Path | None = None,
+        tls_ca: str | Path | None = None,
+        rekey: RekeyPolicy | None = None,
+        ping_interval_s: float | None = PING_INTERVAL_S,
+        ping_timeout_s: float | None = PING_TIMEOUT_S,
+    ):
         self.url, self.timeout_s, self.max_frame_bytes = url, timeout_s, max_frame_bytes
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
@@ -131,9 +146,16 @@ class CloudClient:
         pinned = None if cloud_key is None else parse_key_spec(cloud_key)
         context = tls_context(url, tls_ca)
         try:
-            self.ws: ClientConnection = connect(url, open_timeout=timeout_s, max_size=max_frame_bytes,
-                                                compression=None, proxy=None, ping_interval=ping_interval_s,
-                                                ping_timeout=ping_timeout_s, ssl=context).__enter__()
+            self.ws: ClientConnection = connect(
+                url,
+                open_timeout=timeout_s,
+                max_size=max_frame_bytes,
+                compression=None,
+                proxy=None,
+                ping_interval=ping_interval_s,
+                ping_timeout=ping_timeout_s,
+                ssl=context,
+            ).__enter__()
         except InvalidURI as e:
             raise CloudError(f"cannot reach the cloud at {url}: {e}") from None
         except ConnectionClosed:  # accepted, then closed before the upgrade went through (a dead cloud behind a proxy)
@@ -180,8 +202,9 @@ class CloudClient:
             return True  # the next receive reports it
         return True
 
-    def _handshake(self, shard_fingerprint: str, pinned: str | None, known_hosts: str | Path | None,
-                   rekey: RekeyPolicy | None) -> Channel:
+    def _handshake(
+        self, shard_fingerprint: str, pinned: str | None, known_hosts: str | Path | None, rekey: RekeyPolicy | None
+    ) -> Channel:
         hs = ClientHandshake(self.identity, shard_fingerprint, seq=next(self.seq))
         reply_data = self._exchange(hs.hello_bytes)
         try:
@@ -195,26 +218,32 @@ class CloudClient:
             record = None
             if pinned is not None:
                 if cloud_fp != pinned:
-                    raise CloudError(f"the cloud at {host} presented key {cloud_fp}, but --cloud-key pins {pinned}; "
-                                     "refusing to connect (wrong cloud, or a man in the middle)",
-                                     ErrorCode.SERVER_KEY_MISMATCH)
+                    raise CloudError(
+                        f"the cloud at {host} presented key {cloud_fp}, but --cloud-key pins {pinned}; "
+                        "refusing to connect (wrong cloud, or a man in the middle)",
+                        ErrorCode.SERVER_KEY_MISMATCH,
+                    )
             else:
                 hosts = KnownHosts(known_hosts)
                 known = hosts.lookup(host)
                 if known is None:
                     record = hosts
                 elif known[1] != cloud_fp:
-                    raise CloudError(f"the cloud at {host} presented key {cloud_fp}, but {hosts.path} line {known[0]} "
-                                     f"records {known[1]}; refusing to connect. If the cloud's key really changed, "
-                                     f"delete that line (or pass --cloud-key)", ErrorCode.SERVER_KEY_MISMATCH)
+                    raise CloudError(
+                        f"the cloud at {host} presented key {cloud_fp}, but {hosts.path} line {known[0]} "
+                        f"records {known[1]}; refusing to connect. If the cloud's key really changed, "
+                        f"delete that line (or pass --cloud-key)",
+                        ErrorCode.SERVER_KEY_MISMATCH,
+                    )
             channel, info = hs.finish(reply_data, rekey, ReplayWindow())
         except ProtocolError as e:
             raise CloudError(f"handshake with the cloud failed: {e}", e.code) from None
         if record is not None:  # only once the cloud proved it holds the key
             seen = any(fp == cloud_fp for _, _, fp in record.entries())  # the same cloud on another port: no news
             record.add(host, cloud_fp)
-            (log.debug if seen else log.warning)("trusting the cloud key %s of %s on first use (recorded in %s)",
-                                                 cloud_fp, host, record.path)
+            (log.debug if seen else log.warning)(
+                "trusting the cloud key %s of %s on first use (recorded in %s)", cloud_fp, host, record.path
+            )
         self.cloud_fingerprint = cloud_fp
         self.info = ServerInfo.from_meta(info)
         return channel
@@ -273,8 +302,7 @@ class CloudClient:
         """Tighten the session's cache policy and/or wipe its cache now (POLICY -> POLICY_OK)."""
         return PolicyOk.from_frame(self.request(change.to_frame(session)))
 
-    def send_forward(self, session: int, request: Forward, wire_dtype: str,
-                     max_reply_elements: int) -> PendingForward:
+    def send_forward(self, session: int, request: Forward, wire_dtype: str, max_reply_elements: int) -> PendingForward:
         """Send a FORWARD (its `hidden` in `wire_dtype`) and return at once; `receive_forward` gets its
         RESULT, whose tensors may hold at most `max_reply_elements` elements each. Several may be in
         flight on one connection: the cloud answers them in order."""

@@ -66,8 +66,9 @@ def encode_tensor(t: torch.Tensor, wire_dtype: str) -> bytes:
         return scales.numpy().astype("<f4").tobytes() + codes.reshape(-1).view(torch.uint8).numpy().tobytes()
     cast = t.detach().to(FLOAT_DTYPES[wire_dtype])
     if wire_dtype == "fp16" and not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(t).all()):
-        raise OverflowError(f"activations up to {float(t.abs().max()):.3g} exceed the fp16 wire range; "
-                            "use --wire-dtype bf16 or fp32")
+        raise OverflowError(
+            f"activations up to {float(t.abs().max()):.3g} exceed the fp16 wire range; use --wire-dtype bf16 or fp32"
+        )
     t = cast.contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
@@ -90,7 +91,7 @@ def decode_tensor(data: bytes | memoryview, wire_dtype: str, shape: list[int], m
         scales = torch.frombuffer(raw, dtype=torch.float32, count=rows) if rows else torch.zeros(0)
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"{wire_dtype} tensor has bad scales")
-        codes = (torch.frombuffer(raw, dtype=torch.uint8, offset=4 * rows) if n else torch.zeros(0, dtype=torch.uint8))
+        codes = torch.frombuffer(raw, dtype=torch.uint8, offset=4 * rows) if n else torch.zeros(0, dtype=torch.uint8)
         codes = codes.view(SCALED_DTYPES[wire_dtype]).reshape(rows, cols)
         return dequantize(scales, codes, shape)
     dtype = FLOAT_DTYPES[wire_dtype]

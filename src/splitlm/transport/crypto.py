@@ -82,7 +82,7 @@ def transcript_hash(hello: bytes, hello_ok_head: bytes) -> bytes:
 def derive_keys(dh_ee: bytes, dh_es: bytes, dh_se: bytes, th: bytes) -> tuple[DirectionKeys, DirectionKeys]:
     """(edge->cloud, cloud->edge) keys from the three X25519 outputs, salted by the transcript hash."""
     okm = hkdf(dh_ee + dh_es + dh_se, 2 * (KEY_SIZE + IV_SIZE), th, KEYS_INFO)
-    a, b = okm[:KEY_SIZE + IV_SIZE], okm[KEY_SIZE + IV_SIZE:]
+    a, b = okm[: KEY_SIZE + IV_SIZE], okm[KEY_SIZE + IV_SIZE :]
     return DirectionKeys(a[:KEY_SIZE], a[KEY_SIZE:]), DirectionKeys(b[:KEY_SIZE], b[KEY_SIZE:])
 
 
@@ -157,8 +157,9 @@ class SendCipher:
             self.rotate()
         meta = msgpack.packb(frame.meta, use_bin_type=True)
         flags = FLAG_ENCRYPTED | (FLAG_KEY_PHASE if self.phase else 0)
-        header = HEADER.pack(MAGIC, VERSION, frame.type, flags, frame.session, frame.seq, len(meta),
-                             len(frame.payload) + TAG_SIZE)
+        header = HEADER.pack(
+            MAGIC, VERSION, frame.type, flags, frame.session, frame.seq, len(meta), len(frame.payload) + TAG_SIZE
+        )
         return header + self.encrypt(frame.seq, meta + frame.payload, header)
 
 
@@ -180,8 +181,9 @@ class RecvCipher:
         try:
             plaintext = aead.decrypt(nonce(keys.iv, seq), bytes(ciphertext), bytes(aad))
         except InvalidTag:
-            raise ProtocolError(ErrorCode.DECRYPT_FAILED,
-                                "frame failed authentication (tampered, truncated or sealed with another key)") from None
+            raise ProtocolError(
+                ErrorCode.DECRYPT_FAILED, "frame failed authentication (tampered, truncated or sealed with another key)"
+            ) from None
         if phase != self.phase:
             self.keys, self.aead, self.phase = keys, aead, phase
             self.rotations += 1
@@ -196,8 +198,9 @@ class RecvCipher:
         phase = 1 if header.flags & FLAG_KEY_PHASE else 0
         plaintext = self.decrypt(header.seq, memoryview(data)[HEADER_SIZE:], memoryview(data)[:HEADER_SIZE], phase)
         self.window.accept(header.seq)
-        plain_header = Header(header.type, header.flags, header.session, header.seq, header.meta_len,
-                              header.payload_len - TAG_SIZE)
+        plain_header = Header(
+            header.type, header.flags, header.session, header.seq, header.meta_len, header.payload_len - TAG_SIZE
+        )
         return decode_body(plain_header, plaintext)
 
 

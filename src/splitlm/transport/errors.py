@@ -35,7 +35,7 @@ class ProtocolError(Exception):
 
     def __init__(self, code: ErrorCode, message: str):
         if len(message) > self.MAX_MESSAGE:
-            message = message[:self.MAX_MESSAGE - 3] + "..."
+            message = message[: self.MAX_MESSAGE - 3] + "..."
         super().__init__(f"{code.name}: {message}")
         self.code = ErrorCode(code)
         self.message = message

@@ -108,12 +108,12 @@ def decode_header(data: bytes) -> Header:
 def decode_body(header: Header, body: bytes) -> Frame:
     """Metadata and payload of a frame from its (plaintext) body: `meta_len` bytes of msgpack, then the payload."""
     try:
-        meta = msgpack.unpackb(bytes(body[:header.meta_len]), raw=False) if header.meta_len else {}
+        meta = msgpack.unpackb(bytes(body[: header.meta_len]), raw=False) if header.meta_len else {}
     except Exception as e:  # noqa: BLE001 - msgpack raises several types
         raise ProtocolError(ErrorCode.BAD_FRAME, f"undecodable metadata ({type(e).__name__})") from None
     if not isinstance(meta, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "metadata is not a map")
-    return Frame(header.type, header.session, header.seq, meta, bytes(body[header.meta_len:]), header.flags)
+    return Frame(header.type, header.session, header.seq, meta, bytes(body[header.meta_len :]), header.flags)
 
 
 def decode_frame(data: bytes) -> Frame:
@@ -149,7 +149,7 @@ def unpack_tensors(frame: Frame, max_elements: int) -> dict[str, torch.Tensor]:
             raise ProtocolError(ErrorCode.BAD_FRAME, "tensor name must be a string")
         if off < 0 or n < 0 or off + n > len(frame.payload):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor {name!r} lies outside the payload")
-        out[name] = decode_tensor(memoryview(frame.payload)[off:off + n], dtype, shape, max_elements)
+        out[name] = decode_tensor(memoryview(frame.payload)[off : off + n], dtype, shape, max_elements)
     return out
 
 
@@ -160,7 +160,9 @@ def pack_mask(mask: torch.Tensor) -> bytes:
 
 def unpack_mask(data: bytes, t: int) -> torch.Tensor:
     if not isinstance(data, bytes) or len(data) != (t * t + 7) // 8:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"mask must be {(t * t + 7) // 8} bytes of packed bits for {t} tokens")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"mask must be {(t * t + 7) // 8} bytes of packed bits for {t} tokens"
+        )
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))[: t * t]
     return torch.from_numpy(bits.reshape(t, t).astype(bool))
 
@@ -173,8 +175,10 @@ def pack_vocab(allowed: torch.Tensor) -> bytes:
 def unpack_vocab(data: bytes, vocab_size: int) -> torch.Tensor:
     """Packed allow-list bits -> the allowed ids [S], ascending (at least one)."""
     if not isinstance(data, bytes) or len(data) != (vocab_size + 7) // 8:
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"vocab must be {(vocab_size + 7) // 8} bytes of packed bits for {vocab_size} token ids")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"vocab must be {(vocab_size + 7) // 8} bytes of packed bits for {vocab_size} token ids",
+        )
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
     if bits[vocab_size:].any():
         raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab has bits set beyond the vocabulary")

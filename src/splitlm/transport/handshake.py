@@ -59,9 +59,15 @@ def _exchange(private: X25519PrivateKey, public: bytes) -> bytes:
         raise ProtocolError(ErrorCode.AUTH_FAILED, "degenerate (low-order) public key") from None
 
 
-def server_handshake(identity: Identity, hello: Hello, hello_bytes: bytes, info: ServerInfo, seq: int,
-                     policy: RekeyPolicy | None = None,
-                     window: ReplayWindow | None = None) -> tuple[bytes, Channel, bytes]:
+def server_handshake(
+    identity: Identity,
+    hello: Hello,
+    hello_bytes: bytes,
+    info: ServerInfo,
+    seq: int,
+    policy: RekeyPolicy | None = None,
+    window: ReplayWindow | None = None,
+) -> tuple[bytes, Channel, bytes]:
     """The cloud's side: (HELLO_OK bytes to send, channel, client static public key).
 
     `hello` is `hello_bytes` read (`Hello.from_frame`: version, shard fingerprint and keys checked); the
@@ -85,16 +91,18 @@ class ClientHandshake:
         self.identity = identity
         self.ephemeral = X25519PrivateKey.generate()
         self.seq = seq
-        self.hello_bytes = encode_frame(Hello(shard_fingerprint, _raw(self.ephemeral), identity.public_bytes,
-                                              seq).to_frame())
+        self.hello_bytes = encode_frame(
+            Hello(shard_fingerprint, _raw(self.ephemeral), identity.public_bytes, seq).to_frame()
+        )
 
     @staticmethod
     def server_key(ok: Frame) -> bytes:
         """The cloud's static public key announced in HELLO_OK (not yet proven)."""
         return public_key(ok.meta, "s", "HELLO_OK", ErrorCode.AUTH_FAILED)
 
-    def finish(self, ok_data: bytes, policy: RekeyPolicy | None = None,
-               window: ReplayWindow | None = None) -> tuple[Channel, dict[str, Any]]:
+    def finish(
+        self, ok_data: bytes, policy: RekeyPolicy | None = None, window: ReplayWindow | None = None
+    ) -> tuple[Channel, dict[str, Any]]:
         """Derive the keys and check the cloud's key confirmation; returns (channel, server info)."""
         header = decode_header(ok_data)
         if header.type != MsgType.HELLO_OK or header.payload_len < TAG_SIZE:
@@ -112,8 +120,11 @@ class ClientHandshake:
         try:
             info_bytes = recv.decrypt(header.seq, memoryview(ok_data)[head_len:], memoryview(ok_data)[:HEADER_SIZE])
         except ProtocolError:
-            raise ProtocolError(ErrorCode.AUTH_FAILED, f"the cloud failed to prove it holds the private key of "
-                                f"{fingerprint(s_s)} (key confirmation did not decrypt)") from None
+            raise ProtocolError(
+                ErrorCode.AUTH_FAILED,
+                f"the cloud failed to prove it holds the private key of "
+                f"{fingerprint(s_s)} (key confirmation did not decrypt)",
+            ) from None
         recv.window.accept(header.seq)
         try:
             info = msgpack.unpackb(info_bytes, raw=False)

@@ -57,7 +57,7 @@ def is_fingerprint(text: str) -> bool:
     if not text.startswith(FINGERPRINT_PREFIX) or len(text) != FINGERPRINT_LENGTH:
         return False
     try:
-        return len(base64.b64decode(text[len(FINGERPRINT_PREFIX):] + "=", validate=True)) == 32
+        return len(base64.b64decode(text[len(FINGERPRINT_PREFIX) :] + "=", validate=True)) == 32
     except (binascii.Error, ValueError):
         return False
 
@@ -81,8 +81,9 @@ class Identity:
         return format_public_key(self.public_bytes, comment)
 
     def private_pem(self) -> bytes:
-        return self.private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                              serialization.NoEncryption())
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
 
 def generate_identity() -> Identity:
@@ -151,8 +152,9 @@ def key_paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".key"), Path(prefix + ".pub")
 
 
-def write_identity(prefix: str | Path, identity: Identity, comment: str | None = None,
-                   force: bool = False) -> tuple[Path, Path]:
+def write_identity(
+    prefix: str | Path, identity: Identity, comment: str | None = None, force: bool = False
+) -> tuple[Path, Path]:
     """Write PREFIX.key (mode 0600) and PREFIX.pub; refuse to overwrite unless `force`."""
     key_path, pub_path = key_paths(prefix)
     if not key_path.parent.is_dir():
@@ -240,6 +242,7 @@ def parse_key_spec(spec: str | bytes) -> str:
 
 # -- the edge's known hosts --------------------------------------------------------------------------------
 
+
 def host_id(url: str) -> str:
     """``HOST:PORT`` of a ws:// or wss:// URL (the key of a known_hosts line)."""
     parts = urlsplit(url)
@@ -286,6 +289,7 @@ class KnownHosts:
 
 
 # -- the cloud's allow-list ------------------------------------------------------------------------------
+
 
 class AllowedClients:
     """The clients allowed to connect: public-key lines or fingerprints, one per line.

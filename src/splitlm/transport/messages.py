@@ -70,6 +70,7 @@ def _expect(frame: Frame, msg_type: MsgType) -> None:
 @dataclass
 class Limits:
     """The cloud's limits an edge must respect (docs/protocol.md §8), sent in HELLO_OK."""
+
     max_tokens_per_session: int | None = None  # None: not announced
     max_tokens_per_forward: int | None = None
     max_frame_bytes: int | None = None
@@ -79,13 +80,17 @@ class Limits:
 @dataclass
 class ServerInfo:
     """HELLO_OK's encrypted server information (§4)."""
+
     server: str = ""
     fingerprint: str = ""
     limits: Limits = field(default_factory=Limits)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"server": self.server, "fingerprint": self.fingerprint,
-                "limits": {k: v for k, v in vars(self.limits).items() if v is not None}}
+        return {
+            "server": self.server,
+            "fingerprint": self.fingerprint,
+            "limits": {k: v for k, v in vars(self.limits).items() if v is not None},
+        }
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ServerInfo:
@@ -109,6 +114,7 @@ class Hello:
     """The edge's HELLO (§4, §5), in the clear: the protocol version, the edge shard's fingerprint and
     the client's two X25519 public keys. HELLO_OK's payload is `ServerInfo`; `handshake.py` derives
     the keys from both."""
+
     fingerprint: str  # the edge shard's (must equal the cloud shard's)
     ephemeral: bytes  # e_c.pub, fresh for this connection
     static: bytes  # s_c.pub: the client's identity (announced here, proven by its first encrypted frame)
@@ -116,8 +122,11 @@ class Hello:
     version: int = VERSION
 
     def to_frame(self) -> Frame:
-        return Frame(MsgType.HELLO, seq=self.seq, meta={"version": self.version, "fingerprint": self.fingerprint,
-                                                        "e": self.ephemeral, "s": self.static})
+        return Frame(
+            MsgType.HELLO,
+            seq=self.seq,
+            meta={"version": self.version, "fingerprint": self.fingerprint, "e": self.ephemeral, "s": self.static},
+        )
 
     @classmethod
     def from_frame(cls, frame: Frame, shard_fingerprint: str | None = None) -> Hello:
@@ -127,11 +136,16 @@ class Hello:
         _expect(frame, MsgType.HELLO)
         meta = frame.meta
         if meta.get("version") != VERSION:
-            raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"edge speaks version {meta.get('version')}, cloud {VERSION}")
+            raise ProtocolError(
+                ErrorCode.VERSION_MISMATCH, f"edge speaks version {meta.get('version')}, cloud {VERSION}"
+            )
         fp = meta.get("fingerprint")
         if shard_fingerprint is not None and fp != shard_fingerprint:
-            raise ProtocolError(ErrorCode.FINGERPRINT_MISMATCH, "the edge shard and the cloud shard come from different "
-                                f"splits (cloud fingerprint {shard_fingerprint})")
+            raise ProtocolError(
+                ErrorCode.FINGERPRINT_MISMATCH,
+                "the edge shard and the cloud shard come from different "
+                f"splits (cloud fingerprint {shard_fingerprint})",
+            )
         static = public_key(meta, "s", "HELLO", ErrorCode.AUTH_FAILED)  # a missing credential
         ephemeral = public_key(meta, "e", "HELLO", ErrorCode.BAD_REQUEST)
         return cls(fp if isinstance(fp, str) else "", ephemeral, static, frame.seq)
@@ -140,6 +154,7 @@ class Hello:
 @dataclass
 class Open:
     """Create a session with an empty KV cache (§4 OPEN)."""
+
     wire_dtype: str = "fp16"  # default codec of the session's RESULT tensors
     cache_policy: CachePolicy | str = field(default_factory=CachePolicy)  # a string travels as given
     vocab: bytes | None = None  # split-head: the authorised ids as packed bits; None = every id
@@ -169,8 +184,11 @@ class Opened:
     vocab_size: int | None = None  # split-head: the number of authorised ids S
 
     def to_frame(self) -> Frame:
-        meta: dict[str, Any] = {"wire_dtype": self.wire_dtype, "cache_policy": str(self.cache_policy),
-                                "topology": self.topology}
+        meta: dict[str, Any] = {
+            "wire_dtype": self.wire_dtype,
+            "cache_policy": str(self.cache_policy),
+            "topology": self.topology,
+        }
         if self.vocab_size is not None:
             meta["vocab_size"] = self.vocab_size
         return Frame(MsgType.OPENED, self.session, meta=meta)
@@ -179,13 +197,19 @@ class Opened:
     def from_frame(cls, frame: Frame) -> Opened:
         _expect(frame, MsgType.OPENED)
         m = frame.meta
-        return cls(frame.session, m.get("wire_dtype", "fp16"), parse_policy(m.get("cache_policy", "session")),
-                   m.get("topology", "tail-local"), m.get("vocab_size"))
+        return cls(
+            frame.session,
+            m.get("wire_dtype", "fp16"),
+            parse_policy(m.get("cache_policy", "session")),
+            m.get("topology", "tail-local"),
+            m.get("vocab_size"),
+        )
 
 
 @dataclass
 class Control:
     """The edge's control tuple for one request (the seed paper's (flagCache, LCache, dtype, l))."""
+
     cache: bool = True  # flagCache: may the cloud use the history it holds? False = wipe it first
     window: int | None = None  # LCache: at most this many past entries; tightens the session for good
     dtype: str | None = None  # the reply's wire dtype (None = the session's)
@@ -221,6 +245,7 @@ class Control:
 @dataclass
 class Forward:
     """Run C context rows and T new tokens through the cloud's layers (§4 FORWARD, §6)."""
+
     hidden: torch.Tensor  # [C + T, D]: C context rows (re-sent history), then T new tokens
     positions: torch.Tensor  # [C + T] long
     mask: torch.Tensor | None = None  # [T, T] bool among the new tokens, None = causal
@@ -289,6 +314,7 @@ class Result:
 
     `round_trip_s` and `wait_s` are not on the wire: the receiving client measures them
     (`CloudClient.receive_forward`); a decoded frame has them at 0."""
+
     session: int
     tensors: dict[str, torch.Tensor]
     cache_len: int  # cache entries after the step (after crop, keep, append and the policy)
@@ -299,9 +325,12 @@ class Result:
 
     def to_frame(self, wire_dtype: str) -> Frame:
         specs, payload = pack_tensors(self.tensors, wire_dtype)
-        return Frame(MsgType.RESULT, self.session, payload=payload,
-                     meta={"tensors": specs, "compute_s": self.compute_s, "queue_s": self.queue_s,
-                           "cache_len": self.cache_len})
+        return Frame(
+            MsgType.RESULT,
+            self.session,
+            payload=payload,
+            meta={"tensors": specs, "compute_s": self.compute_s, "queue_s": self.queue_s, "cache_len": self.cache_len},
+        )
 
     @classmethod
     def from_frame(cls, frame: Frame, max_elements: int) -> Result:
@@ -316,6 +345,7 @@ class Result:
 @dataclass
 class PolicyChange:
     """Tighten the session's cache policy and/or wipe its cache now (§4 POLICY)."""
+
     cache_policy: CachePolicy | str | None = None  # a string travels as given (the cloud parses it)
     revoke: bool = False
     key: bytes | None = None  # needed to tighten to sealed a session whose cache is not empty
@@ -345,14 +375,16 @@ class PolicyOk:
     cache_len: int
 
     def to_frame(self) -> Frame:
-        return Frame(MsgType.POLICY_OK, self.session,
-                     meta={"cache_policy": str(self.cache_policy), "cache_len": self.cache_len})
+        return Frame(
+            MsgType.POLICY_OK, self.session, meta={"cache_policy": str(self.cache_policy), "cache_len": self.cache_len}
+        )
 
     @classmethod
     def from_frame(cls, frame: Frame) -> PolicyOk:
         _expect(frame, MsgType.POLICY_OK)
-        return cls(frame.session, parse_policy(frame.meta.get("cache_policy", "session")),
-                   frame.meta.get("cache_len", 0))
+        return cls(
+            frame.session, parse_policy(frame.meta.get("cache_policy", "session")), frame.meta.get("cache_len", 0)
+        )
 
 
 @dataclass
@@ -379,6 +411,7 @@ class GoingAway:
     """The cloud is shutting down (SIGTERM): it answered every request it had read and takes no
     more on this connection. Sent encrypted, unsolicited, after the last reply; the edge fails over
     at once (re-sending what went unanswered) instead of waiting for a timeout."""
+
     reason: str = "shutting down"
 
     def to_frame(self) -> Frame:
