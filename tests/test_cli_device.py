@@ -38,12 +38,17 @@ def test_bench_and_demo_take_both_sides(monkeypatch):
     )
     config = config_from_args(args)
     assert (config.device, config.dtype, config.cloud_device, config.cloud_dtype) == ("cpu", "fp32", "cpu", "bf16")
-    seen = {}
-    monkeypatch.setattr("splitlm.cli.demo.run_demo", lambda *a, **kw: seen.update(kw) or 0)
+    seen = []
+    monkeypatch.setattr("splitlm.cli.demo.run_demo", lambda config: seen.append(config) or 0)
     assert main(["demo", "--device", "cpu", "--dtype", "fp16"]) == 0
-    assert seen == {"device": "cpu", "dtype": "fp16", "cloud_device": "cpu", "cloud_dtype": "fp16"}
+    assert (seen[-1].device, seen[-1].dtype, seen[-1].cloud_device, seen[-1].cloud_dtype) == (
+        "cpu",
+        "fp16",
+        "cpu",
+        "fp16",
+    )
     assert main(["demo", "--cloud-dtype", "bf16"]) == 0
-    assert (seen["dtype"], seen["cloud_device"], seen["cloud_dtype"]) == ("auto", "auto", "bf16")
+    assert (seen[-1].dtype, seen[-1].cloud_device, seen[-1].cloud_dtype) == ("auto", "auto", "bf16")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

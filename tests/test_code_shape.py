@@ -7,6 +7,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "splitlm"
 MAX_FILE_LINES = 450
 MAX_CLASS_LINES = 250
+MAX_PARAMETERS = 8
 
 
 def sources() -> list[Path]:
@@ -25,6 +26,35 @@ def test_no_class_is_over_250_lines():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 big[f"{p.relative_to(SRC)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+
+
+def parameter_count(args: ast.arguments) -> int:
+    """A function's parameters, *args and **kwargs included, less a method's `self` or `cls`."""
+    named = [*args.posonlyargs, *args.args]
+    count = len(named) + len(args.kwonlyargs) + (args.vararg is not None) + (args.kwarg is not None)
+    return count - (bool(named) and named[0].arg in ("self", "cls"))
+
+
+def long_signatures(tree: ast.AST) -> dict[str, int]:
+    """Functions (methods, nested functions and lambdas too) that take more than 8 parameters:
+    `line:name` -> how many."""
+    return {
+        f"{node.lineno}:{getattr(node, 'name', '<lambda>')}": n
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        and (n := parameter_count(node.args)) > MAX_PARAMETERS
+    }
+
+
+def test_no_function_takes_more_than_8_parameters():
+    """A long signature wants a request or settings object (a dataclass: its generated constructor is
+    not in the source, so it is not counted)."""
+    long = {
+        f"{p.relative_to(SRC)}:{at}": n
+        for p in sources()
+        for at, n in long_signatures(ast.parse(p.read_text())).items()
+    }
+    assert not long, f"functions taking more than {MAX_PARAMETERS} parameters: {long}"
 
 
 FAMILY_WORDS = ("gemma", "llama", "qwen", "mistral", "model_type")
@@ -69,3 +99,7 @@ def test_the_shape_checks_can_fail():
     asks = "scale = 2.0 if cfg.gemma else 1.0\nif cfg.model_type == 'qwen2': pass\n"
     assert sorted(family_questions(ast.parse(asks))) == ["gemma", "model_type", "qwen2"]
     assert family_questions(ast.parse('"""Gemma 3 has a scaled embedding."""\nx = cfg.embed_scale\n')) == []
+    nine = "def f(a, b, c, d, e, f, g, h, i): pass\n"
+    eight = "class C:\n    def m(self, a, b, c, d, e, f, *args, **kwargs): pass\n"
+    assert long_signatures(ast.parse(nine)) == {"1:f": 9} and long_signatures(ast.parse(eight)) == {}
+    assert long_signatures(ast.parse("def g(a, /, b, *c, d, e=1, f, g, h, **i): pass\n")) == {"1:g": 9}

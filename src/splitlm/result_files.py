@@ -221,14 +221,13 @@ def write_result(
     markdown_name: str | None = None,
     plots: Callable[[Path], list[Path]] | None = None,
     latest: str | None = None,
-    heads: list[str | Path] | None = None,
 ) -> Written:
     """Write one run's result: `<base>.json`, then the plots (`plots(base)` writes them and returns
     their paths), then the Markdown report (a text, or made from the plots' paths) at `<base>.md`
     (or `out/<markdown_name>`), and a copy of the JSON as `out/<latest>`. `base` is `out/<kind>-<stamp>`
-    (`out/<kind>` without a stamp). `doc` gets its `provenance` first (unless it has one; `heads`: draft
-    heads the run used besides those the loader noted), so that the Markdown report can show it."""
-    doc.setdefault("provenance", provenance(heads))
+    (`out/<kind>` without a stamp). `doc` gets its `provenance` first (unless it has one: a run that used
+    draft heads the loader did not note gives it `provenance(heads)`), so that the Markdown report can show it."""
+    doc.setdefault("provenance", provenance())
     base = result_base(out, kind, stamp)
     written = Written(write_json(suffixed(base, ".json"), doc))
     if plots is not None:

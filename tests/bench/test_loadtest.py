@@ -2,7 +2,8 @@
 
 import json
 
-from splitlm.bench.loadtest import LoadConfig, markdown, percentile, run_loadtest
+from splitlm.bench.load_sessions import percentile
+from splitlm.bench.loadtest import LoadConfig, markdown, run_loadtest
 from splitlm.cli import main
 from splitlm.cloud.server import BackgroundServer
 

@@ -189,7 +189,7 @@ def test_a_bucket_not_measured_lately_is_measured_again():
 
 def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monkeypatch):
     from splitlm.decoding.head import find_head
-    from splitlm.decoding.train_head import train_head
+    from splitlm.decoding.train_head import HeadSettings, train_head
     from splitlm.model.shards import Manifest, split_model
     from splitlm.result_files import file_digest
 
@@ -205,12 +205,7 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
         str(audit_model_dir),
         split / "edge",
         warmup=warm,
-        max_tokens=3000,
-        vocab=64,
-        inner=32,
-        minutes=0.2,
-        batch=64,
-        lr=5e-3,
+        settings=HeadSettings(max_tokens=3000, vocab=64, inner=32, minutes=0.2, batch=64, lr=5e-3),
         out=tmp_path / "results",
     )
     head = load_head(split / "edge")

@@ -341,7 +341,7 @@ def test_generations_with_a_link_cut_or_a_cloud_killed_at_random_all_match(tiny_
     """The failover bench on two clouds behind emulated WANs: 16 consecutive generations, each with its
     link cut or its cloud SIGKILLed at a random moment (sequential and pipelined speculation, greedy
     and seeded sampling): every output equals the undisturbed one; cuts and kills are counted apart."""
-    from splitlm.bench.failover import Rig, cases_for, fault_runs
+    from splitlm.bench.failover import FaultPlan, Rig, cases_for, fault_runs
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.local import LocalCloud
 
@@ -355,9 +355,10 @@ def test_generations_with_a_link_cut_or_a_cloud_killed_at_random_all_match(tiny_
         ):
             rig = Rig(clouds, [wan0, wan1])
             with edge_for(tiny_chat_split, rig.urls) as edge:
-                report = fault_runs(
-                    edge, rig, PROMPT, cuts=12, kills=4, cases=cases_for("ngram"), max_new_tokens=24, repeats=1, seed=3
+                plan = FaultPlan(
+                    PROMPT, cuts=12, kills=4, cases=cases_for("ngram"), max_new_tokens=24, repeats=1, seed=3
                 )
+                report = fault_runs(edge, rig, plan)
     finally:
         for cloud in clouds:
             cloud.stop()

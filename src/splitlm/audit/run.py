@@ -11,11 +11,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from splitlm import SplitLMError
 from splitlm.audit.adaptive import Attacker, adaptive_attacker, public_attacker
 from splitlm.audit.attacks import (
     LinearProbe,
@@ -26,13 +25,11 @@ from splitlm.audit.attacks import (
     train_mlp_probe,
     whitebox,
 )
+from splitlm.audit.config import ATTACKS, AuditConfig
 from splitlm.audit.data import AuditCorpus, build_corpus, load_for_audit  # noqa: F401 (re-exported)
-from splitlm.audit.defences import Defence, parse_defence
+from splitlm.audit.decoding_audit import trace_audit
+from splitlm.audit.defences import Defence
 from splitlm.audit.harden import HardenConfig, harden_head, relative_distance
-from splitlm.audit.metadata import metadata_audit
-from splitlm.audit.output import checked_guesses, cloud_outputs, output_leakage, reconstruct
-from splitlm.audit.prompts import CODE, PROSE
-from splitlm.audit.traces import trace_generation
 from splitlm.audit.views import SplitView, batched, quality
 from splitlm.model.llama import Transformer
 from splitlm.progress import bar
@@ -40,51 +37,6 @@ from splitlm.progress import bar
 log = logging.getLogger(__name__)
 
 __all__ = ["ATTACKS", "AuditConfig", "load_for_audit", "run_audit"]
-
-ATTACKS = ("nn", "lens", "probe", "whitebox")
-
-
-@dataclass
-class AuditConfig:
-    heads: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    tail: int = 2
-    attacks: list[str] = field(default_factory=lambda: list(ATTACKS))
-    defences: list[Defence] = field(default_factory=lambda: [parse_defence("none")])
-    seq_len: int = 32
-    max_train_tokens: int = 32768
-    max_eval_tokens: int = 1024
-    whitebox_tokens: int = 256  # held-out tokens the (expensive) white-box search attacks
-    down_whitebox_tokens: int = 128
-    candidates: int = 64  # tokens the white-box search tries per position
-    probe_epochs: int = 2
-    mlp_probe_tokens: int = 8192
-    harden: HardenConfig = field(default_factory=lambda: HardenConfig(tail=True))
-    adaptive: bool = True  # also attack every defence with an attacker that reruns it
-    adaptive_mlp: bool = True  # the adaptive attacker trains an MLP probe too (the costliest probe)
-    output_prompts: int = 12  # per label (code, prose) traced for the output and metadata audit; 0 = none
-    output_tokens: int = 32  # tokens generated per traced prompt
-    output_tails: list[int] = field(default_factory=lambda: [1, 2, 4])  # M values for the output leakage
-    spec: str = "ngram"  # the drafter of the traced decoding
-    seed: int = 0
-
-    def check(self, num_layers: int) -> None:
-        for k in self.heads:
-            if k < 1 or k + self.tail >= num_layers:
-                raise SplitLMError(
-                    f"--head {k} with --tail {self.tail} leaves no layer for the cloud (the model has {num_layers})"
-                )
-            if self.output_prompts and k + max(self.output_tails) >= num_layers:
-                raise SplitLMError(
-                    f"--head {k} with --output-tails {max(self.output_tails)} leaves no layer for the "
-                    f"cloud (the model has {num_layers})"
-                )
-        unknown = set(self.attacks) - set(ATTACKS)
-        if unknown or not self.attacks:
-            raise SplitLMError(
-                f"unknown attack(s) {', '.join(sorted(unknown)) or '(none given)'}; choose from {', '.join(ATTACKS)}"
-            )
-        if self.candidates < 5:
-            raise SplitLMError("--candidates must be at least 5")
 
 
 def shift_next(ranked: torch.Tensor, frequent: torch.Tensor) -> torch.Tensor:
@@ -139,20 +91,28 @@ def tail_ranks(view: SplitView, down: torch.Tensor, tail, k: int = 5) -> tuple[t
     return torch.cat(edge), torch.cat(cloud)
 
 
+@dataclass
+class Target:
+    """What the attacks aim at: the held-out token ids [Ne, S], the corpus's commonest tokens (the
+    guesses of last resort), and how many held-out sequences the white-box search takes."""
+
+    ids: torch.Tensor
+    frequent: torch.Tensor
+    n_wb: int
+
+
 def attack_uplink(
     config: AuditConfig,
     view: SplitView,
     attacker: Attacker,
     probes: dict,
     up: torch.Tensor,
-    ids: torch.Tensor,
-    frequent: torch.Tensor,
-    n_wb: int,
+    target: Target,
     known: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Ranked guesses [B, S, k] per uplink attack; `known`: other attacks' guesses the white-box
     search tries too (the adaptive attacker keeps the fixed one's)."""
-    model, ncand, shape = view.model, config.candidates, (*ids.shape, -1)
+    model, ncand, shape, n_wb = view.model, config.candidates, (*target.ids.shape, -1), target.n_wb
     flat = up.flatten(0, 1)
     ranks = {}
     if "nn" in config.attacks:
@@ -163,7 +123,7 @@ def attack_uplink(
         ranks[name] = probe.rank(flat, ncand).view(shape)
     if "whitebox" in config.attacks:
         pool = list(ranks.values()) + [r for name, r in (known or {}).items() if name != "whitebox"]
-        cands = merge_candidates([r[:n_wb].flatten(0, 1) for r in pool], frequent, ncand, n_wb * config.seq_len)
+        cands = merge_candidates([r[:n_wb].flatten(0, 1) for r in pool], target.frequent, ncand, n_wb * config.seq_len)
         ranks["whitebox"] = whitebox(
             attacker.search, view.embed, up[:n_wb], cands.view(n_wb, config.seq_len, -1), score=attacker.score
         )
@@ -332,9 +292,8 @@ class AuditRun:
         """Each attacker on the uplink (every attack) and on the tail's output (what the cloud reads)."""
         fixed_ranks = None
         for who, attacker, probes in attackers:
-            ranks = attack_uplink(
-                self.config, view, attacker, probes, d.up, self.ids, self.frequent, self.n_wb, fixed_ranks
-            )
+            target = Target(self.ids, self.frequent, self.n_wb)
+            ranks = attack_uplink(self.config, view, attacker, probes, d.up, target, fixed_ranks)
             fixed_ranks = fixed_ranks or ranks
             for name, ranked in ranks.items():
                 self.add(k, defence, d, "up", name, ranked, self.ids[: ranked.shape[0]], who)
@@ -415,41 +374,6 @@ def run_audit(model: Transformer, encode: Callable[[str], list[int]], docs: list
     doc["threads"] = torch.get_num_threads()
     doc["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # other jobs on the machine slow the run
     return doc
-
-
-def trace_audit(
-    model: Transformer, encode: Callable[[str], list[int]], config: AuditConfig, probes: dict[int, LinearProbe], stages
-) -> dict:
-    """Decode the code and prose prompts speculatively, recorded; attack the outputs and the metadata."""
-    t0 = time.perf_counter()
-    n = model.cfg.num_layers
-    heads = [k for k in config.heads if k in probes]
-    layers = {k - 1 for k in heads} | {n - m - 1 for m in config.output_tails}
-    prompts = [("code", p) for p in CODE[: config.output_prompts]] + [
-        ("prose", p) for p in PROSE[: config.output_prompts]
-    ]
-    stages.set_postfix_str("tracing decoding")
-    traces = [
-        trace_generation(model, encode(p), label, layers, config.output_tokens, config.spec) for label, p in prompts
-    ]
-    log.info(
-        f"[audit] traced {len(traces)} generations ({sum(len(t.generated) for t in traces)} tokens, "
-        f"{sum(len(t.steps) - 1 for t in traces)} steps) in {time.perf_counter() - t0:.0f} s"
-    )
-    stages.update()
-    stages.set_postfix_str("output leakage")
-    output_rows = output_leakage(model, traces, heads, config.output_tails, probes)
-    estimated = None
-    if heads:  # the cloud's own count: the keep lists it was sent, then the last step's path it checks
-        k = heads[min(1, len(heads) - 1)]
-        estimated = []
-        for t in traces:
-            outs, last = cloud_outputs(model, t, config.tail), len(t.steps) - 1
-            estimated.append(len(reconstruct(t, outs, checked_guesses(model, t, last, k, outs[last]) if last else [])))
-    meta = metadata_audit(traces, estimated, config.output_tokens)
-    stages.update()
-    log.info(f"[audit] output leakage and metadata in {time.perf_counter() - t0:.0f} s")
-    return {"output": output_rows, "metadata": meta, "trace_s": round(time.perf_counter() - t0, 1)}
 
 
 def corpus_summary(corpus: AuditCorpus) -> dict:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from splitlm.bench import cloud_probe as m
-from splitlm.bench.loadtest import quantiles
+from splitlm.bench.load_sessions import quantiles
 from splitlm.bench.trace import Trace
 from splitlm.result_files import write_result
 

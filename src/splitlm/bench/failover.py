@@ -110,38 +110,51 @@ def _summary(runs: list[FaultRun]) -> dict:
     }
 
 
-def fault_runs(
-    edge,
-    rig: Rig,
-    prompt: str | list[int],
-    cuts: int,
-    kills: int,
-    cases,
-    max_new_tokens: int = 32,
-    repeats: int = 2,
-    seed: int = 0,
-    chat: bool = False,
-) -> dict:
+@dataclass
+class FaultPlan:
     """`cuts` runs with a link cut and `kills` runs with the cloud killed, cycling through `cases`
-    (name, spec, sampling), each against `repeats` undisturbed runs of its case. Returns a report."""
-    rng = random.Random(seed)
-    edge.generate(prompt, 4, chat=chat)  # warm-up (first-call costs stay out of the references)
+    (name, spec, sampling), each against `repeats` undisturbed runs of its case; `seed` picks the
+    faults' order and moments."""
+
+    prompt: str | list[int]
+    cuts: int
+    kills: int
+    cases: list[tuple[str, SpecConfig, SamplingConfig | None]]
+    max_new_tokens: int = 32
+    repeats: int = 2
+    seed: int = 0
+    chat: bool = False
+
+
+def undisturbed(edge, plan: FaultPlan) -> dict[str, tuple[list[int], float]]:
+    """Per case: its output and its quickest wall time of `plan.repeats` undisturbed runs (which must agree)."""
+    edge.generate(plan.prompt, 4, chat=plan.chat)  # warm-up (first-call costs stay out of the references)
     ref: dict[str, tuple[list[int], float]] = {}
-    for name, spec, sampling in cases:
+    for name, spec, sampling in plan.cases:
         walls, ids = [], None
-        for _ in range(repeats):
+        for _ in range(plan.repeats):
             t0 = time.perf_counter()
-            r = edge.generate(prompt, max_new_tokens, chat=chat, stop_at_eos=False, spec=spec, sampling=sampling)
+            r = edge.generate(
+                plan.prompt, plan.max_new_tokens, chat=plan.chat, stop_at_eos=False, spec=spec, sampling=sampling
+            )
             walls.append(time.perf_counter() - t0)
             if ids is not None and r.token_ids != ids:
                 raise RuntimeError(f"case {name}: two undisturbed runs differ; cannot judge the faulty runs")
             ids = r.token_ids
         ref[name] = (ids, min(walls))
         log.info("undisturbed %s: %.3f s", name, ref[name][1])
-    plan = [("cut", i) for i in range(cuts)] + [("kill", i) for i in range(kills)]
-    rng.shuffle(plan)
+    return ref
+
+
+def fault_runs(edge, rig: Rig, plan: FaultPlan) -> dict:
+    """Run `plan` with `edge` on `rig`'s clouds; returns a report."""
+    rng = random.Random(plan.seed)
+    prompt, chat, max_new_tokens, cases = plan.prompt, plan.chat, plan.max_new_tokens, plan.cases
+    ref = undisturbed(edge, plan)
+    order = [("cut", i) for i in range(plan.cuts)] + [("kill", i) for i in range(plan.kills)]
+    rng.shuffle(order)
     out: list[FaultRun] = []
-    for n, (fault, i) in enumerate(track(plan, "faults", unit="run")):
+    for n, (fault, i) in enumerate(track(order, "faults", unit="run")):
         name, spec, sampling = cases[i % len(cases)]
         ids, wall_ref = ref[name]
         at = rng.uniform(0.05, 0.9) * wall_ref  # seconds into the run
@@ -236,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     device="cpu",
                     ping_interval_s=args.ping_interval,
                 ) as edge:
-                    report = fault_runs(
-                        edge,
-                        rig,
+                    plan = FaultPlan(
                         args.prompt,
                         args.cuts,
                         args.kills,
@@ -247,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                         repeats=args.repeats,
                         chat=True,
                     )
+                    report = fault_runs(edge, rig, plan)
         finally:
             for cloud in clouds:
                 cloud.stop()

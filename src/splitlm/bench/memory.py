@@ -7,7 +7,7 @@ prompt (loading the mode's models lazily: the edge shard for split modes, the fu
 local ones) and reports its peak RSS (VmHWM on Linux). The child runs with one torch thread
 and talks to the cloud directly (memory does not depend on the RTT).
 
-    python -m splitlm.bench.memory < spec.json   # prints one JSON line
+    python -m splitlm.bench.memory < probe.json   # a MemoryProbe as JSON in, one JSON line out
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import resource
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MiB = 2**20
@@ -45,36 +46,29 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def probe_memory(
-    mode: str,
-    model_dir: str | Path,
-    edge_dir: str | Path,
-    cloud_url: str | None,
-    wire_dtype: str,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    timeout_s: float = 300,
-    vocab: str = "all",
-    device: str = "auto",
-    dtype: str = "auto",
-) -> dict:
-    """Run `mode` once in a child process; returns its memory figures (MiB) or {"error": ...}."""
-    spec = {
-        "mode": mode,
-        "model_dir": str(model_dir),
-        "edge_dir": str(edge_dir),
-        "cloud_url": cloud_url,
-        "wire_dtype": wire_dtype,
-        "prompt_ids": prompt_ids,
-        "max_new_tokens": max_new_tokens,
-        "vocab": vocab,
-        "device": device,
-        "dtype": dtype,
-    }
+@dataclass
+class MemoryProbe:
+    """One mode's run in the child process (sent to it as JSON): the models, the cloud (None: none),
+    the wire codec, the prompt and the answer's length, the edge's vocabulary, device and dtype."""
+
+    mode: str
+    model_dir: str
+    edge_dir: str
+    cloud_url: str | None
+    wire_dtype: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    vocab: str = "all"
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+def probe_memory(probe: MemoryProbe, timeout_s: float = 300) -> dict:
+    """Run `probe.mode` once in a child process; returns its memory figures (MiB) or {"error": ...}."""
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "splitlm.bench.memory"],
-            input=json.dumps(spec),
+            input=json.dumps(asdict(probe)),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -87,7 +81,7 @@ def probe_memory(
 
 
 def _child() -> None:
-    spec = json.loads(sys.stdin.read())
+    probe = MemoryProbe(**json.loads(sys.stdin.read()))
     import torch
     import transformers  # noqa: F401  (the tokenizer needs it on every edge)
 
@@ -97,16 +91,16 @@ def _child() -> None:
     torch.set_num_threads(1)
     baseline = current_rss_bytes()
     ctx = BenchContext(
-        spec["model_dir"],
-        spec["edge_dir"],
-        spec["cloud_url"],
-        spec["wire_dtype"],
-        spec["vocab"],
-        device=spec["device"],
-        dtype=spec["dtype"],
+        probe.model_dir,
+        probe.edge_dir,
+        probe.cloud_url,
+        probe.wire_dtype,
+        probe.vocab,
+        device=probe.device,
+        dtype=probe.dtype,
     )
     try:
-        run = MODES[spec["mode"]].run(ctx, spec["prompt_ids"], spec["max_new_tokens"])
+        run = MODES[probe.mode].run(ctx, probe.prompt_ids, probe.max_new_tokens)
         weights = ctx.weight_bytes()
     finally:
         ctx.close()
@@ -118,7 +112,7 @@ def _child() -> None:
                 "baseline_rss_mb": None if baseline is None else round(baseline / MiB, 1),
                 "added_mb": None if baseline is None else round((peak - baseline) / MiB, 1),
                 "weights_mb": round(sum(weights.values()) / MiB, 1),
-                "prompt_tokens": len(spec["prompt_ids"]),
+                "prompt_tokens": len(probe.prompt_ids),
                 "new_tokens": len(run.token_ids),
             }
         )

@@ -218,24 +218,25 @@ def memory_probes(setup: BenchSetup, port: int | None) -> dict[str, dict]:
     config = setup.config
     if not config.memory:
         return {}
-    from splitlm.bench.memory import probe_memory
+    from splitlm.bench.memory import MemoryProbe, probe_memory
 
     longest = max(setup.prompts, key=lambda p: len(p.ids))
     memory = {}
     for m in track(setup.modes, "memory probe", unit="mode"):
         log.info(f"[bench] memory: {m.name} alone in a fresh process ({longest.id}, {config.max_new_tokens} tokens)")
-        memory[m.name] = probe_memory(
+        probe = MemoryProbe(
             m.name,
-            setup.model_dir,
-            setup.edge_dir,
+            str(setup.model_dir),
+            str(setup.edge_dir),
             f"ws://127.0.0.1:{port}" if port else None,
             config.wire_dtype,
-            longest.ids,
+            list(longest.ids),
             config.max_new_tokens,
             vocab=config.vocab,
             device=config.device,
             dtype=config.dtype,
         )
+        memory[m.name] = probe_memory(probe)
     return memory
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 
 from splitlm.cli.options import WIRE_CHOICES, positive_int
 from splitlm.model.device import add_device_arguments
@@ -15,18 +16,24 @@ WARMUP_PROMPT = "Write a Python function that returns the largest of three numbe
 WARMUP_TOKENS = 48
 
 
-def run_demo(
-    model: str = "default",
-    prompt: str | None = None,
-    max_new_tokens: int = 96,
-    wire_dtype: str = "auto",
-    rtt_ms: float = 80.0,
-    spec: str = "auto",
-    device: str = "auto",
-    dtype: str = "auto",
-    cloud_device: str = "auto",
-    cloud_dtype: str = "auto",
-) -> int:
+@dataclass
+class DemoConfig:
+    """What `splitlm demo` runs: the model, the question (None: a built-in one) and the answer's length,
+    the wire codec, the emulated round trip, the drafter, and each side's device and dtype."""
+
+    model: str = "default"
+    prompt: str | None = None
+    max_new_tokens: int = 96
+    wire_dtype: str = "auto"
+    rtt_ms: float = 80.0
+    spec: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    cloud_device: str = "auto"
+    cloud_dtype: str = "auto"
+
+
+def run_demo(config: DemoConfig) -> int:
     import torch
 
     from splitlm.bench.wan import WanConfig, WanEmulator
@@ -36,46 +43,48 @@ def run_demo(
     from splitlm.model.shards import cached_split
     from splitlm.transport.keys import default_identity
 
-    split_dir = cached_split(model)
+    split_dir = cached_split(config.model)
     cloud_key = default_identity("cloud").fingerprint  # the server below uses this identity; pin it
     log.info("splitlm demo: starting a cloud server on loopback (it holds only the middle layers)")
-    with cloud_process(split_dir / "cloud", cloud_device, cloud_dtype) as port:
+    with cloud_process(split_dir / "cloud", config.cloud_device, config.cloud_dtype) as port:
         torch.set_num_threads(1)
-        log.info(f"splitlm demo: the edge reaches it through an emulated WAN link with {rtt_ms:.0f} ms round trips")
+        log.info(
+            f"splitlm demo: the edge reaches it through an emulated WAN link with {config.rtt_ms:.0f} ms round trips"
+        )
         with (
-            WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=rtt_ms)) as wan,
+            WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=config.rtt_ms)) as wan,
             Edge(
                 split_dir / "edge",
                 wan.url_for("ws"),
-                wire_dtype=wire_dtype,
+                wire_dtype=config.wire_dtype,
                 cloud_key=cloud_key,
-                device=device,
-                dtype=dtype,
+                device=config.device,
+                dtype=config.dtype,
             ) as edge,
         ):
             # The step budget of `auto` learns the link's round trip and the cloud's cost per token from the
             # steps it runs (an edge that has served a request knows them); a first request starts untrained
             # and drafts too little. One short request first, as `bench` does before it measures.
-            log_head(split_dir / "edge", edge.model.manifest.model_hash, spec)
+            log_head(split_dir / "edge", edge.model.manifest.model_hash, config.spec)
             log.info(
                 "splitlm demo: one short warm-up request first, so that the speculation budget knows the link "
                 "(not shown)"
             )
-            edge.generate(WARMUP_PROMPT, WARMUP_TOKENS, chat=True, spec=spec)
-            prompt = prompt or DEMO_PROMPT
+            edge.generate(WARMUP_PROMPT, WARMUP_TOKENS, chat=True, spec=config.spec)
+            prompt = config.prompt or DEMO_PROMPT
             print(f"> {prompt}\n", flush=True)
-            stream = edge.stream(prompt, max_new_tokens, chat=True, spec=spec)
+            stream = edge.stream(prompt, config.max_new_tokens, chat=True, spec=config.spec)
             for piece in stream:
                 print(piece, end="", flush=True)
             print("\n")
             fast = stream.result.stats
             print(format_stats(fast), file=sys.stderr)
             log.info("splitlm demo: the same request with sequential decoding (one round trip per token) ...")
-            slow = edge.generate(prompt, max_new_tokens, chat=True, spec="none").stats
+            slow = edge.generate(prompt, config.max_new_tokens, chat=True, spec="none").stats
             print(format_stats(slow), file=sys.stderr)
             if slow.tokens_per_s > 0:
                 log.info(
-                    f"splitlm demo: {spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per "
+                    f"splitlm demo: {config.spec} speculative decoding: {fast.tokens_per_round_trip:.2f} tokens per "
                     f"round trip, {fast.tokens_per_s / slow.tokens_per_s:.2f}x the sequential tok/s, same tokens"
                 )
                 log.info(
@@ -102,14 +111,16 @@ def log_head(edge_dir, model_hash: str, spec: str) -> None:
 
 def cmd_demo(args) -> int:
     return run_demo(
-        args.model,
-        args.prompt,
-        args.max_new_tokens,
-        args.wire_dtype,
-        device=args.device,
-        dtype=args.dtype,
-        cloud_device=args.cloud_device or args.device,
-        cloud_dtype=args.cloud_dtype or args.dtype,
+        DemoConfig(
+            args.model,
+            args.prompt,
+            args.max_new_tokens,
+            args.wire_dtype,
+            device=args.device,
+            dtype=args.dtype,
+            cloud_device=args.cloud_device or args.device,
+            cloud_dtype=args.cloud_dtype or args.dtype,
+        )
     )
 
 

@@ -38,15 +38,14 @@ def cmd_train_adapter(args) -> int:
 
 
 def cmd_train_head(args) -> int:
-    from splitlm.decoding.train_head import train_head
+    from splitlm.decoding.train_head import HeadSettings, train_head
 
     need_edge_shard(args)
     report = train_head(
         args.model,
         args.edge,
         warmup=args.warmup,
-        max_tokens=args.max_tokens,
-        minutes=args.minutes,
+        settings=HeadSettings(max_tokens=args.max_tokens, minutes=args.minutes),
         log=lambda msg: log.info("[train-head] %s", msg),
         out=args.out,
     )

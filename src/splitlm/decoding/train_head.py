@@ -17,6 +17,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -144,18 +145,26 @@ def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> 
     return chosen, held[: max(1, len(chosen) // 9)]
 
 
+@dataclass(frozen=True)
+class HeadSettings:
+    """How the head is trained: the data (`max_tokens` answer tokens), its size (`vocab` commonest greedy
+    tokens, `inner` width), the unrolled depths, and the optimiser's time limit, batch, rate and seed."""
+
+    max_tokens: int = 1_000_000
+    vocab: int = 8192
+    inner: int = 1024
+    unroll: int = 4
+    minutes: float = 25.0
+    batch: int = 256
+    lr: float = 2e-3
+    seed: int = 0
+
+
 def train_head(
     model_spec: str,
     edge_dir: str | Path,
     warmup: str | Path | None = None,
-    max_tokens: int = 1_000_000,
-    vocab: int = 8192,
-    inner: int = 1024,
-    unroll: int = 4,
-    minutes: float = 25.0,
-    batch: int = 256,
-    lr: float = 2e-3,
-    seed: int = 0,
+    settings: HeadSettings = HeadSettings(),
     log: Callable[[str], None] = lambda _: None,
     out: str | Path | None = None,
 ) -> dict:
@@ -167,7 +176,7 @@ def train_head(
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    torch.manual_seed(seed)
+    torch.manual_seed(settings.seed)
     edge_dir = Path(edge_dir)
     edge = load_edge(edge_dir)
     if edge.split_head:
@@ -182,8 +191,8 @@ def train_head(
     ):
         raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
-    seqs, starts = answer_sequences(records, tok, unroll)
-    chosen, held_out = split_answers(seqs, starts, max_tokens)
+    seqs, starts = answer_sequences(records, tok, settings.unroll)
+    chosen, held_out = split_answers(seqs, starts, settings.max_tokens)
     keep = chosen + held_out
     n_tok = sum(len(seqs[i]) for i in keep)
     log(
@@ -194,28 +203,28 @@ def train_head(
         data = features(model, [seqs[i] for i in keep], progress=bar)
     feat_s = time.perf_counter() - start
     ntrain = len(chosen)
-    tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], unroll)
-    ho = Batches(data[ntrain:], [seqs[i] for i in keep[ntrain:]], [starts[i] for i in keep[ntrain:]], unroll)
+    tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.unroll)
+    ho = Batches(data[ntrain:], [seqs[i] for i in keep[ntrain:]], [starts[i] for i in keep[ntrain:]], settings.unroll)
     counts = torch.bincount(torch.cat([g for _, g in data[:ntrain]]), minlength=model.cfg.vocab_size)
-    vocab_ids = counts.topk(min(vocab, model.cfg.vocab_size)).indices.sort().values
+    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
     coverage = float(counts[vocab_ids].sum() / counts.sum())
     sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)  # token -> head vocabulary index
     sub_of[vocab_ids] = torch.arange(len(vocab_ids))
     d = model.cfg.hidden_size
-    head = DraftHead(d, inner, vocab_ids)
+    head = DraftHead(d, settings.inner, vocab_ids)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
     del model
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    steps = max(1, len(tr.pos) * 3 // batch)  # three epochs at most, within the time limit
-    deadline = time.perf_counter() + minutes * 60
-    rng = random.Random(seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    steps = max(1, len(tr.pos) * 3 // settings.batch)  # three epochs at most, within the time limit
+    deadline = time.perf_counter() + settings.minutes * 60
+    rng = random.Random(settings.seed)
     done, loss_ema, loss_first = 0, None, None
     with tqdm(total=steps, unit="step", desc="train-head") as bar:
         while done < steps and time.perf_counter() < deadline:
             for g in opt.param_groups:
-                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * done / steps))
-            h0, toks, gt, ht = tr.get(rng.sample(tr.pos, batch))
+                g["lr"] = settings.lr * 0.5 * (1 + math.cos(math.pi * done / steps))
+            h0, toks, gt, ht = tr.get(rng.sample(tr.pos, settings.batch))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits, states = unrolled(head, emb, w, h0, toks)
             ce = F.cross_entropy(logits.float().flatten(0, 1), sub_of[gt].flatten(), ignore_index=-100)
@@ -236,16 +245,6 @@ def train_head(
     cached = cached_head_path(edge.manifest.model_hash)  # what later splits of this model load
     cached.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(head_out, cached)
-    settings = {
-        "max_tokens": max_tokens,
-        "vocab": vocab,
-        "inner": inner,
-        "unroll": unroll,
-        "minutes": minutes,
-        "batch": batch,
-        "lr": lr,
-        "seed": seed,
-    }
     doc = {
         "schema": REPORT_SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -255,7 +254,7 @@ def train_head(
         "model": model_spec,
         "model_hash": edge.manifest.model_hash,
         "warmup": str(path),
-        "settings": settings,
+        "settings": asdict(settings),
         "reproduce": reproduce_command(model_spec, warmup, settings),
         "train_answers": len(chosen),
         "train_positions": len(tr.pos),
@@ -276,11 +275,11 @@ def train_head(
     return doc
 
 
-def reproduce_command(model_spec: str, warmup: str | Path | None, settings: dict) -> str:
+def reproduce_command(model_spec: str, warmup: str | Path | None, settings: HeadSettings) -> str:
     """The `splitlm train-head` command line that trains a head like this one (EDGE: any split of the model)."""
     cmd = (
-        f"splitlm train-head --edge EDGE --model {model_spec} --max-tokens {settings['max_tokens']} "
-        f"--minutes {settings['minutes']:g}"
+        f"splitlm train-head --edge EDGE --model {model_spec} --max-tokens {settings.max_tokens} "
+        f"--minutes {settings.minutes:g}"
     )
     return cmd + (f" --warmup {warmup}" if warmup else "")
 
