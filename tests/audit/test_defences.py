@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from splitlm import SplitLMError
+from splitlm.audit.config import AuditConfig
 from splitlm.audit.defences import Defence, parse_defence, parse_defences
 from splitlm.audit.harden import HardenConfig, harden_head, head_state, relative_distance
-from splitlm.audit.config import AuditConfig
 from splitlm.audit.run import run_audit
 from splitlm.audit.views import SplitView, batched
 

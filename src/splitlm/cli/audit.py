@@ -32,10 +32,10 @@ def audit_documents(args) -> list[str]:
 
 
 def cmd_audit(args) -> int:
+    from splitlm.audit.config import AuditConfig
     from splitlm.audit.defences import parse_defences
     from splitlm.audit.harden import HardenConfig
     from splitlm.audit.report import write_audit
-    from splitlm.audit.config import AuditConfig
     from splitlm.audit.run import load_for_audit, run_audit
 
     set_threads(args.threads)
