@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from splitlm.edge.prefill import PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
 from splitlm.transport.client import CloudError, lost
 from splitlm.transport.policy import CachePolicy
+
+if TYPE_CHECKING:
+    from splitlm.edge.runtime import Edge
 
 SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
 
@@ -42,6 +46,20 @@ class SessionSetup:
     prefill_chunk: int | str = "auto"  # how a prompt goes up (`splitlm.edge.stream_prefill.plan_for`)
     prefill_costs: PrefillCosts = field(default_factory=PrefillCosts)  # the edge's, measured by every session
     observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
+
+    @staticmethod
+    def of(edge: Edge) -> SessionSetup:
+        """What `edge`'s sessions share now (its prefill setting and observer may change between sessions)."""
+        return SessionSetup(
+            edge.backend,
+            edge.connections,
+            edge.wire_dtype,
+            edge.cache_policy,
+            edge.model.manifest.head,
+            edge.prefill_chunk,
+            edge.prefill_costs,
+            edge.observer,
+        )
 
 
 class EdgeSession:
