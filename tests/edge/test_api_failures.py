@@ -87,18 +87,12 @@ class SlowStream:
         return self.stream.result
 
 
-class SlowPool:
+class SlowPool(PrefixPool):
     """The API's prefix pool with slow streams that run to max_tokens (the end token does not stop
     them): a long generation for a client to walk away from."""
 
-    def __init__(self, pool):
-        self.pool = pool
-
     def stream(self, request: GenerationRequest, *args) -> SlowStream:
-        return SlowStream(self.pool.stream(replace(request, stop_at_eos=False), *args))
-
-    def close(self) -> None:
-        self.pool.close()
+        return SlowStream(super().stream(replace(request, stop_at_eos=False), *args))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +103,7 @@ def slow_api(tiny_chat_split):
         Edge(tiny_chat_split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)) as edge,
     ):
         config = APIConfig(model_name="tiny", spec="none")
-        api = EdgeAPI(edge, config, SlowPool(PrefixPool(edge, config.prefix_pool)))
+        api = EdgeAPI(edge, config, SlowPool(edge, config.prefix_pool))
         try:
             with serving(api.app) as url:
                 yield url
