@@ -19,7 +19,6 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -29,28 +28,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from splitlm import SplitLMError
-from splitlm.decoding.modes import SpecConfig
+from splitlm.edge.api_config import APIConfig
 from splitlm.edge.api_disconnects import CLIENT_GONE
 from splitlm.edge.api_errors import guarded
 from splitlm.edge.api_generation import Responder
 from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector
 from splitlm.edge.api_requests import APIError, check_length, invalid, parse_chat, parse_completion
 from splitlm.edge.api_tools import template_input
-from splitlm.edge.prefix_pool import PoolLimits, PrefixPool
+from splitlm.edge.prefix_pool import PrefixPool
 from splitlm.edge.runtime import Edge
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class APIConfig:
-    model_name: str = "splitlm"
-    api_key: str | None = None  # None = no authentication (loopback use)
-    spec: str | SpecConfig = "auto"  # speculative mode (greedy and sampled requests)
-    max_concurrent: int = 4  # requests generating at once; more wait
-    default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
-    default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves
-    prefix_pool: PoolLimits = field(default_factory=PoolLimits)  # conversation states reused (docs/prefix-reuse.md)
+__all__ = ["APIConfig", "EdgeAPI", "cloud_health"]
 
 
 class EdgeAPI:

@@ -11,7 +11,6 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from splitlm import SplitLMError
 from splitlm.decoding.grammar import GrammarError
 from splitlm.edge.api_answer import AnswerBuilder, TokenBytes
+from splitlm.edge.api_config import APIConfig
 from splitlm.edge.api_disconnects import unless_gone
 from splitlm.edge.api_log import RequestNote
 from splitlm.edge.api_metrics import EdgeMetrics, RequestClock
@@ -28,9 +28,6 @@ from splitlm.edge.prefix_pool import PrefixPool
 from splitlm.edge.request import GenerationRequest
 from splitlm.edge.runtime import Edge, GenerationResult
 from splitlm.transport.client import CloudError
-
-if TYPE_CHECKING:
-    from splitlm.edge.api import APIConfig
 
 log = logging.getLogger(__name__)
 
