@@ -36,8 +36,9 @@ import torch
 from splitlm.bench.wan import WanConfig, WanEmulator
 from splitlm.cloud.local import cloud_process
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
-from splitlm.edge.api import APIConfig, EdgeAPI, serving
+from splitlm.edge import Edge, EdgeConfig
+from splitlm.edge.api import APIConfig, EdgeAPI
+from splitlm.edge.api_serve import serving
 from splitlm.edge.prefix_pool import PoolLimits
 from splitlm.model.shards import cached_split
 from splitlm.result_files import begin_run, default_results_dir, time_stamp, write_result
@@ -92,7 +93,7 @@ def arm(split: Path, url: str, args, reuse: bool):
     """One arm: its own Edge and API (with or without the pool), served; yields the API's base URL."""
     spec = SpecConfig(args.spec)
     limits = PoolLimits() if reuse else PoolLimits(sessions=0)
-    with Edge(split / "edge", url, args.wire_dtype) as edge:
+    with Edge(split / "edge", url, EdgeConfig(wire_dtype=args.wire_dtype)) as edge:
         edge.draft_memory(spec)  # built now, as serve-edge does, not in the first request
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec=spec, prefix_pool=limits))
         try:

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitlm.bench.wan import WanEmulator
     from splitlm.bench.wan_link import WanConfig
     from splitlm.cloud.local import cloud_process
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.edge.runtime import as_spec
 
     args = parse_args(argv)
@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         cloud_process(cloud_dir, "cpu", "fp32", cloud_arguments(args)) as port,
         behind_wan(port, args.rtt_ms) as url,
         WanEmulator(("127.0.0.1", port), WanConfig(args.rtt_ms, seed=args.seed)) as wan_drop,
-        Edge(edge_dir, url, wire_dtype="fp32", device="cpu", dtype="fp32") as main_edge,
-        Edge(edge_dir, wan_drop.url_for("ws"), wire_dtype="fp32", device="cpu", dtype="fp32") as drop_edge,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as main_edge,
+        Edge(edge_dir, wan_drop.url_for("ws"), EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as drop_edge,
     ):
         probe = CloudProbe.for_port(port)
         log.info("solo references: %d prompts", len(prompts))

@@ -224,7 +224,7 @@ def audit_docs() -> list[str]:
 
 def serving(app):
     """Serve an ASGI `app` (the edge's API) on a free local port, quietly; yields its base URL."""
-    from splitlm.edge.api import serving as serve_app
+    from splitlm.edge.api_serve import serving as serve_app
 
     return serve_app(app, log_level="critical")
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pexpect = pytest.importorskip("pexpect")
 pytestmark = pytest.mark.slow
@@ -63,11 +63,11 @@ def test_two_turn_chat(bundled_split, bundled_server):
     assert mode == "ngram" and 1 <= t1 <= n and 1 <= t2 <= n and rt1 <= t1 and rt2 <= t2
     # the same conversation through the Python API: the second turn saw the first (history re-sent)
     turn1 = [{"role": "user", "content": "What is the capital of France?"}]
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
-        ids1 = edge.encode_messages(turn1)
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
+        ids1 = edge.text.encode_messages(turn1)
         expected1 = edge.generate(ids1, n, spec="ngram")
         turn2 = turn1 + [{"role": "assistant", "content": expected1.text}, {"role": "user", "content": "And of Italy?"}]
-        ids2 = edge.encode_messages(turn2)
+        ids2 = edge.text.encode_messages(turn2)
         expected2 = edge.generate(ids2, n, spec="ngram")
     assert first == expected1.text and c1 == len(ids1) + t1
     assert second == expected2.text and c2 == len(ids2) + t2

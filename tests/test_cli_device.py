@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitlm import SplitLMError
-from splitlm.cli import build_parser, edge_security_kwargs, main
+from splitlm.cli import build_parser, edge_config, main
 from splitlm.cloud.local import cloud_process, health
 
 NO_CUDA = not torch.cuda.is_available()
@@ -17,10 +17,10 @@ NO_CUDA = not torch.cuda.is_available()
 def test_edge_commands_take_device_and_dtype(command):
     extra = ["--prompt", "x"] if command == "generate" else []
     args = build_parser().parse_args([command, "--edge", "e", *extra, "--device", "cpu", "--dtype", "bf16"])
-    kwargs = edge_security_kwargs(args)
-    assert (kwargs["device"], kwargs["dtype"]) == ("cpu", "bf16")
-    defaults = edge_security_kwargs(build_parser().parse_args([command, "--edge", "e", *extra]))
-    assert (defaults["device"], defaults["dtype"]) == ("auto", "auto")
+    config = edge_config(args)
+    assert (config.device, config.dtype) == ("cpu", "bf16")
+    defaults = edge_config(build_parser().parse_args([command, "--edge", "e", *extra]))
+    assert (defaults.device, defaults.dtype) == ("auto", "auto")
 
 
 @pytest.mark.parametrize("command", ["generate", "serve-cloud", "bench", "demo"])

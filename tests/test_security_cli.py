@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from conftest import hf_greedy
 from splitlm.cli import main
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.transport.keys import load_identity, read_public_key
 
 
@@ -60,9 +60,7 @@ def test_an_allowed_client_gets_the_unencrypted_foundations_output(tiny_llama, t
     with Edge(
         tiny_split / "edge",
         locked_server.url,
-        wire_dtype="fp32",
-        identity=tmp_path / "alice.key",
-        cloud_key=tmp_path / "cloud.pub",
+        EdgeConfig(wire_dtype="fp32", identity=tmp_path / "alice.key", cloud_key=tmp_path / "cloud.pub"),
     ) as edge:
         result = edge.generate(prompt, max_new_tokens=24, stop_at_eos=False)
     assert result.token_ids == hf_greedy(hf, prompt, 24)
@@ -227,10 +225,7 @@ def test_serve_cloud_with_identity_clients_and_tls(tiny_split, tmp_path, keys, c
         with Edge(
             tiny_split / "edge",
             url,
-            wire_dtype="fp32",
-            identity=tmp_path / "alice.key",
-            cloud_key=keys["cloud"],
-            tls_ca=cert,
+            EdgeConfig(wire_dtype="fp32", identity=tmp_path / "alice.key", cloud_key=keys["cloud"], tls_ca=cert),
         ) as edge:
             assert len(edge.generate([5, 6, 7], max_new_tokens=4, stop_at_eos=False).token_ids) == 4
     finally:

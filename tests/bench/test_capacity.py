@@ -12,7 +12,7 @@ from splitlm.bench.capacity import CapacityConfig, model_facts, prompt_ids, run_
 from splitlm.bench.capacity_report import markdown, write_capacity
 from splitlm.bench.trace import Trace, record_trace
 from splitlm.bench.virtual import Target, VirtualEdge, prepare, random_hidden
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.runtime import as_spec
 from splitlm.transport.client import CloudClient
 
@@ -27,7 +27,7 @@ def recorded(tiny_split, tmp_path_factory):
     prompts = prompt_ids(edge_dir, "", 256)[:3]
     with (
         BackgroundServer(tiny_split / "cloud") as server,
-        Edge(edge_dir, server.url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge,
+        Edge(edge_dir, server.url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as edge,
     ):
         stats = server.server.stats
         before = (stats.forwards, stats.tokens)

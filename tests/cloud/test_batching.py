@@ -17,7 +17,7 @@ from splitlm.cloud.sessions import (
     run_pass,
 )
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import CloudModel, load_cloud
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Control, Forward
@@ -55,7 +55,11 @@ def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, pa
     with BackgroundServer(tiny_split / "cloud", batch=batch, device=device, dtype="fp32") as server:
         server.server.model.middle.pad_attention = padded
         edges = [
-            Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy=p, device="cpu", dtype="fp32")
+            Edge(
+                tiny_split / "edge",
+                server.url,
+                EdgeConfig(wire_dtype="fp32", cache_policy=p, device="cpu", dtype="fp32"),
+            )
             for p in POLICIES
         ]
         try:

@@ -5,7 +5,7 @@ import torch
 
 from conftest import cloud_forward
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.messages import Control, Forward, PolicyChange, Result
@@ -15,7 +15,11 @@ PROMPT = [5, 6, 7, 9, 11, 5, 6]
 
 
 def edge_for(split, server, policy="session", **kw):
-    return Edge(split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint, cache_policy=policy, **kw)
+    return Edge(
+        split / "edge",
+        server.url,
+        EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint, cache_policy=policy, **kw),
+    )
 
 
 def run(edge, session, prompt, n=24, spec="ngram", cached=0):
@@ -243,7 +247,7 @@ def test_quantised_sessions_run(tiny_split, tiny_server, wire):
 
     def generate(wire_dtype):
         with Edge(
-            tiny_split / "edge", tiny_server.url, wire_dtype=wire_dtype, cloud_key=tiny_server.fingerprint
+            tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype=wire_dtype, cloud_key=tiny_server.fingerprint)
         ) as edge:
             return edge.generate(PROMPT, max_new_tokens=32, stop_at_eos=False, spec="none")
 

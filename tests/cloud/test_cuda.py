@@ -7,7 +7,7 @@ from test_batching import PROMPTS
 
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -37,7 +37,7 @@ def full_model_greedy(path, ids: list[int], n: int) -> list[int]:
 def test_fp32_cloud_on_cuda_equals_transformers(tiny_llama, tiny_split, mode):
     with BackgroundServer(tiny_split / "cloud", device="cuda", dtype="fp32") as server:
         assert server.server.device.type == "cuda"
-        with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge:
+        with Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as edge:
             for ids in PROMPTS[:4]:
                 got = edge.generate(ids, max_new_tokens=24, stop_at_eos=False, spec=SpecConfig(mode)).token_ids
                 assert got == full_model_greedy(tiny_llama, ids, 24), ids

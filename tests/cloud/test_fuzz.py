@@ -289,7 +289,7 @@ def test_hypothesis_frames_against_the_live_server(server, shard_fp, frames, han
 
 
 def test_10000_fuzzed_frames_leave_an_honest_session_unchanged(server, tiny_split, shard_fp, caplog):
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
 
     caplog.set_level(logging.INFO, logger="splitlm.cloud.servicer")
 
@@ -299,7 +299,7 @@ def test_10000_fuzzed_frames_leave_an_honest_session_unchanged(server, tiny_spli
         except RuntimeError:  # changed size while we looked
             return []
 
-    with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as edge:
+    with Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint)) as edge:
         baseline = edge.generate([5, 6, 7], max_new_tokens=16, stop_at_eos=False).token_ids  # undisturbed
         fuzzers = [Fuzzer(server.url, shard_fp, seed=s, foreign_sessions=foreign_sessions) for s in (11, 12)]
         errors: list[BaseException] = []

@@ -15,7 +15,7 @@ from conftest import scrape_metrics
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import Manifest
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
@@ -100,7 +100,7 @@ def test_a_session_with_a_forward_in_flight_is_never_preempted_and_capacity_when
 
 def conversation(split, url: str, pause: float = 0.0) -> tuple[list[list[int]], int]:
     """Two turns of one conversation (with `pause` seconds between them): the answers and the preemptions."""
-    with Edge(split / "edge", url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge:
+    with Edge(split / "edge", url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as edge:
         chat = edge.conversation(spec=SpecConfig("ngram"))
         first = chat.say("abcabc abc", max_new_tokens=10)
         time.sleep(pause)
@@ -128,7 +128,7 @@ PROMPTS = [[3 + i, 40 + 7 * i, 9, 100 + i, 17, 3 + i, 40 + 7 * i, 9] for i in ra
 
 
 def generate(split, url: str, prompt: list[int], start: threading.Barrier | None = None):
-    with Edge(split / "edge", url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge:
+    with Edge(split / "edge", url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as edge:
         if start is not None:
             start.wait(30)
         return edge.generate(prompt, max_new_tokens=20, stop_at_eos=False, spec=SpecConfig("ngram"))

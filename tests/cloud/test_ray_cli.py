@@ -21,7 +21,7 @@ import pytest
 
 from splitlm.cloud.local import free_port, wait_healthy
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def expected(tiny_chat_split) -> list[int]:
     """The single-process cloud's greedy tokens."""
     with (
         BackgroundServer(tiny_chat_split / "cloud") as server,
-        Edge(tiny_chat_split / "edge", server.url, wire_dtype="fp32") as edge,
+        Edge(tiny_chat_split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge,
     ):
         return edge.generate(PROMPT, MAX_NEW, stop_at_eos=False).token_ids
 
@@ -179,6 +179,6 @@ def test_serve_cloud_ray_attaches_to_a_running_cluster_by_address(tiny_chat_spli
     with (
         ray_cluster(ray_env) as address,
         serve_cloud(tiny_chat_split / "cloud", ["--ray", address], ray_env, tmp_path / "cloud.txt") as url,
-        Edge(tiny_chat_split / "edge", url, wire_dtype="fp32") as edge,
+        Edge(tiny_chat_split / "edge", url, EdgeConfig(wire_dtype="fp32")) as edge,
     ):  # no second CLI start-up
         assert edge.generate(PROMPT, MAX_NEW, stop_at_eos=False).token_ids == expected

@@ -9,7 +9,7 @@ import pytest
 from splitlm.cloud.scheduler import BatchConfig
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.transport.frames import MsgType
 
 ray = pytest.importorskip("ray")
@@ -50,7 +50,7 @@ def ray_cloud(ray_instance, tiny_split):
 
 def generate_all(split, url: str, max_new: int, concurrent: bool) -> list[list[int]]:
     """Every prompt's greedy tokens (`auto` speculation, one session pipelined), one after another or all at once."""
-    edges = [Edge(split / "edge", url, wire_dtype="fp32", cache_policy=p) for p in POLICIES]
+    edges = [Edge(split / "edge", url, EdgeConfig(wire_dtype="fp32", cache_policy=p)) for p in POLICIES]
     results, errors = [None] * len(PROMPTS), []
 
     def run(i):
@@ -145,7 +145,7 @@ def test_split_head_on_three_stages_and_no_sealed_caches(tiny_split_head, ray_in
     from splitlm.transport.errors import ErrorCode
 
     def run(url):
-        with Edge(tiny_split_head / "edge", url, wire_dtype="fp32") as edge:
+        with Edge(tiny_split_head / "edge", url, EdgeConfig(wire_dtype="fp32")) as edge:
             return [edge.generate(p, max_new_tokens=10, stop_at_eos=False, spec="auto").token_ids for p in PROMPTS[:2]]
 
     with BackgroundServer(tiny_split_head / "cloud") as single:
@@ -154,7 +154,7 @@ def test_split_head_on_three_stages_and_no_sealed_caches(tiny_split_head, ray_in
     with BackgroundServer(tiny_split_head / "cloud", server_cls=RayFrontDoor, ray=config) as server:
         assert run(server.url) == expected
         with (
-            Edge(tiny_split_head / "edge", server.url, cache_policy="sealed") as edge,
+            Edge(tiny_split_head / "edge", server.url, EdgeConfig(cache_policy="sealed")) as edge,
             pytest.raises(CloudError) as err,
         ):
             edge.generate(PROMPTS[0], max_new_tokens=2)

@@ -15,7 +15,7 @@ from splitlm.decoding.pipeline import pipelined_decode, sync_drafter
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.tree import TokenTree
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import split_model
 
 VOCAB = 64
@@ -25,7 +25,10 @@ VOCAB = 64
 def edge(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("pipe-model"), seed=21, vocab_size=VOCAB)
     split = split_model(str(model), head=2, tail=2, out=tmp_path_factory.mktemp("pipe-split"))
-    with BackgroundServer(split / "cloud") as server, Edge(split / "edge", server.url, wire_dtype="fp32") as e:
+    with (
+        BackgroundServer(split / "cloud") as server,
+        Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as e,
+    ):
         e.server = server
         yield e
 
@@ -298,14 +301,14 @@ def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
 def test_split_head_and_sealed_pipelined_equal_sequential(tiny_split_head, split_head_server, tiny_split):
     """The split-head topology (no tail layers) and a sealed cache pipeline exactly too."""
     rng = random.Random(5)
-    with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32") as e:
+    with Edge(tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype="fp32")) as e:
         prompt = [rng.randrange(3, 200) for _ in range(9)]
         reference = sequential(e, prompt, 24)
         out, stats = pipelined(e, prompt, 24, Scripted(prompt + reference, rng, 8, 0.8))
         assert out == reference and stats.pipelined > 0
     with (
         BackgroundServer(tiny_split / "cloud") as server,
-        Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as e,
+        Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cache_policy="sealed")) as e,
     ):
         reference = sequential(e, prompt, 24)
         session = e.open_session()

@@ -8,7 +8,7 @@ import torch
 from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm import SplitLMError
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.adapters import apply_edge_adapter
 from splitlm.model.shards import load_cloud, load_edge
 from splitlm.transport.client import CloudClient
@@ -87,7 +87,7 @@ def test_adapted_split_generates_peft_tokens_and_sends_nothing_of_the_adapter(
         frames = {}
         for name, extra in (("plain", {}), ("adapted", {"edge_adapter": adapter})):
             sent.clear()
-            with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", **extra) as edge:
+            with Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", **extra)) as edge:
                 result = edge.generate(PROMPT, 16, spec="none", stop_at_eos=False)
             frames[name] = list(sent)
             if name == "adapted":
@@ -205,7 +205,9 @@ def test_bundled_edge_adapter_is_token_identical_to_peft(bundled_dir, bundled_sp
     ref = peft_model(bundled_dir, adapter)
     tok = AutoTokenizer.from_pretrained(bundled_dir)
     changed = 0
-    with Edge(bundled_split / "edge", bundled_server.url, device="cpu", dtype="fp32", edge_adapter=adapter) as edge:
+    with Edge(
+        bundled_split / "edge", bundled_server.url, EdgeConfig(device="cpu", dtype="fp32", edge_adapter=adapter)
+    ) as edge:
         for prompt in BUNDLED_PROMPTS:
             ids = tok(prompt).input_ids
             want = hf_greedy(ref, ids, 24)
@@ -235,4 +237,4 @@ def test_adapter_merged_into_the_onnx_export(tiny_llama, tiny_split, tmp_path, c
         want = peft_model(tiny_llama, adapter)(torch.tensor([PROMPT])).logits[0]
     assert torch.allclose(split_logits(onnx, load_cloud(tiny_split / "cloud"), PROMPT), want, atol=1e-4)
     with pytest.raises(SplitLMError, match="merged into the graphs at export"):
-        Edge(tmp_path / "edge", "ws://127.0.0.1:9", device="onnx", edge_adapter=adapter)
+        Edge(tmp_path / "edge", "ws://127.0.0.1:9", EdgeConfig(device="onnx", edge_adapter=adapter))

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from conftest import CHAT_TEMPLATE, make_tiny_llama, serving
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.api import APIConfig, EdgeAPI
 
 openai = pytest.importorskip("openai")
@@ -88,7 +88,7 @@ def api_url(tmp_path_factory):
     split = split_model(str(path), head=2, tail=2, out=tmp_path_factory.mktemp("tiny-tools-split"))
     with (
         BackgroundServer(split / "cloud") as cloud,
-        Edge(split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge,
+        Edge(split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)) as edge,
     ):
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="auto", default_temperature=0.0))
         try:

@@ -9,13 +9,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 
 import pytest
 
 from conftest import scrape_metrics, serving
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig, GenerationRequest
 from splitlm.edge.api import APIConfig, EdgeAPI
+from splitlm.edge.prefix_pool import PrefixPool
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -36,7 +38,11 @@ def test_cloud_failures_are_502_and_the_api_recovers(tiny_split):
     cloud = BackgroundServer(tiny_split / "cloud").__enter__()
     port = cloud.server.port
     # the edge retries a lost cloud for failover_timeout_s (default 30 s) before the request fails
-    edge = Edge(tiny_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=2.0)
+    edge = Edge(
+        tiny_split / "edge",
+        cloud.url,
+        EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=2.0),
+    )
     api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
     try:
         with serving(api.app) as url:
@@ -81,18 +87,12 @@ class SlowStream:
         return self.stream.result
 
 
-class SlowPool:
+class SlowPool(PrefixPool):
     """The API's prefix pool with slow streams that run to max_tokens (the end token does not stop
     them): a long generation for a client to walk away from."""
 
-    def __init__(self, pool):
-        self.pool = pool
-
-    def stream(self, *args, **kwargs) -> SlowStream:
-        return SlowStream(self.pool.stream(*args, stop_at_eos=False, **kwargs))
-
-    def close(self) -> None:
-        self.pool.close()
+    def stream(self, request: GenerationRequest, *args) -> SlowStream:
+        return SlowStream(super().stream(replace(request, stop_at_eos=False), *args))
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +100,10 @@ def slow_api(tiny_chat_split):
     """serve-edge over the tiny model with a tokenizer (a piece of text per token), slowed down."""
     with (
         BackgroundServer(tiny_chat_split / "cloud") as cloud,
-        Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge,
+        Edge(tiny_chat_split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)) as edge,
     ):
-        api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
-        api.pool = SlowPool(api.pool)
+        config = APIConfig(model_name="tiny", spec="none")
+        api = EdgeAPI(edge, config, SlowPool(edge, config.prefix_pool))
         try:
             with serving(api.app) as url:
                 yield url

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from conftest import scrape_metrics, serving
 from splitlm.decoding.speculative import SpecStats
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.api import APIConfig, EdgeAPI
 from splitlm.edge.api_metrics import EdgeMetrics
 
@@ -61,7 +61,7 @@ def complete(url: str, body: dict) -> dict:
 
 
 def test_real_requests_move_the_counters_consistently(tiny_split, tiny_server):
-    edge = Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32", cloud_key=tiny_server.fingerprint)
+    edge = Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32", cloud_key=tiny_server.fingerprint))
     api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="ngram", max_concurrent=1))
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [40, 41, 40, 41, 40]]
     try:

@@ -3,13 +3,13 @@ a connection the cloud dropped while idle is replaced; stop strings are cut and 
 
 import threading
 
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.text import find_stop, held_back
 
 
 def test_threads_get_their_own_connections_and_the_same_tokens(tiny_split, tiny_server):
     prompts = [[5, 6, 7], [9, 3, 8, 1], [12, 40], [7, 7, 7, 7, 7]]
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         solo = [edge.generate(p, max_new_tokens=24, stop_at_eos=False).token_ids for p in prompts]
         assert edge.connections.count == 1  # one at a time: the pooled connection is reused
         results = [None] * len(prompts)
@@ -32,7 +32,7 @@ def test_threads_get_their_own_connections_and_the_same_tokens(tiny_split, tiny_
 
 
 def test_a_stale_pooled_connection_is_replaced(tiny_split, tiny_server):
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         before = edge.generate([5, 6, 7], max_new_tokens=5, stop_at_eos=False).token_ids
         edge.client.ws.close()  # as the cloud does to a connection idle for its timeout
         assert edge.generate([5, 6, 7], max_new_tokens=5, stop_at_eos=False).token_ids == before
@@ -54,10 +54,10 @@ def test_a_prompt_longer_than_the_clouds_forward_limit_goes_in_chunks(tiny_split
     from splitlm.cloud.sessions import ServerLimits
 
     prompt = [(7 * i) % 200 + 3 for i in range(21)]
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         expected = edge.generate(prompt, max_new_tokens=6, stop_at_eos=False)
     with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=8)) as small:
-        with Edge(tiny_split / "edge", small.url, wire_dtype="fp32") as edge:
+        with Edge(tiny_split / "edge", small.url, EdgeConfig(wire_dtype="fp32")) as edge:
             result = edge.generate(prompt, max_new_tokens=6, stop_at_eos=False)
     assert result.token_ids == expected.token_ids
     s = result.stats

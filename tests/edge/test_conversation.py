@@ -6,7 +6,7 @@ import pytest
 
 from conftest import hf_greedy
 from splitlm.cli import main
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def rendered(tok, messages):
 @pytest.mark.parametrize("policy", ["session", "none", "sealed"])
 def test_two_turns_reuse_the_cache_and_match_the_full_model(bundled_split, bundled_server, bundled_hf, policy):
     hf, tok = bundled_hf
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32", cache_policy=policy) as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32", cache_policy=policy)) as edge:
         chat = edge.conversation(spec="auto")
         first = chat.say(TURNS[0], max_new_tokens=24)
         second = chat.say(TURNS[1], max_new_tokens=24)

@@ -1,11 +1,11 @@
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 
 def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_server):
     """Past outputs never leak between configurations: `auto` and `auto` pipelined are two memories, so a
     bench's pipelined mode cannot retrieve the answer the plain mode gave to the same prompt."""
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         plain = edge.draft_memory(SpecConfig("auto"))
         assert edge.draft_memory(SpecConfig("auto")) is plain
         assert edge.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
@@ -17,7 +17,7 @@ def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_se
     """A step budget's calibration and cost curve carry over between requests of one configuration only:
     a bench's modes (their own memories) and constrained requests (drafts the grammar let through are
     accepted more often at the same score) each learn their own."""
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         plain = edge.drafting.budgets(SpecConfig("auto"))
         assert edge.drafting.budgets(SpecConfig("auto")) is plain
         assert edge.drafting.budgets(SpecConfig("auto"), constrained=True) is not plain

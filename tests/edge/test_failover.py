@@ -16,7 +16,7 @@ import splitlm.edge.replay as replay_module
 from splitlm.cloud.local import LocalCloud
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.link import CloudLink
 
 PROMPT = "<|user|>abcabcabcabc abcabc\n<|assistant|>"
@@ -127,7 +127,7 @@ def arm(monkeypatch, clouds: Clouds, point: str, mode: str = "kill") -> list:
 
 
 def edge_for(split, urls: list[str]) -> Edge:
-    return Edge(split / "edge", urls, wire_dtype="fp32", device="cpu", dtype="fp32", failover_timeout_s=30)
+    return Edge(split / "edge", urls, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32", failover_timeout_s=30))
 
 
 REFERENCES: dict = {}
@@ -306,7 +306,7 @@ def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds
     clouds.up()
     fired = arm(monkeypatch, clouds, "spec")
     with Edge(
-        tiny_chat_split / "edge", [clouds.url(0)], wire_dtype="fp32", device="cpu", failover_timeout_s=1.0
+        tiny_chat_split / "edge", [clouds.url(0)], EdgeConfig(wire_dtype="fp32", device="cpu", failover_timeout_s=1.0)
     ) as edge:
         with pytest.raises(CloudError, match="failover gave up after 1 s"):
             edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
@@ -315,7 +315,7 @@ def test_a_reconnect_gives_up_after_the_failover_timeout(tiny_chat_split, clouds
 
 def test_keepalive_pings_are_answered(tiny_chat_split, clouds):
     clouds.up()
-    with Edge(tiny_chat_split / "edge", clouds.url(0), device="cpu", ping_interval_s=0.2) as edge:
+    with Edge(tiny_chat_split / "edge", clouds.url(0), EdgeConfig(device="cpu", ping_interval_s=0.2)) as edge:
         time.sleep(0.8)
         assert edge.client.ws.latency > 0  # a pong came back
         assert edge.generate(PROMPT, max_new_tokens=4).token_ids
@@ -328,7 +328,7 @@ def test_a_half_open_link_is_found_by_the_pings(tiny_chat_split, clouds, monkeyp
     urls = [clouds.url(0), clouds.url(1)]
     want = undisturbed(tiny_chat_split, urls, NGRAM, None)
     fired = arm(monkeypatch, clouds, "spec", mode="freeze")
-    with Edge(tiny_chat_split / "edge", urls, wire_dtype="fp32", device="cpu", ping_interval_s=0.5) as edge:
+    with Edge(tiny_chat_split / "edge", urls, EdgeConfig(wire_dtype="fp32", device="cpu", ping_interval_s=0.5)) as edge:
         t0 = time.monotonic()
         r = edge.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, spec=NGRAM)
         took = time.monotonic() - t0
@@ -398,7 +398,9 @@ def test_replay_under_every_cache_policy(tiny_split, tiny_server, policy):
     port = int(tiny_server.url.rsplit(":", 1)[1])
     with (
         WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan,
-        Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu", cache_policy=policy) as edge,
+        Edge(
+            tiny_split / "edge", wan.url_for("ws"), EdgeConfig(wire_dtype="fp32", device="cpu", cache_policy=policy)
+        ) as edge,
     ):
         want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16))
     assert r.stats.failovers == 1 and wan.cuts == 1 and len(r.token_ids) == len(want)
@@ -420,7 +422,7 @@ def test_replay_rebuilds_a_context_longer_than_one_forward(tiny_split, monkeypat
     with (
         BackgroundServer(tiny_split / "cloud", limits=ServerLimits(max_tokens_per_forward=16)) as server,
         WanEmulator(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=0)) as wan,
-        Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge,
+        Edge(tiny_split / "edge", wan.url_for("ws"), EdgeConfig(wire_dtype="fp32", device="cpu")) as edge,
     ):
         want, r = cut_once(edge, wan, list(range(3, 63)), SpecConfig("none"), at=0.9)
     assert r.token_ids == want and r.stats.failovers == 1
@@ -433,7 +435,7 @@ def test_replay_on_a_split_head_cloud(tiny_split_head, split_head_server):
     port = int(split_head_server.url.rsplit(":", 1)[1])
     with (
         WanEmulator(("127.0.0.1", port), WanConfig(rtt_ms=0)) as wan,
-        Edge(tiny_split_head / "edge", wan.url_for("ws"), wire_dtype="fp32", device="cpu") as edge,
+        Edge(tiny_split_head / "edge", wan.url_for("ws"), EdgeConfig(wire_dtype="fp32", device="cpu")) as edge,
     ):
         want, r = cut_once(edge, wan, [5, 6, 7, 8] * 5, SpecConfig("ngram", max_nodes=16), SEEDED)
     assert r.token_ids == want and r.stats.failovers == 1

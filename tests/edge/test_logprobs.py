@@ -7,7 +7,7 @@ import torch
 from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig, GenerationRequest
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 
@@ -18,14 +18,16 @@ def edge(tiny_split):
 
     with (
         BackgroundServer(tiny_split / "cloud") as server,
-        Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as e,
+        Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint)) as e,
     ):
         yield e
 
 
 def run(edge, spec, sampling=None, top=5, n=24):
     rec = LogprobRecorder(top)
-    result = edge.generate(PROMPT, max_new_tokens=n, spec=spec, sampling=sampling, stop_at_eos=False, logprobs=rec)
+    result = edge.generate(
+        GenerationRequest(PROMPT, max_new_tokens=n, spec=spec, sampling=sampling, stop_at_eos=False, logprobs=rec)
+    )
     assert result.logprobs == rec.tokens and len(rec.tokens) == len(result.token_ids)
     assert [t.token for t in rec.tokens] == result.token_ids
     return result

@@ -11,7 +11,7 @@ from conftest import BUNDLED_PROMPTS
 from splitlm import SplitLMError
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
 from splitlm.model.device import resolve_device
 from splitlm.model.kv_cache import KVCache
@@ -79,8 +79,8 @@ def test_graphs_match_the_torch_edge_through_trees_keep_and_crop(onnx_split):
 )
 def test_onnx_edge_is_token_identical_to_the_torch_edge(onnx_split, onnx_server, spec):
     with (
-        Edge(onnx_split / "edge", onnx_server.url, device="cpu", wire_dtype="fp32") as ref,
-        Edge(onnx_split / "edge", onnx_server.url, device="onnx", wire_dtype="fp32") as onnx,
+        Edge(onnx_split / "edge", onnx_server.url, EdgeConfig(device="cpu", wire_dtype="fp32")) as ref,
+        Edge(onnx_split / "edge", onnx_server.url, EdgeConfig(device="onnx", wire_dtype="fp32")) as onnx,
     ):
         for prompt in (PROMPT, [200, 3, 77, 150, 9], [37, 148, 219, 208, 198, 19, 68, 33, 129]):
             want = ref.generate(prompt, 20, spec=spec, stop_at_eos=False)
@@ -92,7 +92,7 @@ def test_int8_graphs_run_and_are_smaller(onnx_split, onnx_server):
     fp32 = (onnx_split / "edge" / "onnx" / "tail.onnx").stat().st_size
     int8 = (onnx_split / "edge" / "onnx" / "tail.int8.onnx").stat().st_size
     assert int8 < 0.6 * fp32
-    with Edge(onnx_split / "edge", onnx_server.url, device="onnx:int8") as edge:
+    with Edge(onnx_split / "edge", onnx_server.url, EdgeConfig(device="onnx:int8")) as edge:
         assert edge.model.precision == "int8"
         result = edge.generate(PROMPT, 12, spec="lookahead", stop_at_eos=False)
         assert len(result.token_ids) == 12
@@ -178,8 +178,8 @@ def test_bundled_onnx_edge_is_token_identical(bundled_onnx, bundled_server):
     tokens."""
     edge_dir = bundled_onnx
     with (
-        Edge(edge_dir, bundled_server.url, device="cpu", dtype="fp32") as ref,
-        Edge(edge_dir, bundled_server.url, device="onnx") as onnx,
+        Edge(edge_dir, bundled_server.url, EdgeConfig(device="cpu", dtype="fp32")) as ref,
+        Edge(edge_dir, bundled_server.url, EdgeConfig(device="onnx")) as onnx,
     ):
         for spec in ("none", "auto"):
             for prompt in BUNDLED_PROMPTS:
@@ -202,8 +202,8 @@ def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_ser
     prompts = json.loads((Path(__file__).parents[2] / "benchmarks" / "prompts-tuning.json").read_text())[:4]
     hits = total = 0
     with (
-        Edge(bundled_onnx, bundled_server.url, device="cpu", dtype="fp32", wire_dtype="fp32") as ref,
-        Edge(bundled_onnx, bundled_server.url, device="onnx:int8", wire_dtype="fp32") as int8,
+        Edge(bundled_onnx, bundled_server.url, EdgeConfig(device="cpu", dtype="fp32", wire_dtype="fp32")) as ref,
+        Edge(bundled_onnx, bundled_server.url, EdgeConfig(device="onnx:int8", wire_dtype="fp32")) as int8,
     ):
         for p in prompts:
             ids = ref.encode(p["prompt"], chat=p["chat"])

@@ -14,7 +14,7 @@ from splitlm.bench.wan import WanConfig, WanEmulator
 from splitlm.cloud.local import free_port
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.transport.client import CloudClient, CloudError
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 9]
@@ -28,7 +28,9 @@ def clouds(tiny_split):
 
 
 def generate(split, urls: list[str]):
-    with Edge(split / "edge", urls, wire_dtype="fp32", device="cpu", dtype="fp32", failover_timeout_s=10) as edge:
+    with Edge(
+        split / "edge", urls, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32", failover_timeout_s=10)
+    ) as edge:
         r = edge.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, spec=SpecConfig("ngram"))
         return r, edge.client.url
 
@@ -81,7 +83,9 @@ def test_a_cloud_dying_during_open_hands_over_to_the_next(tiny_split, clouds, op
     with (
         WanEmulator(("127.0.0.1", int(a.url.rsplit(":", 1)[1])), WanConfig(rtt_ms=2)) as wan,
         Edge(
-            tiny_split / "edge", [wan.url_for("ws"), b.url], wire_dtype="fp32", device="cpu", failover_timeout_s=10
+            tiny_split / "edge",
+            [wan.url_for("ws"), b.url],
+            EdgeConfig(wire_dtype="fp32", device="cpu", failover_timeout_s=10),
         ) as edge,
     ):
         wan.cut_after(8)  # the next bytes to cross the link are OPEN's
@@ -120,7 +124,7 @@ def test_no_cloud_reachable_is_one_line_and_exit_1(tiny_split):
     with WanEmulator(("127.0.0.1", free_port()), WanConfig(rtt_ms=0)) as dead:
         urls = f"{dead.url_for('ws')},ws://127.0.0.1:{free_port()}"
         with pytest.raises(CloudError, match="none of the 2 clouds could be reached"):
-            Edge(tiny_split / "edge", urls, device="cpu")
+            Edge(tiny_split / "edge", urls, EdgeConfig(device="cpu"))
         proc = subprocess.run(
             [
                 sys.executable,

@@ -5,7 +5,7 @@ import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,9 @@ def bf16_server(bundled_split):
 
 @pytest.fixture(scope="module")
 def fp32_edge_bf16_cloud(bundled_split, bf16_server):
-    with Edge(bundled_split / "edge", bf16_server.url, wire_dtype="bf16", device="cpu", dtype="fp32") as edge:
+    with Edge(
+        bundled_split / "edge", bf16_server.url, EdgeConfig(wire_dtype="bf16", device="cpu", dtype="fp32")
+    ) as edge:
         yield edge
 
 
@@ -52,7 +54,7 @@ def test_bf16_cloud_agrees_with_the_fp32_model(fp32_edge_bf16_cloud, bundled_hf)
     hits = total = 0
     try:
         for p in prompts:
-            ids = edge.encode(p["prompt"], chat=p["chat"])
+            ids = edge.text.encode(p["prompt"], chat=p["chat"])
             continuation = hf_greedy(hf, ids, 48)
             session = edge.open_session()
             try:
@@ -76,7 +78,7 @@ def test_speculative_equals_sequential_up_to_bf16_near_ties(fp32_edge_bf16_cloud
     same = 0
     prompts = BUNDLED_PROMPTS + MORE_PROMPTS
     for prompt in prompts:
-        ids = edge.encode(prompt)
+        ids = edge.text.encode(prompt)
         seq = edge.generate(ids, 48, spec="none").token_ids
         spec = edge.generate(ids, 48, spec="auto").token_ids
         if seq == spec:

@@ -13,7 +13,7 @@ import pytest
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.link import CloudLink
 from splitlm.transport.client import CloudClient
 
@@ -66,7 +66,9 @@ def run(split, server, spec, sampling, policy, point=None, monkeypatch=None):
             transmit(self, f, c)
 
         monkeypatch.setattr(CloudLink, "transmit", preempting_transmit)
-    with Edge(split / "edge", server.url, wire_dtype="fp32", device="cpu", dtype="fp32", cache_policy=policy) as edge:
+    with Edge(
+        split / "edge", server.url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32", cache_policy=policy)
+    ) as edge:
         r = edge.generate(PROMPT, max_new_tokens=20, stop_at_eos=False, spec=spec, sampling=sampling)
     if point is not None:
         monkeypatch.undo()

@@ -8,7 +8,7 @@ import torch
 
 from conftest import hf_greedy
 from splitlm import SplitLMError
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.prefill import StageFit, Stages, candidates, plan, simulate, split
 
 PROMPT = [random.Random(0).randrange(3, 250) for _ in range(100)]
@@ -35,8 +35,8 @@ def prefill_logits(edge: Edge, ids: list[int], policy: str | None = None):
 def test_streamed_prefill_equals_one_forward(tiny_split, tiny_server, tiny_hf, chunk):
     url, edge_dir = tiny_server.url, tiny_split / "edge"
     with (
-        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one,
-        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=chunk) as streamed,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype="fp32", prefill_chunk=0)) as one,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype="fp32", prefill_chunk=chunk)) as streamed,
     ):
         expected, run, trips = prefill_logits(one, PROMPT)
         assert run is None and trips == 1
@@ -54,8 +54,8 @@ def test_streamed_prefill_equals_one_forward(tiny_split, tiny_server, tiny_hf, c
 def test_split_head_streams_rows_only_for_the_last_chunk(tiny_split_head, split_head_server, tiny_hf):
     url, edge_dir = split_head_server.url, tiny_split_head / "edge"
     with (
-        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=0) as one,
-        Edge(edge_dir, url, wire_dtype="fp32", prefill_chunk=40) as streamed,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype="fp32", prefill_chunk=0)) as one,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype="fp32", prefill_chunk=40)) as streamed,
     ):
         expected, _, _ = prefill_logits(one, PROMPT)
         logits, run, _ = prefill_logits(streamed, PROMPT)
@@ -76,7 +76,7 @@ def test_split_head_streams_rows_only_for_the_last_chunk(tiny_split_head, split_
 @pytest.mark.parametrize("policy", ["sealed", "none", "window:64"])
 def test_policies(tiny_split, tiny_server, tiny_hf, policy):
     """sealed keeps the whole context, so it streams; none and window:N keep too little to stream."""
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32", prefill_chunk=32) as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32", prefill_chunk=32)) as edge:
         ids = PROMPT[:60] if policy.startswith("window") else PROMPT
         logits, run, _ = prefill_logits(edge, ids, policy)
         assert (run is not None) == (policy == "sealed")
@@ -86,7 +86,7 @@ def test_policies(tiny_split, tiny_server, tiny_hf, policy):
 
 
 def test_a_later_turn_streams_after_the_cached_history(tiny_split, tiny_server, tiny_hf):
-    with Edge(tiny_split / "edge", tiny_server.url, wire_dtype="fp32", prefill_chunk=32) as edge:
+    with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32", prefill_chunk=32)) as edge:
         session = edge.open_session()
         try:
             session.forward(PROMPT[:30])
@@ -100,7 +100,7 @@ def test_a_later_turn_streams_after_the_cached_history(tiny_split, tiny_server, 
 
 def test_bad_prefill_chunk_is_refused(tiny_split, tiny_server):
     with pytest.raises(SplitLMError, match="prefill_chunk"):
-        Edge(tiny_split / "edge", tiny_server.url, prefill_chunk="big")
+        Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(prefill_chunk="big"))
 
 
 def test_bundled_model_streamed_is_token_identical(bundled_split, bundled_server, bundled_hf):
@@ -110,7 +110,9 @@ def test_bundled_model_streamed_is_token_identical(bundled_split, bundled_server
     ids = tok(topics["assert"])["input_ids"][:300]
     expected = hf_greedy(hf, ids, 12)
     for chunk in (0, 64):
-        with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32", prefill_chunk=chunk) as edge:
+        with Edge(
+            bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32", prefill_chunk=chunk)
+        ) as edge:
             result = edge.generate(ids, max_new_tokens=12, stop_at_eos=False)
         assert result.token_ids == expected, chunk
         assert result.stats.prefill_round_trips == (1 if chunk == 0 else 5)

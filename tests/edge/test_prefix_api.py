@@ -11,8 +11,9 @@ import pytest
 
 from conftest import scrape_metrics, serving
 from splitlm.bench.wan import WanConfig, WanEmulator
-from splitlm.edge import Edge
-from splitlm.edge.api import APIConfig, EdgeAPI, RequestLog
+from splitlm.edge import Edge, EdgeConfig
+from splitlm.edge.api import APIConfig, EdgeAPI
+from splitlm.edge.api_log import RequestLog
 from splitlm.edge.prefix_pool import PoolLimits
 
 openai = pytest.importorskip("openai")
@@ -40,7 +41,7 @@ def cloud(tiny_chat_split):
 @pytest.fixture(scope="module")
 def clients(tiny_chat_split, cloud):
     """(reusing, cold): two servers over one edge, with and without the pool."""
-    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge:
+    with Edge(tiny_chat_split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)) as edge:
         apis = [
             EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(ttl_s=0))),
             EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram", prefix_pool=PoolLimits(sessions=0))),
@@ -75,7 +76,7 @@ def metrics(api) -> dict:
 def test_a_four_turn_conversation_reused_equals_cold(clients, caplog):
     warm, cold, api = clients
     messages, cached = [{"role": "system", "content": "be brief"}], []
-    with caplog.at_level(logging.INFO, logger="splitlm.edge.api"):
+    with caplog.at_level(logging.INFO, logger="splitlm.edge.api_log"):
         for i, turn in enumerate(TURNS):
             messages.append({"role": "user", "content": turn})
             text, usage = chat(warm, messages, stream=i % 2 == 1)  # the usage chunk of a stream too
@@ -124,7 +125,9 @@ def test_extra_body_cache_policy(clients):
 
 def test_a_request_may_not_loosen_the_server_policy(tiny_chat_split, cloud):
     with Edge(
-        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"
+        tiny_chat_split / "edge",
+        cloud.url,
+        EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"),
     ) as edge:
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="ngram"))
         try:
@@ -145,11 +148,13 @@ def test_a_cancelled_stream_then_a_retry(tiny_chat_split, cloud):
     the prompt and nothing of the half-finished answer; the retry reuses it and equals cold."""
     with (
         WanEmulator(upstream=("127.0.0.1", cloud.server.port), config=WanConfig(rtt_ms=40)) as wan,
-        Edge(tiny_chat_split / "edge", wan.url_for("ws"), wire_dtype="fp32", cloud_key=cloud.fingerprint) as edge,
+        Edge(
+            tiny_chat_split / "edge", wan.url_for("ws"), EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)
+        ) as edge,
     ):
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec="none", prefix_pool=PoolLimits(ttl_s=0)))
         messages = [{"role": "user", "content": "count: a b c d e f g h"}]
-        ids = edge.encode_messages(messages)
+        ids = edge.text.encode_messages(messages)
         try:
             with serving_client(api.app) as client:
                 stream = client.chat.completions.create(

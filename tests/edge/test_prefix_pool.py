@@ -5,7 +5,7 @@ import pytest
 
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig, GenerationRequest
 from splitlm.edge.prefix_pool import PoolLimits, PrefixPool, reuse_allowed
 from splitlm.transport.policy import CachePolicy
 
@@ -23,12 +23,12 @@ def cloud(tiny_chat_split):
 
 @pytest.fixture(scope="module")
 def edge(tiny_chat_split, cloud):
-    with Edge(tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint) as e:
+    with Edge(tiny_chat_split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint)) as e:
         yield e
 
 
-def run(source, ids, n=12, **kwargs):
-    stream = source.stream(ids, n, spec=SPEC, **kwargs)
+def run(pool, ids, n=12, sampling=None, cache_policy=None, interrupt=None):
+    stream = pool.stream(GenerationRequest(ids, n, spec=SPEC, sampling=sampling), cache_policy, interrupt)
     text = "".join(stream)
     return stream.result, text
 
@@ -79,7 +79,7 @@ def test_a_cancelled_stream_leaves_the_prompt_and_a_retry_equals_cold(edge, clou
     try:
         run(pool, A)
         turn = A + [30, 31, 32, 33]
-        stream = pool.stream(turn, 200, spec=spec, stop_at_eos=False)
+        stream = pool.stream(GenerationRequest(turn, 200, stop_at_eos=False, spec=spec))
         pieces = iter(stream)
         for _ in range(3):
             next(pieces)
@@ -87,7 +87,7 @@ def test_a_cancelled_stream_leaves_the_prompt_and_a_retry_equals_cold(edge, clou
         assert pool.usage().sessions == 1
         [entry] = pool.entries
         assert entry.ids == turn and entry.session.length == len(turn)  # what was committed, no half-step
-        retry = pool.stream(turn, 24, spec=spec, stop_at_eos=False)
+        retry = pool.stream(GenerationRequest(turn, 24, stop_at_eos=False, spec=spec))
         "".join(retry)
         assert retry.result.stats.cached_tokens == len(turn) - 1
         assert retry.result.token_ids == edge.generate(turn, 24, spec=spec, stop_at_eos=False).token_ids
@@ -104,7 +104,7 @@ def test_an_interrupted_prefill_stops_between_chunks_and_a_retry_equals_cold(tin
         return len(asked) == 3
 
     with Edge(
-        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, prefill_chunk=8
+        tiny_chat_split / "edge", cloud.url, EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint, prefill_chunk=8)
     ) as chunked:
         pool = PrefixPool(chunked, PoolLimits(ttl_s=0))
         try:
@@ -149,7 +149,10 @@ def test_two_requests_on_one_prefix_at_once_do_not_share_it(edge):
     try:
         run(pool, A)
         turn = A + [1, 2, 3]
-        one, two = pool.stream(turn, 8, spec=SPEC), pool.stream(turn, 8, spec=SPEC)
+        one, two = (
+            pool.stream(GenerationRequest(turn, 8, spec=SPEC)),
+            pool.stream(GenerationRequest(turn, 8, spec=SPEC)),
+        )
         next(iter(one))  # checked out by the first
         "".join(two)
         "".join(one)
@@ -228,7 +231,9 @@ def test_none_never_reuses_and_window_only_within_its_window(edge, cloud):
 
 def test_a_server_wide_none_never_pools(tiny_chat_split, cloud):
     with Edge(
-        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"
+        tiny_chat_split / "edge",
+        cloud.url,
+        EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint, cache_policy="none"),
     ) as edge:
         pool = PrefixPool(edge, PoolLimits(ttl_s=0))
         try:
@@ -243,7 +248,9 @@ def test_a_lost_cloud_is_replayed_and_a_forgotten_session_prefilled_afresh(tiny_
     cloud = BackgroundServer(tiny_chat_split / "cloud").__enter__()
     port = cloud.server.port
     edge = Edge(
-        tiny_chat_split / "edge", cloud.url, wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=10.0
+        tiny_chat_split / "edge",
+        cloud.url,
+        EdgeConfig(wire_dtype="fp32", cloud_key=cloud.fingerprint, failover_timeout_s=10.0),
     )
     pool = PrefixPool(edge, PoolLimits(ttl_s=0))
     try:

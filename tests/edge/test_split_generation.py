@@ -5,14 +5,14 @@ import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm.decoding.modes import SPEC_MODES
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = pytest.mark.slow
 
 
 def test_fp32_split_is_token_identical_to_transformers(bundled_split, bundled_server, bundled_hf):
     hf, tok = bundled_hf
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         for prompt in BUNDLED_PROMPTS:
             ids = tok(prompt).input_ids
             result = edge.generate(prompt, max_new_tokens=64)
@@ -27,7 +27,7 @@ def test_fp32_split_is_token_identical_to_transformers(bundled_split, bundled_se
 
 def test_chat_prompt_uses_the_template(bundled_split, bundled_server, bundled_hf):
     hf, tok = bundled_hf
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         result = edge.generate("Name a fruit that is yellow.", max_new_tokens=24, chat=True)
     text = tok.apply_chat_template(
         [{"role": "user", "content": "Name a fruit that is yellow."}], add_generation_prompt=True, tokenize=False
@@ -52,7 +52,7 @@ def teacher_forced_agreement(edge, hf, ids, n):
 def test_reduced_precision_wire_agreement(bundled_split, bundled_server, bundled_hf, wire):
     hf, tok = bundled_hf
     hits = total = 0
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype=wire) as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype=wire)) as edge:
         for prompt in BUNDLED_PROMPTS:
             h, n = teacher_forced_agreement(edge, hf, tok(prompt).input_ids, 64)
             hits, total = hits + h, total + n
@@ -70,7 +70,7 @@ def test_stream_equals_generate(bundled_split, bundled_server):
 
 
 def test_edge_and_cloud_use_fresh_caches_per_session(bundled_split, bundled_server):
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         a = edge.generate([504, 3458, 282], max_new_tokens=10, stop_at_eos=False)
         b = edge.generate([504, 3458, 282], max_new_tokens=10, stop_at_eos=False)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 10
@@ -85,7 +85,7 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
     hf, tok = bundled_hf
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
     ids = tok(prompt).input_ids
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         result = edge.generate(prompt, max_new_tokens=64, spec=mode)
     assert result.token_ids == hf_greedy(hf, ids, 64)
     s = result.stats
@@ -100,11 +100,11 @@ def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_ser
 
     hf, tok = bundled_hf
     prompt = "The three primary colours are"
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         torch.manual_seed(0)
         w = edge.model.head_weight
         spec = SpecConfig("head")
-        edge.draft_memory(spec).head = HeadRunner(
+        edge.drafting.draft_memory(spec).head = HeadRunner(
             DraftHead(edge.cfg.hidden_size, 64, torch.arange(0, 4096)), edge.model.embed_tokens.weight, w
         )
         result = edge.generate(prompt, max_new_tokens=24, spec=spec)
@@ -118,7 +118,7 @@ def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split,
 
     with Edge(bundled_split / "edge", bundled_server.url) as edge:
         assert (BUNDLED_DIR / f"{edge.model.manifest.model_hash}.jsonl.gz").is_file()
-        docs = edge.corpus_documents()
+        docs = edge.drafting.corpus_documents()
         pydoc = default_corpus_documents()
         assert docs[: len(pydoc)] == pydoc and len(docs) > len(pydoc) + 400
         assert any("```python" in d for d in docs[len(pydoc) :])
@@ -138,10 +138,10 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
     ids = tok(prompt).input_ids
     expected = hf_greedy(hf, ids, 48)
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         session, stats = edge.open_session(), SpecStats()
         try:
-            drafter = make_drafter(SpecConfig("auto-window"), edge.corpus_model())
+            drafter = make_drafter(SpecConfig("auto-window"), edge.drafting.corpus_model())
             out = [
                 t
                 for new in pipelined_decode(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import split_model
 
 
@@ -31,7 +31,7 @@ PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 10, 20, 30]]
 
 @pytest.mark.parametrize("spec", ["none", "ngram", "lookahead", "auto"])
 def test_fp32_all_is_token_identical_to_transformers(tiny_split_head, split_head_server, tiny_hf, spec):
-    with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32") as edge:
+    with Edge(tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         for ids in PROMPTS:
             result = edge.generate(ids, max_new_tokens=24, stop_at_eos=False, spec=spec)
             assert result.token_ids == hf_greedy(tiny_hf, ids, 24), (spec, ids)
@@ -42,7 +42,9 @@ def test_fp32_all_is_token_identical_to_transformers(tiny_split_head, split_head
 @pytest.mark.parametrize("policy", ["none", "sealed"])
 def test_cache_policies_keep_the_output(tiny_split_head, split_head_server, tiny_hf, policy):
     ids = PROMPTS[1]
-    with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32", cache_policy=policy) as edge:
+    with Edge(
+        tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype="fp32", cache_policy=policy)
+    ) as edge:
         for spec in ("none", "lookahead"):
             result = edge.generate(ids, max_new_tokens=16, stop_at_eos=False, spec=spec)
             assert result.token_ids == hf_greedy(tiny_hf, ids, 16), (policy, spec)
@@ -56,8 +58,10 @@ def test_window_policy_matches_tail_local_topology(tiny_llama, tiny_split_head, 
     tail_local = split_model(str(tiny_llama), head=2, tail=0, out=tmp_path / "tl")
     with (
         BackgroundServer(tail_local / "cloud") as server,
-        Edge(tail_local / "edge", server.url, wire_dtype="fp32", cache_policy="window:6") as a,
-        Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32", cache_policy="window:6") as b,
+        Edge(tail_local / "edge", server.url, EdgeConfig(wire_dtype="fp32", cache_policy="window:6")) as a,
+        Edge(
+            tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype="fp32", cache_policy="window:6")
+        ) as b,
     ):
         assert (
             a.generate(PROMPTS[1], 16, stop_at_eos=False).token_ids
@@ -78,7 +82,7 @@ def test_vocabulary_subset_follows_the_masked_oracle(
     split = tiny_split_head if topology == "split-head" else tiny_split
     with (
         BackgroundServer(split / "cloud") as server,
-        Edge(split / "edge", server.url, wire_dtype="fp32", vocab=str(allow_file)) as edge,
+        Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32", vocab=str(allow_file))) as edge,
     ):
         for spec in ("none", "lookahead"):
             result = edge.generate(PROMPTS[0], max_new_tokens=12, stop_at_eos=False, spec=spec)
@@ -91,7 +95,7 @@ def test_split_head_downlink_shrinks_with_the_subset(tiny_split_head, split_head
     allow_file.write_text(" ".join(map(str, range(0, 64))))
     down = {}
     for vocab in ("all", str(allow_file)):
-        with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype="fp32", vocab=vocab) as edge:
+        with Edge(tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype="fp32", vocab=vocab)) as edge:
             s = edge.generate(PROMPTS[0], max_new_tokens=9, stop_at_eos=False).stats
             down[vocab] = s.bytes_down / s.round_trips
     # one row per round trip: h[:24] plus the allowed partial logits, fp32
@@ -100,7 +104,7 @@ def test_split_head_downlink_shrinks_with_the_subset(tiny_split_head, split_head
 
 @pytest.mark.parametrize("wire", ["fp16", "int8", "fp8"])
 def test_reduced_wire_codecs_decode(tiny_split_head, split_head_server, tiny_hf, wire):
-    with Edge(tiny_split_head / "edge", split_head_server.url, wire_dtype=wire) as edge:
+    with Edge(tiny_split_head / "edge", split_head_server.url, EdgeConfig(wire_dtype=wire)) as edge:
         session = edge.open_session()
         try:
             ids = PROMPTS[1]
@@ -128,14 +132,14 @@ def test_bundled_model_split_head(bundled_split_head, bundled_hf):
     hf, tok = bundled_hf
     split = bundled_split_head
     with BackgroundServer(split / "cloud") as server:
-        with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+        with Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge:
             for prompt in BUNDLED_PROMPTS:
                 ids = tok(prompt).input_ids
                 assert edge.generate(prompt, max_new_tokens=24).token_ids == hf_greedy(hf, ids, 24), prompt
             ids = tok(BUNDLED_PROMPTS[1]).input_ids
             assert edge.generate(ids, max_new_tokens=24, spec="auto").token_ids == hf_greedy(hf, ids, 24)
         same = total = 0
-        with Edge(split / "edge", server.url, wire_dtype="fp16", vocab="en") as edge:
+        with Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp16", vocab="en")) as edge:
             for prompt in BUNDLED_PROMPTS:
                 ids = tok(prompt).input_ids
                 got, want = edge.generate(prompt, max_new_tokens=24).token_ids, hf_greedy(hf, ids, 24)
@@ -155,7 +159,7 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
     ids = list(range(3, 19))  # 16 tokens; a RESULT of 16 KiB holds 10 rows of 24 + 256 fp32 values
     with (
         BackgroundServer(tiny_split_head / "cloud", limits=ServerLimits(max_frame_bytes=16 * 1024)) as server,
-        Edge(tiny_split_head / "edge", server.url, wire_dtype="fp32") as edge,
+        Edge(tiny_split_head / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge,
     ):
         assert edge.backend.max_logit_rows == 10
         session = edge.open_session()
@@ -178,7 +182,7 @@ def test_bundled_conversation_in_split_head(bundled_split_head, bundled_hf):
     turns = ["Name one planet of the solar system.", "What colour is it?"]
     with (
         BackgroundServer(bundled_split_head / "cloud") as server,
-        Edge(bundled_split_head / "edge", server.url, wire_dtype="fp32", cache_policy="sealed") as edge,
+        Edge(bundled_split_head / "edge", server.url, EdgeConfig(wire_dtype="fp32", cache_policy="sealed")) as edge,
     ):
         chat = edge.conversation(spec="auto")
         first = chat.say(turns[0], max_new_tokens=16)

@@ -1,5 +1,5 @@
 """Constrained decoding through the edge over a real cloud: the screened greedy head takes per-row
-masks, `Edge.generate(response_format=...)` speculates with the grammar and equals constrained
+masks, `Edge.generate(GenerationRequest(response_format=...))` speculates with the grammar and equals constrained
 sequential decoding; outputs validate; the bundled model (slow) does the same on real prompts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from conftest import JSON_EOS, make_tiny_llama, save_merge_tokenizer
 from splitlm.decoding.grammar import GrammarError, GrammarSpec
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig, GenerationRequest
 from splitlm.model.greedy_head import GreedyHead
 
 SCHEMA = {
@@ -66,11 +66,13 @@ def served(tmp_path_factory):
 
 def test_response_format_speculates_exactly(served):
     split, server = served
-    with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+    with Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         prompt = 'Ticket: {"id": 12, "state": "open"} Again: '
-        seq = edge.generate(prompt, 96, spec="none", response_format=SCHEMA)
-        auto = edge.generate(prompt, 96, spec="auto", response_format=SCHEMA)
-        streamed = "".join(edge.stream(prompt, 96, spec="ngram", response_format=GrammarSpec.json_schema(SCHEMA)))
+        seq = edge.generate(GenerationRequest(prompt, 96, spec="none", response_format=SCHEMA))
+        auto = edge.generate(GenerationRequest(prompt, 96, spec="auto", response_format=SCHEMA))
+        streamed = "".join(
+            edge.stream(GenerationRequest(prompt, 96, spec="ngram", response_format=GrammarSpec.json_schema(SCHEMA)))
+        )
         assert auto.token_ids == seq.token_ids
         assert streamed == seq.text
         assert auto.finish_reason == "stop", auto.text
@@ -78,13 +80,17 @@ def test_response_format_speculates_exactly(served):
         assert seq.stats.round_trips == len(seq.token_ids)  # sequential: one token per round trip
         assert auto.stats.round_trips < len(auto.token_ids) / 2  # forced keys, quotes and braces ride free
         assert auto.stats.grammar["forced_tokens"] > 10
-        regex = edge.generate("Code: ", 24, spec="auto", response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
+        regex = edge.generate(
+            GenerationRequest("Code: ", 24, spec="auto", response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
+        )
         assert (
             regex.token_ids
-            == edge.generate("Code: ", 24, response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}")).token_ids
+            == edge.generate(
+                GenerationRequest("Code: ", 24, response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
+            ).token_ids
         )
         with pytest.raises(GrammarError, match="cannot compile the regular expression"):
-            edge.generate("x", 4, response_format=GrammarSpec.regex("(unclosed"))
+            edge.generate(GenerationRequest("x", 4, response_format=GrammarSpec.regex("(unclosed")))
 
 
 def test_a_prefill_guess_the_model_does_not_take_is_cropped_on_both_sides(served, monkeypatch):
@@ -114,10 +120,10 @@ def test_a_prefill_guess_the_model_does_not_take_is_cropped_on_both_sides(served
         "additionalProperties": False,
     }
     split, server = served
-    with Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+    with Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         for prompt in ("Record: ", 'Again {"name": "ab", "n": 3} and: '):
-            seq = edge.generate(prompt, 40, spec="none", response_format=schema)
-            auto = edge.generate(prompt, 40, spec="auto", response_format=schema)
+            seq = edge.generate(GenerationRequest(prompt, 40, spec="none", response_format=schema))
+            auto = edge.generate(GenerationRequest(prompt, 40, spec="auto", response_format=schema))
             assert auto.token_ids == seq.token_ids
     assert len(crops) == 2
 
@@ -141,10 +147,10 @@ BUNDLED_PROMPTS = [
 
 @pytest.mark.slow
 def test_bundled_constrained_auto_equals_sequential(bundled_split, bundled_server):
-    with Edge(bundled_split / "edge", bundled_server.url, wire_dtype="fp32") as edge:
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
         for prompt in BUNDLED_PROMPTS:
-            seq = edge.generate(prompt, 96, chat=True, spec="none", response_format=BUNDLED_SCHEMA)
-            auto = edge.generate(prompt, 96, chat=True, spec="auto", response_format=BUNDLED_SCHEMA)
+            seq = edge.generate(GenerationRequest(prompt, 96, chat=True, spec="none", response_format=BUNDLED_SCHEMA))
+            auto = edge.generate(GenerationRequest(prompt, 96, chat=True, spec="auto", response_format=BUNDLED_SCHEMA))
             assert auto.token_ids == seq.token_ids, prompt
             jsonschema.validate(json.loads(auto.text), BUNDLED_SCHEMA)
             assert auto.stats.round_trips < seq.stats.round_trips

@@ -14,7 +14,7 @@ from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.speculative import SpecStats, speculative_decode
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.loading import load_model
 from splitlm.model.shards import split_model
 
@@ -95,7 +95,10 @@ def test_logits_match_transformers(family):
 def test_split_greedy_is_token_identical(family, tmp_path):
     _, path, ref = family
     split = split_model(str(path), head=2, tail=2, out=tmp_path / "split")
-    with BackgroundServer(split / "cloud") as server, Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+    with (
+        BackgroundServer(split / "cloud") as server,
+        Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge,
+    ):
         for ids in prompts():
             expected = hf_greedy(ref, ids, 64)
             assert edge.generate(ids, max_new_tokens=64).token_ids == expected
@@ -133,7 +136,10 @@ def test_gemma3_270m_matches_transformers(tmp_path):
         ids = torch.tensor([tok(texts[0]).input_ids])
         torch.testing.assert_close(ours(ids, torch.arange(ids.shape[1])), ref(ids).logits, atol=2e-3, rtol=1e-4)
     split = split_model(str(model_dir), head=2, tail=2, out=tmp_path / "split")
-    with BackgroundServer(split / "cloud") as server, Edge(split / "edge", server.url, wire_dtype="fp32") as edge:
+    with (
+        BackgroundServer(split / "cloud") as server,
+        Edge(split / "edge", server.url, EdgeConfig(wire_dtype="fp32")) as edge,
+    ):
         for text in texts:
             result = edge.generate(text, max_new_tokens=64)
             assert result.token_ids == hf_greedy(ref, tok(text).input_ids, 64), text

@@ -362,7 +362,7 @@ def test_the_wire_carries_no_plaintext_hidden_states(tiny_split, tiny_server, mo
     """Through the WAN emulator, the prompt's hidden-state bytes never appear in the clear; they are
     in the plaintext the edge sealed (so the search would find them if encryption were missing)."""
     from splitlm.bench.wan import WanConfig, WanEmulator
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
 
     sealed: list[bytes] = []
     original = SendCipher.encrypt
@@ -375,7 +375,9 @@ def test_the_wire_carries_no_plaintext_hidden_states(tiny_split, tiny_server, mo
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     host, port = tiny_server.url.removeprefix("ws://").split(":")
     with WanEmulator(upstream=(host, int(port)), config=WanConfig(rtt_ms=0), capture=True) as wan:
-        with Edge(tiny_split / "edge", wan.url_for("ws"), wire_dtype="fp32", cloud_key=tiny_server.fingerprint) as edge:
+        with Edge(
+            tiny_split / "edge", wan.url_for("ws"), EdgeConfig(wire_dtype="fp32", cloud_key=tiny_server.fingerprint)
+        ) as edge:
             result = edge.generate(prompt, max_new_tokens=4, stop_at_eos=False)
             with torch.inference_mode():
                 hidden = edge.model.embed_and_head(

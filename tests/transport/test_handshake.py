@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from splitlm.cloud.server import BackgroundServer
-from splitlm.edge import Edge
+from splitlm.edge import Edge, EdgeConfig
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.errors import ErrorCode, ProtocolError
@@ -204,10 +204,10 @@ def test_an_unlisted_client_is_refused(tiny_split, locked_server, tmp_path, keys
 def test_generation_through_rotating_keys_is_unchanged(tiny_split):
     policy = RekeyPolicy(max_frames=2)
     with BackgroundServer(tiny_split / "cloud", rekey=policy) as server:
-        with Edge(tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint) as edge:
+        with Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint)) as edge:
             baseline = edge.generate([5, 6, 7], max_new_tokens=8, stop_at_eos=False).token_ids
         with Edge(
-            tiny_split / "edge", server.url, wire_dtype="fp32", cloud_key=server.fingerprint, rekey=policy
+            tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint, rekey=policy)
         ) as edge:
             assert edge.generate([5, 6, 7], max_new_tokens=8, stop_at_eos=False).token_ids == baseline
             channel = edge.client.channel
@@ -248,7 +248,7 @@ def test_wss_on_top_of_the_encryption(tiny_split, tmp_path):
     with BackgroundServer(tiny_split / "cloud", tls_cert=cert, tls_key=key) as server:
         assert server.url.startswith("wss://")
         with Edge(
-            tiny_split / "edge", server.url, wire_dtype="fp32", tls_ca=cert, cloud_key=server.fingerprint
+            tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", tls_ca=cert, cloud_key=server.fingerprint)
         ) as edge:
             assert len(edge.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False).token_ids) == 3
         msg = expect(None, CloudClient, server.url, shard_fp(tiny_split), cloud_key=server.fingerprint, timeout_s=5)

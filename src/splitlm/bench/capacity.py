@@ -189,7 +189,7 @@ def obtain_trace(config: CapacityConfig, shards: Shards) -> tuple[Trace, str]:
         trace_key,
     )
     from splitlm.cloud.local import cloud_process
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.edge.runtime import as_spec
 
     if config.trace:
@@ -212,7 +212,7 @@ def obtain_trace(config: CapacityConfig, shards: Shards) -> tuple[Trace, str]:
     with (
         cloud_process(shards.trace_cloud, "cpu", "fp32", ["--prefill-chunk", str(config.prefill_chunk)]) as port,
         behind_wan(port, config.rtt_ms) as url,
-        Edge(shards.trace_edge, url, wire_dtype="fp32", device="cpu", dtype="fp32") as edge,
+        Edge(shards.trace_edge, url, EdgeConfig(wire_dtype="fp32", device="cpu", dtype="fp32")) as edge,
     ):
         trace = record_trace(edge, prompts, spec, config.max_new_tokens, config.rtt_ms)
     trace.save(path)

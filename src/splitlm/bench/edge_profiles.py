@@ -78,12 +78,12 @@ def _child() -> None:
 
     torch.set_num_threads(spec["threads"])
     baseline = current_rss_bytes()
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
 
     out: dict = {}
-    with Edge(spec["edge_dir"], spec["cloud_url"], device=spec["device"], dtype=spec["dtype"]) as edge:
+    with Edge(spec["edge_dir"], spec["cloud_url"], EdgeConfig(device=spec["device"], dtype=spec["dtype"])) as edge:
         loaded = current_rss_bytes()
-        prompts = [edge.encode(p["prompt"], chat=p["chat"]) for p in spec["prompts"]]
+        prompts = [edge.text.encode(p["prompt"], chat=p["chat"]) for p in spec["prompts"]]
         edge_s = {"none": [0.0, 0], "auto": [0.0, 0]}
         for mode in ("none", "auto"):
             tokens = []

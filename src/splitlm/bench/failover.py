@@ -213,7 +213,7 @@ def fault_runs(edge, rig: Rig, plan: FaultPlan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.model.shards import cached_split
 
     p = argparse.ArgumentParser(prog="python -m splitlm.bench.failover", description=__doc__.split("\n\n")[0])
@@ -245,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 with Edge(
                     split / "edge",
                     rig.urls,
-                    wire_dtype=args.wire_dtype,
-                    device="cpu",
-                    ping_interval_s=args.ping_interval,
+                    EdgeConfig(wire_dtype=args.wire_dtype, device="cpu", ping_interval_s=args.ping_interval),
                 ) as edge:
                     plan = FaultPlan(
                         args.prompt,

@@ -107,7 +107,7 @@ def run_config(
     spec,
 ) -> dict:
     from splitlm.bench.wan import WanConfig, WanEmulator
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
 
     log.info(f"[loadtest] {name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
     with contextlib.ExitStack() as stack:
@@ -118,7 +118,9 @@ def run_config(
                 WanEmulator(upstream=(host.strip("[]"), int(port)), config=WanConfig(config.rtt_ms, seed=0))
             )
             url = wan.url_for("ws")
-        edge = stack.enter_context(Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
+        edge = stack.enter_context(
+            Edge(edge_dir, url, EdgeConfig(wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
+        )
         concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
         result = {"name": name, **steady(concurrently(edge, prompts, config.max_new_tokens, spec), reference)}
         if config.prefill_tokens:
@@ -243,7 +245,7 @@ def loadtest_doc(config: LoadConfig, started: float, results: list[dict]) -> dic
 
 def _run(config: LoadConfig) -> dict:
     from splitlm.bench.prompts import default_prompts_path, load_prompts
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.edge.runtime import as_spec
 
     spec = as_spec(config.spec)
@@ -252,7 +254,7 @@ def _run(config: LoadConfig) -> dict:
     baseline, configs = cloud_configs(config)
     with (
         cloud_url(cloud_dir, None if config.cloud else baseline, config.cloud) as url,
-        Edge(edge_dir, url, wire_dtype=config.wire_dtype, device="cpu", dtype="fp32") as edge,
+        Edge(edge_dir, url, EdgeConfig(wire_dtype=config.wire_dtype, device="cpu", dtype="fp32")) as edge,
     ):
         prompts = session_prompts(edge, prompt_set, config.sessions)
         reference = references(edge, prompts, config, spec)

@@ -138,7 +138,7 @@ class BenchContext:
     @cached_property
     def edge(self):
         """The edge runtime, connected to `cloud_url`."""
-        from splitlm.edge import Edge
+        from splitlm.edge import Edge, EdgeConfig
         from splitlm.transport.keys import default_identity
 
         if self.cloud_url is None:
@@ -147,11 +147,13 @@ class BenchContext:
         return Edge(
             self.edge_dir,
             self.cloud_url,
-            wire_dtype=self.wire_dtype,
-            cloud_key=default_identity("cloud").fingerprint,
-            vocab=self.vocab,
-            device=self.device,
-            dtype=self.dtype,
+            EdgeConfig(
+                wire_dtype=self.wire_dtype,
+                cloud_key=default_identity("cloud").fingerprint,
+                vocab=self.vocab,
+                device=self.device,
+                dtype=self.dtype,
+            ),
         )
 
     def set_cloud_url(self, url: str | None) -> None:

@@ -141,7 +141,7 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
     from splitlm.bench.prompts import load_tokenizer
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.local import cloud_process
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.model.loading import resolve_model
     from splitlm.model.shards import cached_split
 
@@ -161,7 +161,11 @@ def run_prefill_bench(config: PrefillBenchConfig) -> dict:
                 WanEmulator(upstream=("127.0.0.1", port), config=WanConfig(rtt_ms=config.rtt_ms, mbps=mbps, seed=0))
             )
             edges[mbps] = stack.enter_context(
-                Edge(split_dir / "edge", wan.url_for("ws"), config.wire_dtype, device=config.device, dtype=config.dtype)
+                Edge(
+                    split_dir / "edge",
+                    wan.url_for("ws"),
+                    EdgeConfig(wire_dtype=config.wire_dtype, device=config.device, dtype=config.dtype),
+                )
             )
             log.info(f"[bench prefill] warm-up at {config.rtt_ms:g} ms, {mbps:g} Mbit/s")
             warm_up(edges[mbps], ids, mbps, rtt_s)

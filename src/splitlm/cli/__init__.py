@@ -6,11 +6,11 @@ import argparse
 
 from splitlm import __version__
 from splitlm.cli import audit, bench, demo, generate, models, serve, train
-from splitlm.cli.options import edge_security_kwargs, spec_arg
+from splitlm.cli.options import edge_config, spec_arg
 from splitlm.cli.output import add_common_options, configure_logging, run_command
 from splitlm.result_files import begin_run
 
-__all__ = ["build_parser", "edge_security_kwargs", "main", "spec_arg"]
+__all__ = ["build_parser", "edge_config", "main", "spec_arg"]
 
 # the commands in the order `splitlm --help` lists them
 ADD_PARSERS = (

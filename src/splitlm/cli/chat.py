@@ -130,7 +130,9 @@ def run_chat(
     except ImportError:
         pass
     if getattr(spec, "mode", spec) == "auto" and (sampling is None or sampling.greedy):
-        edge.draft_memory(SpecConfig("auto") if isinstance(spec, str) else spec)  # built once, before the first answer
+        edge.drafting.draft_memory(
+            SpecConfig("auto") if isinstance(spec, str) else spec
+        )  # built once, before the first answer
     print(
         f"splitlm chat: cloud {edge.client.url}, cache policy {edge.cache_policy}; /reset clears the history, "
         "/revoke wipes the cloud's copy, /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer",

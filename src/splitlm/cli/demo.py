@@ -38,7 +38,7 @@ def run_demo(config: DemoConfig) -> int:
 
     from splitlm.bench.wan import WanConfig, WanEmulator
     from splitlm.cloud.local import cloud_process
-    from splitlm.edge import Edge
+    from splitlm.edge import Edge, EdgeConfig
     from splitlm.edge.results import format_stats
     from splitlm.model.shards import cached_split
     from splitlm.transport.keys import default_identity
@@ -56,10 +56,7 @@ def run_demo(config: DemoConfig) -> int:
             Edge(
                 split_dir / "edge",
                 wan.url_for("ws"),
-                wire_dtype=config.wire_dtype,
-                cloud_key=cloud_key,
-                device=config.device,
-                dtype=config.dtype,
+                EdgeConfig(wire_dtype=config.wire_dtype, cloud_key=cloud_key, device=config.device, dtype=config.dtype),
             ) as edge,
         ):
             # The step budget of `auto` learns the link's round trip and the cloud's cost per token from the

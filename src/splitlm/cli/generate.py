@@ -24,6 +24,7 @@ from splitlm.model.device import dtype_name
 
 
 def cmd_generate(args) -> int:
+    from splitlm.edge.request import GenerationRequest
     from splitlm.edge.results import format_stats
 
     set_threads(args.threads)
@@ -32,17 +33,19 @@ def cmd_generate(args) -> int:
     grammar = grammar_arg(args)  # a missing or unreadable file is reported before the cloud is dialled
     with open_edge(args) as edge:
         stop_at_eos = not args.ignore_eos
-        chat = args.chat if args.chat is not None else edge.has_chat_template
-        options = dict(
-            chat=chat,
-            stop_at_eos=stop_at_eos,
-            spec=spec_arg(args),
-            sampling=sampling,
-            stop=args.stop,
+        chat = args.chat if args.chat is not None else edge.text.has_chat_template
+        request = GenerationRequest(
+            prompt,
+            args.max_new_tokens,
+            chat,
+            stop_at_eos,
+            spec_arg(args),
+            sampling,
+            args.stop,
             response_format=grammar,
         )
         if args.json:
-            result = edge.generate(prompt, args.max_new_tokens, **options)
+            result = edge.generate(request)
             print(
                 json.dumps(
                     {
@@ -59,7 +62,7 @@ def cmd_generate(args) -> int:
                 )
             )
             return 0
-        stream = edge.stream(prompt, args.max_new_tokens, **options)
+        stream = edge.stream(request)
         for piece in stream:
             print(piece, end="", flush=True)
         print()

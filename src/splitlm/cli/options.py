@@ -74,7 +74,7 @@ def need_edge_shard(args) -> None:
 
 
 def add_edge_security_options(p: argparse.ArgumentParser) -> None:
-    """The edge's key options; pass `edge_security_kwargs(args)` on to `Edge(...)`."""
+    """The edge's key options; `edge_config(args)` makes the `EdgeConfig` of an `Edge`."""
     p.add_argument(
         "--identity",
         metavar="KEY",
@@ -103,37 +103,34 @@ def add_edge_security_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def edge_security_kwargs(args) -> dict:
-    """Keyword arguments for `Edge(...)` from the options of `add_edge_options` (keys, trust, what the
-    cloud may keep and which tokens may be emitted)."""
-    kwargs = {
-        name: getattr(args, name, None)
-        for name in (
-            "identity",
-            "cloud_key",
-            "known_hosts",
-            "tls_ca",
-            "cache_policy",
-            "device",
-            "dtype",
-            "edge_adapter",
-        )
-    }
+def edge_config(args):
+    """The `splitlm.edge.EdgeConfig` of `--wire-dtype` and the options of `add_edge_options` (keys, trust,
+    what the cloud may keep and which tokens may be emitted)."""
+    from splitlm.edge import EdgeConfig
+
     ping = getattr(args, "ping_interval", 20.0)
-    return {
-        **kwargs,
-        "vocab": getattr(args, "vocab", None) or "all",
-        "failover_timeout_s": getattr(args, "failover_timeout", 30.0),
-        "ping_interval_s": ping or None,
-        "prefill_chunk": getattr(args, "stream_prefill", "auto"),
-    }
+    return EdgeConfig(
+        wire_dtype=getattr(args, "wire_dtype", "auto"),
+        cache_policy=getattr(args, "cache_policy", None),
+        identity=getattr(args, "identity", None),
+        cloud_key=getattr(args, "cloud_key", None),
+        known_hosts=getattr(args, "known_hosts", None),
+        tls_ca=getattr(args, "tls_ca", None),
+        vocab=getattr(args, "vocab", None) or "all",
+        device=getattr(args, "device", "auto"),
+        dtype=getattr(args, "dtype", "auto"),
+        failover_timeout_s=getattr(args, "failover_timeout", 30.0),
+        ping_interval_s=ping or None,
+        prefill_chunk=getattr(args, "stream_prefill", "auto"),
+        edge_adapter=getattr(args, "edge_adapter", None),
+    )
 
 
 def open_edge(args):
     """The `splitlm.edge.Edge` of `--edge`, `--cloud`, `--wire-dtype` and the options of `add_edge_options`."""
     from splitlm.edge import Edge
 
-    return Edge(args.edge, args.cloud, wire_dtype=args.wire_dtype, **edge_security_kwargs(args))
+    return Edge(args.edge, args.cloud, edge_config(args))
 
 
 def cache_policy_arg(text: str) -> str:

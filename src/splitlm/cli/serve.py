@@ -92,7 +92,8 @@ def api_key(args) -> str | None:
 def cmd_serve_edge(args) -> int:
     from pathlib import Path
 
-    from splitlm.edge.api import APIConfig, serve
+    from splitlm.edge.api import APIConfig
+    from splitlm.edge.api_serve import serve
 
     set_threads(args.threads)
     if not 0.0 <= args.default_temperature <= 2.0:
@@ -108,7 +109,7 @@ def cmd_serve_edge(args) -> int:
     )
     with open_edge(args) as edge:
         if args.spec == "auto":
-            edge.draft_memory(config.spec)  # built once now, not in the first request
+            edge.drafting.draft_memory(config.spec)  # built once now, not in the first request
         serve(edge, config, args.host, args.port)
     return 0
 

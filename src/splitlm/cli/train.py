@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def cmd_train_adapter(args) -> int:
-    from splitlm.edge.train_adapter import train_adapter
+    from splitlm.edge.train_adapter import AdapterTraining, train_adapter
 
     set_threads(args.threads)
     try:
@@ -27,11 +27,7 @@ def cmd_train_adapter(args) -> int:
         args.edge,
         text,
         args.out,
-        rank=args.rank,
-        alpha=args.alpha,
-        steps=args.steps,
-        lr=args.lr,
-        seq_len=args.seq_len,
+        AdapterTraining(rank=args.rank, alpha=args.alpha, steps=args.steps, lr=args.lr, seq_len=args.seq_len),
     )
     print(json.dumps(report))
     return 0

@@ -15,73 +15,45 @@ argmax acceptance, sampled ones by exact speculative sampling (distributed as pl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
-import secrets
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from splitlm import SplitLMError
-from splitlm.decoding.grammar import GrammarError
-from splitlm.decoding.modes import SpecConfig
-from splitlm.edge.api_answer import AnswerBuilder, TokenBytes
-from splitlm.edge.api_disconnects import CLIENT_GONE, unless_gone
+from splitlm.edge.api_config import APIConfig
+from splitlm.edge.api_disconnects import CLIENT_GONE
 from splitlm.edge.api_errors import guarded
-from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector, RequestClock
-from splitlm.edge.api_requests import (
-    APIError,
-    GenerationRequest,
-    check_length,
-    cloud_failure,
-    invalid,
-    parse_chat,
-    parse_completion,
-)
-from splitlm.edge.api_responses import Chunks, completion_body, sse
+from splitlm.edge.api_generation import Responder
+from splitlm.edge.api_metrics import EdgeMetrics, PrefixPoolCollector
+from splitlm.edge.api_requests import APIError, check_length, invalid, parse_chat, parse_completion
 from splitlm.edge.api_tools import template_input
-from splitlm.edge.prefix_pool import PoolLimits, PrefixPool
-from splitlm.edge.runtime import Edge, GenerationResult
-from splitlm.transport.client import CloudError
+from splitlm.edge.prefix_pool import PrefixPool
+from splitlm.edge.runtime import Edge
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class APIConfig:
-    model_name: str = "splitlm"
-    api_key: str | None = None  # None = no authentication (loopback use)
-    spec: str | SpecConfig = "auto"  # speculative mode (greedy and sampled requests)
-    max_concurrent: int = 4  # requests generating at once; more wait
-    default_temperature: float = 1.0  # what an omitted temperature means (OpenAI's default is 1)
-    default_max_tokens: int = 2048  # an omitted max_tokens: this, or what the context leaves
-    prefix_pool: PoolLimits = field(default_factory=PoolLimits)  # conversation states reused (docs/prefix-reuse.md)
+__all__ = ["APIConfig", "EdgeAPI", "cloud_health"]
 
 
 class EdgeAPI:
-    """The routes over one `Edge`; `app` is the ASGI application."""
+    """The routes over one `Edge`; `app` is the ASGI application. `pool`: the prefix pool its generations
+    run on (default: one of `config.prefix_pool`'s limits); `Responder` runs and answers them."""
 
-    def __init__(self, edge: Edge, config: APIConfig | None = None):
+    def __init__(self, edge: Edge, config: APIConfig | None = None, pool: PrefixPool | None = None):
         self.edge, self.config = edge, config or APIConfig()
         self.metrics = EdgeMetrics()
-        self.pool = PrefixPool(edge, self.config.prefix_pool)  # before any request (generate reads it)
+        self.pool = pool or PrefixPool(edge, self.config.prefix_pool)  # before any request (generate reads it)
         self.metrics.registry.register(PrefixPoolCollector(self.pool))
-        self.executor = ThreadPoolExecutor(self.config.max_concurrent, thread_name_prefix="splitlm-generate")
+        self.responder = Responder(edge, self.pool, self.metrics, self.config)
         self.created = int(time.time())
-        self.fingerprint = f"splitlm-{edge.model.manifest.fingerprint[:16]}"
-        self.token_bytes = TokenBytes(edge.text)  # each token's bytes, for logprobs
         routes = [
             Route(path, guarded(endpoint, self.internal_error), methods=[method])
             for path, endpoint, method in (
@@ -104,7 +76,7 @@ class EdgeAPI:
         )
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.responder.close()
         self.pool.close()
 
     # -- errors and auth ---------------------------------------------------------------------------
@@ -209,10 +181,10 @@ class EdgeAPI:
         check_length(sum(len(t.content) for t in req.turns), "messages", self.edge.text, self.edge.context_length)
         try:
             messages, tools = template_input(req.turns, req.tools, self.edge.text.template_takes_tools)
-            prompt_ids = await asyncio.to_thread(self.edge.encode_messages, messages, tools)
+            prompt_ids = await asyncio.to_thread(self.edge.text.encode_messages, messages, tools)
         except SplitLMError as e:
             raise invalid("messages", str(e)) from None
-        return await self.respond(request, "/v1/chat/completions", req, prompt_ids, chat=True)
+        return await self.responder.respond(request, "/v1/chat/completions", req, prompt_ids, chat=True)
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await self.body(request), self.edge.cfg.vocab_size, self.config.default_temperature)
@@ -220,178 +192,12 @@ class EdgeAPI:
         if isinstance(req.prompt, str):
             check_length(len(req.prompt), "prompt", self.edge.text, self.edge.context_length)
             try:
-                prompt_ids = await asyncio.to_thread(self.edge.encode, req.prompt)
+                prompt_ids = await asyncio.to_thread(self.edge.text.encode, req.prompt)
             except SplitLMError as e:
                 raise invalid("prompt", str(e)) from None
         else:
             prompt_ids = req.prompt
-        return await self.respond(request, "/v1/completions", req, prompt_ids, chat=False)
-
-    # -- generation --------------------------------------------------------------------------------
-    def max_tokens(self, req: GenerationRequest, prompt_ids: list[int], param: str) -> int:
-        room = self.edge.context_length - len(prompt_ids)
-        if req.max_tokens is None:
-            if room < 1:
-                raise invalid(
-                    param,
-                    f"the prompt has {len(prompt_ids)} tokens; the context holds {self.edge.context_length}",
-                    "context_length_exceeded",
-                )
-            return min(room, self.config.default_max_tokens)
-        if req.max_tokens > room:
-            raise invalid(
-                param,
-                f"this model's context holds {self.edge.context_length} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens asks for {req.max_tokens} more",
-                "context_length_exceeded",
-            )
-        return req.max_tokens
-
-    def check_grammar(self, req: GenerationRequest) -> None:
-        """A 400 naming the parameter when the request's grammar (response_format, forced tool calls)
-        does not compile for this model."""
-        if req.grammar is not None:
-            try:
-                self.edge.grammars.compile(req.grammar)
-            except GrammarError as e:
-                raise invalid(req.grammar_param or "response_format", str(e), "invalid_schema") from None
-
-    def generate(
-        self,
-        req: GenerationRequest,
-        prompt_ids: list[int],
-        max_tokens: int,
-        cancel: threading.Event,
-        emit,
-        clock: RequestClock,
-        logprobs=None,
-    ) -> GenerationResult | None:
-        """In a worker thread: generate, calling emit(text) per piece; None if cancelled. `logprobs`: the
-        request's `LogprobRecorder`."""
-        self.metrics.started(clock)
-        try:
-            if cancel.is_set():
-                return None
-            stream = self.pool.stream(
-                prompt_ids,
-                max_tokens,
-                spec=self.config.spec,
-                sampling=req.sampling,
-                stop=req.stop,
-                cache_policy=req.cache_policy,
-                response_format=req.grammar,
-                logprobs=logprobs,
-                interrupt=cancel.is_set,
-            )  # a long prefill stops too
-            for piece in stream:
-                if cancel.is_set():
-                    stream.close()
-                    return None
-                emit(piece)
-            return stream.result  # None: interrupted during its prefill
-        finally:
-            self.metrics.ended()
-
-    async def respond(
-        self, request: Request, endpoint: str, req: GenerationRequest, prompt_ids: list[int], chat: bool
-    ) -> Response:
-        max_tokens = self.max_tokens(req, prompt_ids, "messages" if chat else "prompt")
-        if req.cache_policy is not None and not self.edge.cache_policy.allows(req.cache_policy):
-            raise invalid(
-                "cache_policy",
-                f"cache_policy {req.cache_policy} is looser than this server's "
-                f"({self.edge.cache_policy}): a request may only tighten it",
-            )
-        await asyncio.to_thread(self.check_grammar, req)
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        answer = AnswerBuilder(req, chat, self.token_bytes)
-
-        def emit(piece: str) -> None:
-            if req.stream:
-                loop.call_soon_threadsafe(queue.put_nowait, answer.piece(piece))
-
-        clock = self.metrics.arrived()
-        job = loop.run_in_executor(
-            self.executor, self.generate, req, prompt_ids, max_tokens, cancel, emit, clock, answer.recorder
-        )
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-        job.add_done_callback(lambda _: self.metrics.left(clock))
-        if not req.stream:
-            try:
-                result = await unless_gone(request, job)  # a client that goes away stops its generation
-            except (CloudError, SplitLMError) as e:
-                raise cloud_failure(e) from None
-            finally:
-                cancel.set()
-            self.metrics.finished(endpoint, result, clock)
-            RequestNote.of(result)
-            self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            whole = answer.whole(result)
-            return JSONResponse(
-                completion_body(
-                    rid,
-                    chat,
-                    result,
-                    self.config.model_name,
-                    self.fingerprint,
-                    whole,
-                    answer.logprobs_body(whole.logprobs),
-                )
-            )
-        try:  # a failure before the first token still gets an error status
-            first = await unless_gone(request, asyncio.ensure_future(queue.get()))
-        except ClientDisconnect:
-            cancel.set()
-            job.cancel()
-            raise
-        if first is None and isinstance(job.exception(), CloudError | SplitLMError):
-            raise cloud_failure(job.exception())
-        self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-        return StreamingResponse(
-            self.events(endpoint, rid, chat, req, first, queue, job, cancel, clock, answer),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
-
-    async def events(
-        self, endpoint, rid, chat, req, first, queue, job, cancel, clock, answer: AnswerBuilder
-    ) -> AsyncIterator[str]:
-        """SSE chunks: the role (chat), the text pieces from `first` on, the tool calls, the finish
-        reason, usage, [DONE]."""
-        out = Chunks(rid, chat, self.config.model_name, self.fingerprint, answer)
-        try:
-            if chat:
-                yield sse(out.chunk(None, role=True))
-            piece = first
-            while piece is not None:
-                if (c := out.delta(piece)) is not None:
-                    yield sse(c)
-                piece = await queue.get()
-            try:
-                result = job.result()
-            except (CloudError, SplitLMError) as e:
-                err = cloud_failure(e)
-            except Exception as e:  # a bug: the stream ends with an error event, the server goes on
-                log.exception("internal error while streaming")
-                err = APIError(500, f"internal error: {type(e).__name__}", "server_error")
-            else:
-                err = None
-            if err is not None:
-                self.metrics.errors.labels(type=err.type).inc()
-                yield sse(err.body())
-                return
-            if result is None:
-                return
-            self.metrics.finished(endpoint, result, clock)
-            RequestNote.of(result)
-            for c in out.last(req.include_usage, result):
-                yield sse(c)
-            yield sse("[DONE]")
-        finally:
-            cancel.set()  # the client went away (or we are done): stop generating
+        return await self.responder.respond(request, "/v1/completions", req, prompt_ids, chat=False)
 
 
 def cloud_health(url: str, tls_ca: str | None = None, timeout_s: float = 3.0) -> dict:
@@ -407,120 +213,3 @@ def cloud_health(url: str, tls_ca: str | None = None, timeout_s: float = 3.0) ->
     except (OSError, ValueError) as e:
         return {"url": url, "status": "unreachable", "error": str(getattr(e, "reason", None) or e)}
     return {"url": url, "status": "ok" if status == "ok" else status, "fingerprint": fingerprint}
-
-
-@dataclass
-class RequestNote:
-    """What a generation request's log line adds: its prompt tokens and how many were reused."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-    @staticmethod
-    def of(result: GenerationResult) -> None:
-        """Note a finished request's counts for `RequestLog` (in the request's context)."""
-        if (note := REQUEST_NOTE.get()) is not None:
-            note.prompt_tokens, note.cached_tokens = len(result.prompt_ids), result.stats.cached_tokens
-
-    def __str__(self) -> str:
-        return f", {self.prompt_tokens} prompt tokens, {self.cached_tokens} reused" if self.prompt_tokens else ""
-
-
-REQUEST_NOTE: ContextVar[RequestNote | None] = ContextVar("splitlm_request_note", default=None)
-
-
-class RequestLog:
-    """ASGI middleware: one log line per request (method, route, status, duration, and for a generation
-    its prompt tokens and how many were reused from the prefix pool; never any text)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), [500]
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        note = RequestNote()
-        REQUEST_NOTE.set(note)  # this task's context, and the tasks it starts (a streamed body)
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            quiet = scope["path"] in ("/healthz", "/metrics")  # polled: only with -v
-            (log.debug if quiet else log.info)(
-                "%s %s %d %.0f ms%s",
-                scope["method"],
-                scope["path"],
-                status[0],
-                (time.perf_counter() - start) * 1000,
-                note,
-            )
-
-
-def listen_socket(host: str, port: int):
-    """A bound, listening socket, so that a busy port is an error before anything claims to serve."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise SplitLMError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    except OverflowError:
-        sock.close()
-        raise SplitLMError(f"cannot listen on {host}:{port}: not a port number") from None
-    return sock
-
-
-@contextlib.contextmanager
-def serving(app, log_level: str = "warning", timeout_s: float = 30.0) -> Iterator[str]:
-    """Serve an ASGI `app` (an `EdgeAPI`'s, possibly wrapped) with uvicorn in a thread on a free loopback
-    port, for tests and benchmarks; yields its base URL once it has started (or `timeout_s` passed)."""
-    import uvicorn
-
-    sock = listen_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
-def serve(edge: Edge, config: APIConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the API with uvicorn until interrupted."""
-    import uvicorn
-
-    sock = listen_socket(host, port)
-    api = EdgeAPI(edge, config)
-    if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
-        log.warning("listening on %s without an API key: anyone who can reach it can use the model", host)
-    log.info(
-        "serving model '%s' on http://%s:%d/v1 (cloud %s%s)",
-        config.model_name,
-        host,
-        sock.getsockname()[1],
-        ",".join(edge.cloud_urls),
-        ", API key required" if config.api_key else "",
-    )
-    server = uvicorn.Server(uvicorn.Config(RequestLog(api.app), log_level="warning", access_log=False))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        api.close()
-        sock.close()

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from splitlm.decoding.logprobs import LogprobRecorder, TokenLogprob
-from splitlm.edge.api_requests import GenerationRequest
+from splitlm.edge.api_requests import APIRequest
 from splitlm.edge.api_tools import CallFilter, ToolCall, read_calls
 from splitlm.edge.results import GenerationResult
 from splitlm.edge.text import TextCodec
@@ -92,7 +92,7 @@ class Answer:
 class AnswerBuilder:
     """One request's answer, from its text pieces (streaming) or its whole result."""
 
-    def __init__(self, req: GenerationRequest, chat: bool, token_bytes: TokenBytes):
+    def __init__(self, req: APIRequest, chat: bool, token_bytes: TokenBytes):
         self.req, self.chat, self.token_bytes = req, chat, token_bytes
         self.recorder = None if req.logprobs is None else LogprobRecorder(req.logprobs)
         self.calls = CallFilter(req.tools, req.parallel_tool_calls) if chat and req.reads_calls else None

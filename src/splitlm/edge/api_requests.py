@@ -39,7 +39,7 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (OpenAI's limit)
 
 
 @dataclass
-class GenerationRequest:
+class APIRequest:
     model: str
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     prompt: str | list[int] | None = None  # completions: text or token ids
@@ -196,7 +196,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top or 0
 
 
-def _common(body: dict, default_temperature: float, chat: bool) -> GenerationRequest:
+def _common(body: dict, default_temperature: float, chat: bool) -> APIRequest:
     check_json(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -224,7 +224,7 @@ def _common(body: dict, default_temperature: float, chat: bool) -> GenerationReq
             raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     include_usage = stream and bool(options) and _bool(options, "include_usage", "stream_options.include_usage")
     grammar = response_format(body)
-    return GenerationRequest(
+    return APIRequest(
         model,
         max_tokens=max_tokens,
         sampling=sampling,
@@ -313,7 +313,7 @@ def _check_tool_results(turns: list[Turn]) -> None:
             )
 
 
-def _tools(body: dict, req: GenerationRequest) -> None:
+def _tools(body: dict, req: APIRequest) -> None:
     """`tools`, `tool_choice`, `parallel_tool_calls`; a forced call becomes the request's grammar."""
     req.tools = parse_tools(body)
     req.tool_choice = parse_tool_choice(body, req.tools)
@@ -323,7 +323,7 @@ def _tools(body: dict, req: GenerationRequest) -> None:
         req.grammar_param = "tools"
 
 
-def parse_chat(body, default_temperature: float = 1.0) -> GenerationRequest:
+def parse_chat(body, default_temperature: float = 1.0) -> APIRequest:
     """A /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -338,7 +338,7 @@ def parse_chat(body, default_temperature: float = 1.0) -> GenerationRequest:
     return req
 
 
-def parse_completion(body, vocab_size: int, default_temperature: float = 1.0) -> GenerationRequest:
+def parse_completion(body, vocab_size: int, default_temperature: float = 1.0) -> APIRequest:
     """A /v1/completions body; the prompt is a string, a list of one string, or token ids."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

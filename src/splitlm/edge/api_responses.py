@@ -54,34 +54,6 @@ def completion_body(
     }
 
 
-def chunk(
-    rid: str,
-    chat: bool,
-    text: str | None,
-    model: str,
-    fingerprint: str,
-    finish: str | None = None,
-    role: bool = False,
-    logprobs: dict | None = None,
-    tool_calls: list[dict] | None = None,
-) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": fingerprint,
-        "choices": [choice],
-    }
-
-
 def call_deltas(calls: list[ToolCall]) -> list[list[dict]]:
     """Streamed tool calls, OpenAI's way: per call a chunk's `tool_calls` with its index, id and name
     (arguments empty), then one with its arguments."""
@@ -98,8 +70,30 @@ class Chunks:
     def __init__(self, rid: str, chat: bool, model: str, fingerprint: str, answer: AnswerBuilder):
         self.rid, self.chat, self.model, self.fingerprint, self.answer = rid, chat, model, fingerprint, answer
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, **extra) -> dict:
-        return chunk(self.rid, self.chat, text, self.model, self.fingerprint, finish, role, **extra)
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        role: bool = False,
+        logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict:
+        """One chunk: a piece of text (`role`: the chat's opening one), its logprobs, tool calls, or the end."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        return {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [choice],
+        }
 
     def delta(self, delta: Delta) -> dict | None:
         """A streamed piece (None when it shows nothing: text held back as a possible tool call)."""

@@ -1,6 +1,6 @@
 """Multi-turn chat over one cloud session: each turn sends only the tokens its caches lack.
 
-    with Edge("split/edge", url, cache_policy="sealed") as edge:
+    with Edge("split/edge", url, EdgeConfig(cache_policy="sealed")) as edge:
         chat = edge.conversation()
         print(chat.say("Name a colour.").text)
         print(chat.say("And another one?").text)
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from splitlm import SplitLMError
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.sampling import SamplingConfig
+from splitlm.edge.request import GenerationRequest
 from splitlm.edge.results import GenerationResult, Stream
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Conversation:
         self.turns: list[GenerationResult] = []
 
     def render(self) -> list[int]:
-        return self.edge.encode_messages(self.messages)
+        return self.edge.text.encode_messages(self.messages)
 
     def _turn(self, user: str, max_new_tokens: int) -> Iterator[tuple[str, GenerationResult | None]]:
         self.messages.append({"role": "user", "content": user})
@@ -64,9 +65,8 @@ class Conversation:
             self.session.crop(keep)
         result = None
         try:
-            for delta, result in self.edge.run_ids(
-                ids, max_new_tokens, True, self.spec, self.sampling, session=self.session, cached=keep
-            ):
+            request = GenerationRequest(ids, max_new_tokens, spec=self.spec, sampling=self.sampling)
+            for delta, result in self.edge.run_ids(request, self.session, keep):
                 yield delta, result
         except BaseException:  # interrupted (stream closed, Ctrl-C, an error): as if the turn never happened
             self.messages.pop()

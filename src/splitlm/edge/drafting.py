@@ -5,20 +5,26 @@ configuration and the pools of step budgets. Built on first use; never sent."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from splitlm import SplitLMError
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.head import HeadRunner, load_head
-from splitlm.decoding.modes import SpecConfig
+from splitlm.decoding.modes import SpecConfig, make_drafter, spec_mode
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.connections import Pool
 from splitlm.edge.onnx_runtime import OnnxEdge
 from splitlm.edge.text import TextCodec
 from splitlm.model.shards import EdgeModel
+
+if TYPE_CHECKING:
+    from splitlm.decoding.drafters import Drafter
+    from splitlm.edge.grammars import EdgeGrammars
 
 
 def memory_key(spec: SpecConfig) -> tuple:
@@ -109,3 +115,14 @@ class DraftState:
                     lambda: StepBudget(max_nodes=spec.budget_nodes, fixed_nodes=spec.max_nodes, cost=spec.cost)
                 )
             return self._budgets[key]
+
+    def drafter(self, spec: SpecConfig, grammars: EdgeGrammars) -> tuple[Drafter, DraftMemory | None]:
+        """The drafter of a request, and the memory it keeps across requests (None if it keeps none)."""
+        mode = spec_mode(spec.mode)
+        corpus = self.corpus_model() if mode.needs_corpus else None
+        memory = self.draft_memory(spec) if mode.needs_memory else None
+        text = grammars.text_view() if mode.needs_text else None
+        try:
+            return make_drafter(spec, corpus, memory, text), memory
+        except ValueError as e:
+            raise SplitLMError(str(e)) from None

@@ -95,6 +95,10 @@ class CloudView:
         self.pending = tokens if retained else 0
         self.committed = self.committed + context if retained else 0
 
+    def rebuilt(self, n: int) -> None:
+        """A new session was sent the first `n` committed rows as blocks of their own (a replay's rebuild)."""
+        self.committed = n
+
     def counted(self, cache_len: int) -> None:
         """The cloud's own count of its cache after the pending block (a window trims it)."""
         self.committed = cache_len - self.pending

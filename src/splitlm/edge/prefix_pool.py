@@ -7,7 +7,7 @@ crops both sides to the longest common run of token ids and prefills only the re
 finishes, the state (now holding prompt + answer) goes back to the pool under those ids.
 
     pool = PrefixPool(edge, PoolLimits(sessions=4, megabytes=256, ttl_s=300))
-    for piece in pool.stream(prompt_ids, 128, spec="auto"):   # Edge.stream's arguments
+    for piece in pool.stream(GenerationRequest(prompt_ids, 128, spec="auto")):
         ...
 
 The endpoint decides (`reuse_allowed`): under `none` nothing is pooled; under `window:N` only
@@ -25,12 +25,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitlm import SplitLMError
-from splitlm.decoding.modes import SpecConfig
-from splitlm.decoding.sampling import SamplingConfig
 from splitlm.edge.conversation import common_prefix
+from splitlm.edge.request import GenerationRequest
 from splitlm.edge.results import GenerationResult, Stream
 from splitlm.edge.session import EdgeSession
 from splitlm.edge.stream_prefill import Interrupted
@@ -145,42 +144,33 @@ class PrefixPool:
     # -- the entry point -----------------------------------------------------------------------------
     def stream(
         self,
-        prompt: str | list[int],
-        max_new_tokens: int = 128,
-        chat: bool = False,
-        stop_at_eos: bool = True,
-        spec: SpecConfig | str | None = None,
-        sampling: SamplingConfig | None = None,
-        stop: str | list[str] | None = None,
-        *,
+        request: GenerationRequest,
         cache_policy: str | CachePolicy | None = None,
         interrupt: Callable[[], bool] | None = None,
-        **options,
     ) -> Stream:
-        """`Edge.stream` (same arguments; others in `options` go to it as they are) from the longest
-        pooled prefix the request's cache policy (default: the edge's) allows; the state goes back to
-        the pool after the request, or, if it was cancelled, cropped back to what was committed.
-        `interrupt`: asked between a long prefill's chunks; True ends the request there, without a result."""
-        prompt_ids = self.edge.text.prompt_ids(prompt, chat)
+        """`Edge.stream` of `request` from the longest pooled prefix the request's cache policy (default:
+        the edge's) allows; the state goes back to the pool after the request, or, if it was cancelled,
+        cropped back to what was committed. `interrupt`: asked between a long prefill's chunks; True
+        ends the request there, without a result."""
+        prompt_ids = self.edge.text.prompt_ids(request.prompt, request.chat)
         try:
             policy = CachePolicy.parse(cache_policy) if cache_policy else self.edge.cache_policy
         except ValueError as e:
             raise SplitLMError(str(e)) from None
-        options = dict(stop_at_eos=stop_at_eos, spec=spec, sampling=sampling, stop=stop, **options)
-        return Stream(self._run(prompt_ids, max_new_tokens, policy, options, interrupt))
+        request = replace(request, prompt=prompt_ids, chat=False)
+        return Stream(self._run(request, prompt_ids, policy, interrupt))
 
     def _run(
         self,
+        request: GenerationRequest,
         prompt_ids: list[int],
-        max_new_tokens: int,
         policy: CachePolicy,
-        options: dict,
         interrupt: Callable[[], bool] | None = None,
     ) -> Iterator[tuple[str, GenerationResult | None]]:
-        lease = self.checkout(prompt_ids, policy, len(prompt_ids) + max_new_tokens)
+        lease = self.checkout(prompt_ids, policy, len(prompt_ids) + request.max_new_tokens)
         lease.session.interrupt = interrupt
         try:
-            result = yield from self._generate(lease, prompt_ids, max_new_tokens, options)
+            result = yield from self._generate(lease, request)
         except Interrupted:  # its caller asked it to stop: nothing to report
             self.release(lease, prompt_ids[: lease.cached])
             return
@@ -195,11 +185,11 @@ class PrefixPool:
             raise
         self.release(lease, (prompt_ids + result.token_ids)[: lease.session.length])
 
-    def _generate(self, lease: Lease, prompt_ids: list[int], max_new_tokens: int, options: dict):
+    def _generate(self, lease: Lease, request: GenerationRequest):
         """The request on the lease's session; a pooled one whose cloud session has gone (expired,
         closed by the cloud) before the first token: again on a fresh session, from the start."""
         try:
-            return (yield from self._pieces(lease, prompt_ids, max_new_tokens, options))
+            return (yield from self._pieces(lease, request))
         except CloudError as e:
             if not lease.cached or e.retryable or lease.session.stats.new_tokens:
                 raise
@@ -210,10 +200,10 @@ class PrefixPool:
             session = self.fresh(lease.session.policy)  # if it fails, the caller closes the lost one (once)
             close_quietly(lease.session)
             session.interrupt, lease.session, lease.cached = lease.session.interrupt, session, 0
-            return (yield from self._pieces(lease, prompt_ids, max_new_tokens, options))
+            return (yield from self._pieces(lease, request))
 
-    def _pieces(self, lease: Lease, prompt_ids: list[int], max_new_tokens: int, options: dict):
-        stream = self.edge.stream(prompt_ids, max_new_tokens, session=lease.session, cached=lease.cached, **options)
+    def _pieces(self, lease: Lease, request: GenerationRequest):
+        stream = Stream(self.edge.run_ids(request, lease.session, lease.cached))
         try:
             for piece in stream:
                 yield piece, None

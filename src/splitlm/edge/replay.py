@@ -120,5 +120,5 @@ def rebuild(link: CloudLink, upto: int, then: int) -> int:
             client.send_forward(link.id, request, link.wire_dtype, max(h.numel(), link.backend.vocab.size))
         )
         done += n
-        link.cloud.committed = done
+        link.cloud.rebuilt(done)
     return done

@@ -1,11 +1,11 @@
 """Edge runtime: open a cloud session, run head and tail layers locally, decode.
 
-    with Edge("split/edge", "ws://127.0.0.1:8765") as edge:
+    with Edge("split/edge", "ws://127.0.0.1:8765", EdgeConfig(wire_dtype="fp32")) as edge:
         result = edge.generate("Write a haiku about the sea.", max_new_tokens=64, chat=True)
-        for piece in edge.stream("Hello"):
+        for piece in edge.stream(GenerationRequest("Hello", stop=["."])):
             print(piece, end="")
 
-`Edge` is the user's API (generate, stream, conversations, encode/decode); what it is made of lives
+`Edge` is the user's API (generate, stream, conversations; `edge.text` encodes and decodes); what it is made of lives
 in modules of their own: the layers behind one interface (`splitlm.edge.backends`), the connections
 to the clouds (`splitlm.edge.connections`), the tokenizer and streamed text (`splitlm.edge.text`),
 the drafters' state across requests (`splitlm.edge.drafting`) and the sessions
@@ -22,27 +22,26 @@ from typing import TYPE_CHECKING
 
 from splitlm import SplitLMError
 from splitlm.decoding.auto import DraftMemory
-from splitlm.decoding.corpus import NgramModel
 from splitlm.decoding.drafters import Drafter
-from splitlm.decoding.grammar import GrammarSpec, grammar_from_format
+from splitlm.decoding.grammar import GrammarSpec
 from splitlm.decoding.logprobs import LogprobRecorder
-from splitlm.decoding.modes import SpecConfig, make_drafter, spec_mode
+from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.pipeline import pipelined_decode
 from splitlm.decoding.sampling import SamplingConfig, sample_decode
 from splitlm.decoding.speculative import SpecStats, speculative_decode
 from splitlm.edge.backends import load_model, make_backend
-from splitlm.edge.connections import FAILOVER_TIMEOUT_S, ClientSettings, CloudConnections
+from splitlm.edge.config import EdgeConfig
+from splitlm.edge.connections import CloudConnections
 from splitlm.edge.drafting import DraftState
 from splitlm.edge.grammars import EdgeGrammars, constrained_steps
 from splitlm.edge.link import StepObserver
 from splitlm.edge.onnx_runtime import parse_onnx_device
 from splitlm.edge.prefill import PrefillCosts
+from splitlm.edge.request import GenerationRequest, as_spec, request_of, spec_label
 from splitlm.edge.results import GenerationResult, GenerationStats, Stream, format_stats  # noqa: F401 (re-exported)
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, SessionSetup
 from splitlm.edge.text import TextCodec, text_pieces
-from splitlm.edge.vocab import VocabSubset, resolve_vocab
-from splitlm.transport.client import PING_INTERVAL_S
-from splitlm.transport.codecs import check_wire_dtype
+from splitlm.edge.vocab import resolve_vocab
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -50,109 +49,38 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
-    """A SpecConfig from a mode name (`splitlm.decoding.modes.SPEC_MODES`)."""
-    try:
-        if isinstance(spec, str):
-            return SpecConfig(spec)
-        return spec or SpecConfig()
-    except ValueError as e:
-        raise SplitLMError(str(e)) from None
-
-
-def spec_label(spec: SpecConfig, sampling: SamplingConfig) -> str:
-    """How a request decodes, for its stats: `auto`, `lookahead pipelined`, `none (sampling)`, ..."""
-    return (
-        spec.mode
-        + (" pipelined" if spec.pipeline and spec.mode != "none" else "")
-        + ("" if sampling.plain_greedy else " (sampling)")
-    )
+__all__ = ["Edge", "EdgeConfig", "GenerationRequest", "GenerationResult", "GenerationStats", "Stream", "as_spec"]
 
 
 class Edge:
     """The edge side of a split model, connected to a cloud server (one of a list, to fail over to)."""
 
-    def __init__(
-        self,
-        edge_dir: str | Path,
-        cloud_url: str | list[str],
-        wire_dtype: str = "auto",
-        timeout_s: float = 60.0,
-        *,
-        cache_policy: str | None = "session",
-        identity=None,
-        cloud_key=None,
-        known_hosts=None,
-        tls_ca=None,
-        rekey=None,
-        vocab: str | VocabSubset | None = "all",
-        device: str = "auto",
-        dtype: str = "auto",
-        failover_timeout_s: float = FAILOVER_TIMEOUT_S,
-        ping_interval_s: float | None = PING_INTERVAL_S,
-        prefill_chunk: int | str = "auto",
-        edge_adapter: str | Path | None = None,
-    ):
+    def __init__(self, edge_dir: str | Path, cloud_url: str | list[str], config: EdgeConfig | None = None):
         """cloud_url: one URL, or several (a list, or comma-separated) that serve the same cloud shard:
         when the connection or the cloud dies mid-request, a session reconnects (the same or the next
-        one, with backoff, for at most `failover_timeout_s` seconds) and replays what the cloud lost
-        (`EdgeSession.failover`); the output is the same as without the fault.
-        ping_interval_s: keepalive pings both ways (a link that answers none for as long is dead); None = off.
-        identity, cloud_key, known_hosts, tls_ca, rekey: see `splitlm.transport.client.CloudClient`
-        (defaults: the client identity in the config dir, trust-on-first-use of the cloud's key).
-        wire_dtype `auto`: fp16, or bf16 for Gemma, whose activations exceed fp16's range.
-        cache_policy: what the cloud may keep between requests (`splitlm.transport.policy`): none,
-        session, window:N or sealed; each session may choose its own.
-        vocab: the token ids the model may emit (`splitlm.edge.vocab`): all, en, zh or an allow-list
-        file; a split-head cloud computes partial logits for these only.
-        device, dtype: where the edge's layers run and in which precision (`splitlm.model.device`;
-        default auto: CUDA in bf16 where present, else the CPU in fp32); `onnx` or `onnx:int8`: the graphs of
-        `splitlm export-onnx` in ONNX Runtime on the CPU (`splitlm.edge.onnx_runtime`).
-        prefill_chunk: how a prompt goes up (`splitlm.edge.prefill`): `auto` streams it in pipelined
-        chunks when the measured link and compute say that is sooner; N: in chunks of N tokens;
-        0: in one forward (in chunks one after another only where the cloud's limits demand it).
-        edge_adapter: a `peft` LoRA adapter directory of the full model, merged into the edge's layers
-        (`splitlm.edge.adapters`); it must touch only modules the edge holds, and never leaves the edge."""
-        try:
-            self.cache_policy = CachePolicy.parse(cache_policy or "session")  # parsed once, here
-        except ValueError as e:
-            raise SplitLMError(str(e)) from None
-        if prefill_chunk != "auto" and (type(prefill_chunk) is not int or prefill_chunk < 0):
-            raise SplitLMError(f"prefill_chunk must be auto or a number of tokens >= 0, not {prefill_chunk!r}")
-        self.prefill_chunk = prefill_chunk
+        one, with backoff, for at most `config.failover_timeout_s` seconds) and replays what the cloud
+        lost (`EdgeSession.failover`); the output is the same as without the fault. `config`: how it
+        connects and runs its layers (`splitlm.edge.config.EdgeConfig`; default: its defaults)."""
+        self.config = config = config or EdgeConfig()
+        self.cache_policy = config.policy()  # parsed once, here
+        self.prefill_chunk = config.prefill_chunk
         self.prefill_costs = PrefillCosts()  # what each stage of a streamed prefill costs, as measured
         self.observer: StepObserver | None = None  # sees the sessions' forwards and results (`splitlm.bench.trace`)
         self.edge_dir = Path(edge_dir)
-        self.onnx = parse_onnx_device(device)  # None, or the precision of the ONNX Runtime graphs
-        self.model, self.device = load_model(self.edge_dir, device, dtype, edge_adapter)
+        self.onnx = parse_onnx_device(config.device)  # None, or the precision of the ONNX Runtime graphs
+        self.model, self.device = load_model(self.edge_dir, config.device, config.dtype, config.edge_adapter)
         self.cfg = self.model.cfg
-        try:
-            self.wire_dtype = check_wire_dtype(self.cfg.wire_dtype if wire_dtype == "auto" else wire_dtype)
-        except ValueError as e:
-            raise SplitLMError(str(e)) from None
+        self.wire_dtype = config.wire(self.cfg.wire_dtype)
         self.text = TextCodec(self.edge_dir)  # the tokenizer, and the lock its users share
         self.tokenizer = self.text.tokenizer
         self.split_head = self.model.split_head
-        self.vocab = resolve_vocab(vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.vocab = resolve_vocab(config.vocab, self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
         self.grammars = EdgeGrammars(self.text, self.cfg.vocab_size, self.cfg.eos_token_ids)  # constrained decoding
         self.backend = make_backend(self.model, self.vocab, self.device)  # what every session runs on the edge
         self.dtype = self.backend.dtype
         self.drafting = DraftState(self.edge_dir, self.model, self.device, self.text, self.backend.final_hidden)
-        self.connections = CloudConnections(
-            cloud_url,
-            ClientSettings(
-                self.model.manifest.fingerprint,
-                timeout_s,
-                identity,
-                cloud_key,
-                known_hosts,
-                tls_ca,
-                rekey,
-                ping_interval_s,
-            ),
-            failover_timeout_s,
-        )
+        settings = config.client_settings(self.model.manifest.fingerprint)
+        self.connections = CloudConnections(cloud_url, settings, config.failover_timeout_s)
         self.cloud_urls = self.connections.urls
         self.client = self.connections.connect()  # the first connection: fail early if the cloud cannot be reached
         self.connections.give(self.client)
@@ -181,31 +109,9 @@ class Edge:
                 f"{self.context_length} (prompt and answer together); shorten the prompt"
             )
 
-    def corpus_documents(self) -> list[str]:
-        """Local text for the `auto` drafter (`DraftState.corpus_documents`)."""
-        return self.drafting.corpus_documents()
-
-    def corpus_model(self) -> NgramModel | None:
-        """The n-gram model of local text the `auto-window` drafter uses (`DraftState.corpus_model`)."""
-        return self.drafting.corpus_model()
-
-    def draft_memory(self, spec: SpecConfig) -> DraftMemory:
-        """What the memory-keeping drafters keep across this edge's requests (`DraftState.draft_memory`)."""
-        return self.drafting.draft_memory(spec)
-
     def open_session(self, cache_policy: str | CachePolicy | None = None) -> EdgeSession:
         """A cloud session of its own (a connection from the pool) with the edge's caches for it."""
-        setup = SessionSetup(
-            self.backend,
-            self.connections,
-            self.wire_dtype,
-            self.cache_policy,
-            self.model.manifest.head,
-            self.prefill_chunk,
-            self.prefill_costs,
-            self.observer,
-        )
-        return EdgeSession(setup, cache_policy)
+        return EdgeSession(SessionSetup.of(self), cache_policy)
 
     def conversation(
         self,
@@ -219,33 +125,9 @@ class Edge:
 
         return Conversation(self, system, as_spec(spec), cache_policy, sampling)
 
-    @property
-    def has_chat_template(self) -> bool:
-        """Whether prompts can be wrapped in the model's chat template (what `--chat` defaults to)."""
-        return self.text.has_chat_template
-
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        return self.text.encode(prompt, chat)
-
-    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation [{"role": "system"|"user"|"assistant", "content": str}, ...] in the
-        chat template, ending where the assistant's next answer begins; `tools`: function definitions,
-        for a template that lays them out (`TextCodec.template_takes_tools`)."""
-        return self.text.encode_messages(messages, tools)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.text.decode(ids)
-
     def _drafter(self, spec: SpecConfig) -> tuple[Drafter, DraftMemory | None]:
-        """The drafter of a request, and the memory it keeps across requests (None if it keeps none)."""
-        mode = spec_mode(spec.mode)
-        corpus = self.corpus_model() if mode.needs_corpus else None
-        memory = self.draft_memory(spec) if mode.needs_memory else None
-        text = self.grammars.text_view() if mode.needs_text else None
-        try:
-            return make_drafter(spec, corpus, memory, text), memory
-        except ValueError as e:
-            raise SplitLMError(str(e)) from None
+        """The drafter of a request, and the memory it keeps across requests (`DraftState.drafter`)."""
+        return self.drafting.drafter(spec, self.grammars)
 
     def _request_spec(self, n_prompt: int, max_new_tokens: int, spec: SpecConfig | None) -> SpecConfig:
         """Refuse a request that cannot run; its speculative configuration (`none` where the end of the
@@ -374,85 +256,48 @@ class Edge:
                 session.close()
 
     def run_ids(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        stop_at_eos: bool,
-        spec: SpecConfig,
-        sampling: SamplingConfig | None = None,
-        stop: str | list[str] | None = None,
-        session: EdgeSession | None = None,
-        cached: int = 0,
-        *,
-        logprobs: LogprobRecorder | None = None,
-        grammar: GrammarSpec | None = None,
+        self, request: GenerationRequest, session: EdgeSession | None = None, cached: int = 0
     ) -> Iterator[tuple[str, GenerationResult | None]]:
         """Yields (new text, None) while decoding, then (last text, result). Text that could be the
         start of a stop string is held back until it is not; at a stop string the text is cut
-        (`splitlm.edge.text.text_pieces`)."""
+        (`splitlm.edge.text.text_pieces`). `session`, `cached`: see `generate_ids`."""
+        prompt_ids = self.text.prompt_ids(request.prompt, request.chat)
         steps = self.generate_ids(
-            prompt_ids, max_new_tokens, stop_at_eos, spec, sampling, session, cached, logprobs=logprobs, grammar=grammar
+            prompt_ids,
+            request.max_new_tokens,
+            request.stop_at_eos,
+            request.spec_config(),
+            request.sampling,
+            session,
+            cached,
+            logprobs=request.logprobs,
+            grammar=request.grammar(),
         )
-        return text_pieces(
-            steps, self.decode, prompt_ids, stop, set(self.cfg.eos_token_ids) if stop_at_eos else set(), logprobs
-        )
+        eos = set(self.cfg.eos_token_ids) if request.stop_at_eos else set()
+        return text_pieces(steps, self.text.decode, prompt_ids, request.stop, eos, request.logprobs)
 
     def generate(
         self,
-        prompt: str | list[int],
-        max_new_tokens: int = 128,
-        chat: bool = False,
-        stop_at_eos: bool = True,
+        prompt: str | list[int] | GenerationRequest,
+        max_new_tokens: int | None = None,
+        chat: bool | None = None,
+        stop_at_eos: bool | None = None,
         spec: SpecConfig | str | None = None,
         sampling: SamplingConfig | None = None,
-        stop: str | list[str] | None = None,
-        *,
-        logprobs: LogprobRecorder | None = None,
-        response_format=None,
     ) -> GenerationResult:
-        """Generate from a prompt (text, or token ids). `stop`: stop strings (the text ends before the
-        first one); `sampling`: temperature / top-p / top-k / seed (default greedy); `logprobs`: a
-        `LogprobRecorder(top=k)` that receives each token's log-probability (also in `result.logprobs`);
-        `response_format`: a JSON schema, pydantic class or `GrammarSpec` the output matches (`grammar_from_format`)."""
-        *_, (_, result) = self.run_ids(
-            self.text.prompt_ids(prompt, chat),
-            max_new_tokens,
-            stop_at_eos,
-            as_spec(spec),
-            sampling,
-            stop,
-            logprobs=logprobs,
-            grammar=grammar_from_format(response_format),
-        )
+        """Generate what a `GenerationRequest` asks for; or, the short form, from a prompt (text, or token
+        ids) with the common options (defaults as the request's: 128 tokens, no chat template, stop at EOS)."""
+        *_, (_, result) = self.run_ids(request_of(prompt, max_new_tokens, chat, stop_at_eos, spec, sampling))
         return result
 
     def stream(
         self,
-        prompt: str | list[int],
-        max_new_tokens: int = 128,
-        chat: bool = False,
-        stop_at_eos: bool = True,
+        prompt: str | list[int] | GenerationRequest,
+        max_new_tokens: int | None = None,
+        chat: bool | None = None,
+        stop_at_eos: bool | None = None,
         spec: SpecConfig | str | None = None,
         sampling: SamplingConfig | None = None,
-        stop: str | list[str] | None = None,
-        session: EdgeSession | None = None,
-        cached: int = 0,
-        *,
-        logprobs: LogprobRecorder | None = None,
-        response_format=None,
     ) -> Stream:
-        """Like `generate`, as text pieces (they join to its text); `session`, `cached`: see `generate_ids`."""
-        return Stream(
-            self.run_ids(
-                self.text.prompt_ids(prompt, chat),
-                max_new_tokens,
-                stop_at_eos,
-                as_spec(spec),
-                sampling,
-                stop,
-                session,
-                cached,
-                logprobs=logprobs,
-                grammar=grammar_from_format(response_format),
-            )
-        )
+        """Like `generate`, as text pieces (they join to its text)."""
+        return Stream(self.run_ids(request_of(prompt, max_new_tokens, chat, stop_at_eos, spec, sampling)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,10 +25,24 @@ from splitlm.edge.connections import CloudConnections
 from splitlm.edge.link import CloudLink, Flight, StepObserver
 from splitlm.edge.prefill import PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
+from splitlm.model.shards import EdgeModel
 from splitlm.transport.client import CloudError, lost
 from splitlm.transport.policy import CachePolicy
 
 SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
+
+
+class SessionParts(Protocol):
+    """What an edge lends its sessions (`splitlm.edge.Edge` has them)."""
+
+    backend: EdgeBackend
+    connections: CloudConnections
+    wire_dtype: str
+    cache_policy: CachePolicy
+    prefill_chunk: int | str
+    prefill_costs: PrefillCosts
+    observer: StepObserver | None
+    model: EdgeModel  # its manifest names the head layers (the control tuple's `split`)
 
 
 @dataclass
@@ -42,6 +57,20 @@ class SessionSetup:
     prefill_chunk: int | str = "auto"  # how a prompt goes up (`splitlm.edge.stream_prefill.plan_for`)
     prefill_costs: PrefillCosts = field(default_factory=PrefillCosts)  # the edge's, measured by every session
     observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
+
+    @staticmethod
+    def of(edge: SessionParts) -> SessionSetup:
+        """What `edge`'s sessions share now (its prefill setting and observer may change between sessions)."""
+        return SessionSetup(
+            edge.backend,
+            edge.connections,
+            edge.wire_dtype,
+            edge.cache_policy,
+            edge.model.manifest.head,
+            edge.prefill_chunk,
+            edge.prefill_costs,
+            edge.observer,
+        )
 
 
 class EdgeSession:

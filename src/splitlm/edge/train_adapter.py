@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,26 +41,41 @@ def text_windows(ids: list[int], seq_len: int) -> list[list[int]]:
     return [w for w in windows if len(w) >= 2]
 
 
+@dataclass(frozen=True)
+class AdapterTraining:
+    """How the adapter is fitted: LoRA of rank `rank` (scaled by `alpha`) on `targets`, `steps` steps of
+    AdamW at `lr` on windows of `seq_len` tokens; `progress`: a progress bar (default: on a terminal)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    steps: int = 40
+    lr: float = 1e-3
+    seq_len: int = 128
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    seed: int = 0
+    progress: bool | None = None
+
+
 def train_adapter(
-    model: str,
-    edge_dir: str | Path,
-    text: str,
-    out: str | Path,
-    rank: int = 8,
-    alpha: float = 16.0,
-    steps: int = 40,
-    lr: float = 1e-3,
-    seq_len: int = 128,
-    targets: tuple[str, ...] = DEFAULT_TARGETS,
-    seed: int = 0,
-    progress: bool | None = None,
+    model: str, edge_dir: str | Path, text: str, out: str | Path, training: AdapterTraining | None = None
 ) -> dict:
-    """Fit LoRA (rank `rank`) on `text` for the edge's layers of `model`; save the adapter to `out`.
+    """Fit LoRA on `text` for the edge's layers of `model` (`training`: how); save the adapter to `out`.
     Returns a report (tokens, steps, loss before and after, seconds)."""
     from peft import LoraConfig, get_peft_model
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    t = training or AdapterTraining()
+    rank, alpha, steps, lr, seq_len, targets, seed, progress = (
+        t.rank,
+        t.alpha,
+        t.steps,
+        t.lr,
+        t.seq_len,
+        t.targets,
+        t.seed,
+        t.progress,
+    )
     if rank < 1 or steps < 1 or seq_len < 2 or not lr > 0:
         raise SplitLMError("--rank and --steps must be at least 1, --seq-len at least 2, --lr positive")
     manifest = Manifest.read(Path(edge_dir), "edge")
