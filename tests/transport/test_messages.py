@@ -108,10 +108,10 @@ def test_forward_too_many_elements_is_too_large():
 
 
 def test_result_policy_and_close_round_trip():
-    res = Result(5, {"hidden": torch.randn(2, 8)}, cache_len=12, compute_s=0.25, queue_s=0.125)
+    res = Result(5, torch.randn(2, 8), cache_len=12, compute_s=0.25, queue_s=0.125)
     got = Result.from_frame(wire(res.to_frame("fp32")), 100)
     assert (got.session, got.cache_len, got.compute_s, got.queue_s) == (5, 12, 0.25, 0.125)
-    assert torch.equal(got.tensors["hidden"], res.tensors["hidden"])
+    assert torch.equal(got.hidden, res.hidden) and got.logits is None
     change = PolicyChange(CachePolicy("none"), revoke=True, key=b"k" * 32)
     assert PolicyChange.from_frame(wire(change.to_frame(3))) == change
     assert PolicyChange.from_frame(wire(PolicyChange().to_frame(3))) == PolicyChange()
@@ -140,7 +140,7 @@ def test_the_control_tuple_always_travels_through_to_meta():
     frame = Forward(torch.randn(1, 8), torch.tensor([0]), control=Control(cache=True, dtype="fp16")).to_frame(1, "fp32")
     assert frame.meta["control"] == {"dtype": "fp16"}
     assert "control" not in Forward(torch.randn(1, 8), torch.tensor([0])).to_frame(1, "fp32").meta
-    res = Result(5, {"hidden": torch.randn(1, 8)}, cache_len=1, round_trip_s=0.5, wait_s=0.25)
+    res = Result(5, torch.randn(1, 8), cache_len=1, round_trip_s=0.5, wait_s=0.25)
     assert set(res.to_frame("fp32").meta) == {"tensors", "compute_s", "queue_s", "cache_len"}
     got = Result.from_frame(wire(res.to_frame("fp32")), 100)
     assert (got.round_trip_s, got.wait_s) == (0.0, 0.0)
@@ -186,7 +186,7 @@ def test_layering(package, forbidden):
 
 
 def test_server_info_keeps_the_documented_order_and_reads_partial_limits():
-    from splitlm.transport.messages import Limits, ServerInfo
+    from splitlm.transport.hello import Limits, ServerInfo
 
     info = ServerInfo("splitlm/0.1.0", "ab" * 16, Limits(8192, 2048, 67108864))
     meta = info.to_meta()
