@@ -41,8 +41,13 @@ CARRIERS = (
     ("splitlm.decoding.step", "StepResult"),
     ("splitlm.edge.link", "Flight"),
     ("splitlm.edge.session", "Flight"),
-    ("splitlm.cloud.scheduler", "Job"),
+    ("splitlm.cloud.scheduler", "Job"),  # before issue 56 (then in cloud/runner.py)
     ("splitlm.cloud.sessions", "Step"),
+    ("splitlm.cloud.runner", "Job"),
+    ("splitlm.cloud.runner", "Step"),
+    ("splitlm.cloud.runner", "Piece"),
+    ("splitlm.cloud.runner", "PassPlan"),
+    ("splitlm.cloud.runner", "Outputs"),
 )
 
 

@@ -5,8 +5,7 @@ import threading
 import pytest
 import torch
 
-from splitlm.cloud.plan import Job, Outputs, PassPlan, Piece, Step
-from splitlm.cloud.runner import begin_step, finish_step, run_layers
+from splitlm.cloud.runner import Job, Outputs, PassPlan, Piece, Step, begin_step, finish_step, run_layers
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits, Session, SessionTable

@@ -8,9 +8,9 @@ context rows) therefore runs in chunks over several passes, keeping its place in
 the steps of other sessions that arrive meanwhile join the passes: after a pass with a chunk, the
 next pass runs only the other waiting steps (when there are any), so a step that arrives during a
 chunk's pass waits for that pass but not also for the next chunk, and a 2,048-token prefill delays
-the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
-a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone. `take` decides a pass
-(a `PassPlan` of `Piece`s, `cloud.plan`); the runner executes it on the middle layers
+the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a
+mask (a token tree, a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone.
+`take` decides a pass (a `PassPlan` of `Piece`s); the runner executes it on the middle layers
 (`cloud.runner`: rows packed for the dense layers, attention per session on its own cache); the
 scheduler answers the requests it finished or failed. Requests of a session that was closed
 meanwhile (CLOSE, its connection ended, expiry) are dropped without being computed.
@@ -28,8 +28,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from splitlm.cloud.plan import Job, Outputs, PassPlan, Piece
-from splitlm.cloud.runner import PassReport, PassRunner
+from splitlm.cloud.runner import Job, Outputs, PassPlan, PassReport, PassRunner, Piece
 from splitlm.cloud.sessions import Session
 from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
