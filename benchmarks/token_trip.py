@@ -63,12 +63,14 @@ CARRIERS = (
     ("splitlm.decoding.loop", "DecodeRequest"),
     ("splitlm.edge.link", "Flight"),
     ("splitlm.edge.session", "Flight"),
-    ("splitlm.cloud.scheduler", "Job"),
-    ("splitlm.cloud.scheduler", "PassPlan"),
-    ("splitlm.cloud.runner", "PassPlan"),
-    ("splitlm.cloud.plan", "PassPlan"),
+    ("splitlm.cloud.scheduler", "Job"),  # before issue 56 (then in cloud/runner.py)
     ("splitlm.cloud.sessions", "Step"),
+    ("splitlm.cloud.runner", "Job"),
     ("splitlm.cloud.runner", "Step"),
+    ("splitlm.cloud.runner", "Piece"),
+    ("splitlm.cloud.runner", "PassPlan"),
+    ("splitlm.cloud.runner", "Outputs"),
+    ("splitlm.cloud.scheduler", "PassPlan"),
 )
 
 # the constrained trip's output: forced keys and punctuation, small choices, a bounded string

@@ -5,17 +5,10 @@ import threading
 import pytest
 import torch
 
-from splitlm.cloud.scheduler import BatchConfig, Job, Scheduler
+from splitlm.cloud.runner import Job, Outputs, PassPlan, Piece, Step, begin_step, finish_step, run_layers
+from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.server import BackgroundServer
-from splitlm.cloud.sessions import (
-    ServerLimits,
-    Session,
-    SessionTable,
-    Step,
-    begin_step,
-    finish_step,
-    run_pass,
-)
+from splitlm.cloud.sessions import ServerLimits, Session, SessionTable
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import CloudModel, load_cloud
@@ -103,10 +96,10 @@ def test_eight_sessions_in_shared_passes_equal_each_alone(tiny_split, device, pa
 
 
 @torch.inference_mode()
-def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[dict[str, torch.Tensor] | Exception]:
+def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> list[Outputs | Exception]:
     """Several sessions' requests (at most one per session), whole, in one pass of the layers.
     Each entry of the answer is that request's reply tensors, or the error that failed it alone."""
-    answers: list[dict[str, torch.Tensor] | Exception | None] = [None] * len(jobs)
+    answers: list[Outputs | Exception | None] = [None] * len(jobs)
     steps: list[tuple[int, Step]] = []
     for i, (session, req) in enumerate(jobs):
         try:
@@ -114,7 +107,7 @@ def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> lis
         except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
             answers[i] = e
     if steps:
-        run_pass(model, [(step, step.rows) for _, step in steps])
+        run_layers(model, [(step, step.rows) for _, step in steps])
         for i, step in steps:
             try:
                 answers[i] = finish_step(model, step)
@@ -123,7 +116,7 @@ def compute_batch(model: CloudModel, jobs: list[tuple[Session, Forward]]) -> lis
     return answers
 
 
-def compute(model: CloudModel, session: Session, req: Forward) -> dict[str, torch.Tensor]:
+def compute(model: CloudModel, session: Session, req: Forward) -> Outputs:
     """One request alone on the model's device; the reply's tensors in host memory."""
     (answer,) = compute_batch(model, [(session, req)])
     if isinstance(answer, Exception):
@@ -157,8 +150,8 @@ def test_a_packed_pass_equals_each_request_alone(cloud):
         want = [compute(cloud, s, requests(d, i)[step]) for i, s in enumerate(alone)]
         got = compute_batch(cloud, [(s, requests(d, i)[step]) for i, s in enumerate(packed)])
         for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g["hidden"], w["hidden"], rtol=1e-5, atol=1e-5)
-            assert torch.equal(g["hidden"].argmax(-1), w["hidden"].argmax(-1))
+            torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-5, atol=1e-5)
+            assert torch.equal(g.hidden.argmax(-1), w.hidden.argmax(-1))
     assert [s.cache.length for s in packed] == [s.cache.length for s in alone]
 
 
@@ -172,7 +165,7 @@ def test_a_failing_request_fails_alone(cloud):
     bad = Forward(torch.randn(1, d), torch.tensor([2]), control=Control(key=b"x" * 32))
     answers = compute_batch(cloud, [(sealed, bad), (other, Forward(torch.randn(2, d), torch.arange(2)))])
     assert isinstance(answers[0], ProtocolError) and answers[0].code == ErrorCode.SEALED_KEY
-    assert answers[1]["hidden"].shape == (2, d) and other.cache.length == 2
+    assert answers[1].hidden.shape == (2, d) and other.cache.length == 2
     assert sealed.cache_shape == (2, 0)  # unchanged
 
 
@@ -182,6 +175,10 @@ def job(sid: int, rows: int, d: int = 4, tree: bool = False) -> Job:
     return Job(session, Forward(torch.zeros(rows, d), torch.arange(rows), mask))
 
 
+def plan(*pieces: tuple[Job, int]) -> PassPlan:
+    return PassPlan([Piece(j, n) for j, n in pieces])
+
+
 def test_take_is_fifo_within_the_limits(cloud):
     sched = Scheduler(cloud, BatchConfig(max_batch=3, max_batch_tokens=10, prefill_chunk=100))
     try:
@@ -189,20 +186,20 @@ def test_take_is_fifo_within_the_limits(cloud):
         sched._queue.extend(jobs)
         with sched._cv:
             first = sched.take()  # 1's second request waits for its first; the 9-row tree does not fit beside 1
-        assert first == [(jobs[0], 2), (jobs[3], 4), (jobs[4], 1)]
+        assert first == plan((jobs[0], 2), (jobs[3], 4), (jobs[4], 1))
         for j in (jobs[0], jobs[3], jobs[4]):
             sched._queue.remove(j)
         with sched._cv:
-            assert sched.take() == [(jobs[1], 1), (jobs[2], 9)]  # 10 rows
+            assert sched.take() == plan((jobs[1], 1), (jobs[2], 9))  # 10 rows
         sched._queue.remove(jobs[1])
         sched._queue.remove(jobs[2])
         big = job(6, 50, tree=True)
         sched._queue.append(big)
         with sched._cv:
-            assert sched.take() == [(jobs[5], 1)]  # the big tree does not fit beside it
+            assert sched.take() == plan((jobs[5], 1))  # the big tree does not fit beside it
         sched._queue.remove(jobs[5])
         with sched._cv:
-            assert sched.take() == [(big, 50)]  # a tree over the row limit runs alone
+            assert sched.take() == plan((big, 50))  # a tree over the row limit runs alone
     finally:
         sched.close()
 
@@ -215,7 +212,7 @@ def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
         closed.session.closed = True
         sched._queue.extend([prefill, decode, closed])
         with sched._cv:
-            assert sched.take() == [(prefill, 16), (decode, 1)]
+            assert sched.take() == plan((prefill, 16), (decode, 1))
         assert closed.future.exception().code == ErrorCode.UNKNOWN_SESSION  # dropped, never computed
         cancelled = job(5, 1)
         cancelled.future.cancel()  # its waiter went away (shutdown): dropped too
@@ -224,8 +221,8 @@ def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
         with sched._cv:
             after_a_chunk = sched.take()  # other steps wait: this pass runs them, no chunk
             pieces = sched.take()
-        assert after_a_chunk == [(decode, 1)]
-        assert [(j.session.id, n) for j, n in pieces] == [(1, 16), (2, 1), (4, 16)]
+        assert after_a_chunk == plan((decode, 1))
+        assert [(p.job.session.id, p.rows) for p in pieces] == [(1, 16), (2, 1), (4, 16)]
         assert cancelled not in sched._queue and closed not in sched._queue
     finally:
         sched.close()
@@ -246,7 +243,7 @@ def test_chunked_prefill_equals_one_pass(cloud):
         for req in reqs:
             want = compute(cloud, whole, req)
             done = sched.submit(chunked, req).result(30)
-            torch.testing.assert_close(done.tensors["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(done.outputs.hidden, want.hidden, rtol=1e-5, atol=1e-5)
             assert chunked.cache_shape == whole.cache_shape
         assert sched.passes == 7 + 1  # 50 rows in chunks of 8, then the decode step
         assert [t.rows for t in timings] == [8] * 6 + [2, 1] and {t.sessions for t in timings} == {1}

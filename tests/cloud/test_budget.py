@@ -48,7 +48,7 @@ def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_
                 cloud_forward(client, b, h[:4], list(range(4)), "fp32")
             assert e.value.code == ErrorCode.PREEMPTED and e.value.retryable
             result = cloud_forward(client, a, h, list(range(10, 310)), "fp32")  # grows to two blocks: `c` goes
-            assert result.tensors["hidden"].shape == (300, 64) and result.cache_len == 310
+            assert result.hidden.shape == (300, 64) and result.cache_len == 310
             assert set(table.sessions) == {a, d} and table.kv_reserved == 3 * BLOCK_BYTES
             assert server.server.stats.preemptions == 2 and server.server.stats.replays == 0
             cloud_forward(client, d, h[:10], list(range(10)), "fp32")

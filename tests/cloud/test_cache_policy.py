@@ -196,7 +196,7 @@ def test_control_tuple_is_validated(tiny_split, tiny_server):
                 session.link.id, "fp32"
             )
         )
-        out = Result.from_frame(reply, h.numel()).tensors["hidden"]
+        out = Result.from_frame(reply, h.numel()).hidden
         assert reply.meta["tensors"][0]["dtype"] == "int8" and out.shape == (1, edge.cfg.hidden_size)
         with pytest.raises(CloudError) as e:
             edge.client.policy(session.link.id, PolicyChange("window:3:4"))
@@ -221,7 +221,7 @@ def test_a_window_shorter_than_the_context_forgets_its_start(tiny_split, tiny_se
                     list(range(lo, hi)),
                     "fp32",
                     control=Control(cache=True),
-                ).tensors["hidden"]
+                ).hidden
                 assert state.cache.length == (min(hi, 8) if policy == "window:8" else hi)
             outputs[policy] = out[-1]
             session.close()

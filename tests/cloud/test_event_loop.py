@@ -30,9 +30,9 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
     monkeypatch.setattr(Channel, "open", spy("open", Channel.open))
     monkeypatch.setattr(Channel, "seal", spy("seal", Channel.seal))
     monkeypatch.setattr(handlers_module, "validate", spy("validate", handlers_module.validate))
-    import splitlm.cloud.scheduler as scheduler_module
+    import splitlm.cloud.runner as runner_module
 
-    monkeypatch.setattr(scheduler_module, "run_pass", spy("compute", scheduler_module.run_pass))
+    monkeypatch.setattr(runner_module, "run_layers", spy("compute", runner_module.run_layers))
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)
@@ -41,7 +41,7 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
             rows = OFFLOAD_BYTES // (64 * 4) + 8  # a frame over the offload size, both ways
             for names in seen.values():  # only the large FORWARD and its RESULT
                 names.clear()
-            out = cloud_forward(client, sid, torch.randn(rows, 64), list(range(rows)), "fp32").tensors["hidden"]
+            out = cloud_forward(client, sid, torch.randn(rows, 64), list(range(rows)), "fp32").hidden
             assert out.shape == (rows, 64)
         finally:
             client.close()
@@ -53,9 +53,9 @@ def test_large_frames_are_handled_off_the_event_loop(tiny_split, monkeypatch):
 
 
 def test_the_loop_answers_health_checks_while_a_long_pass_runs(tiny_split, monkeypatch):
-    import splitlm.cloud.scheduler as scheduler_module
+    import splitlm.cloud.runner as runner_module
 
-    real = scheduler_module.run_pass
+    real = runner_module.run_layers
     running = threading.Event()
 
     def slow(model, pieces):
@@ -63,7 +63,7 @@ def test_the_loop_answers_health_checks_while_a_long_pass_runs(tiny_split, monke
         time.sleep(1.5)
         return real(model, pieces)
 
-    monkeypatch.setattr(scheduler_module, "run_pass", slow)
+    monkeypatch.setattr(runner_module, "run_layers", slow)
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud") as server:
         client = CloudClient(server.url, fp)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import splitlm.cloud.scheduler as scheduler_module
+import splitlm.cloud.runner as runner_module
 from conftest import scrape_metrics
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
@@ -41,14 +41,14 @@ def wait_for(condition, what: str, timeout: float = 10.0) -> None:
 @pytest.fixture()
 def gate(monkeypatch):
     """While cleared, holds the cloud's compute thread inside its next pass (FORWARDs stay in flight)."""
-    release, run_pass = threading.Event(), scheduler_module.run_pass
+    release, run_layers = threading.Event(), runner_module.run_layers
     release.set()
 
     def held(model, pieces):
         release.wait(20)
-        return run_pass(model, pieces)
+        return run_layers(model, pieces)
 
-    monkeypatch.setattr(scheduler_module, "run_pass", held)
+    monkeypatch.setattr(runner_module, "run_layers", held)
     yield release
     release.set()
 

@@ -12,7 +12,7 @@ from conftest import scrape_metrics
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.shards import Manifest
-from splitlm.transport.client import CloudClient, CloudError
+from splitlm.transport.client import ClientOptions, CloudClient, CloudError
 from splitlm.transport.crypto import DirectionKeys, SendCipher
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
@@ -198,7 +198,7 @@ def test_limits(tiny_split, fingerprint):
 
 def test_server_not_running():
     with pytest.raises(CloudError, match="cannot reach the cloud"):
-        CloudClient("ws://127.0.0.1:9", "x", timeout_s=5)
+        CloudClient("ws://127.0.0.1:9", "x", ClientOptions(timeout_s=5))
 
 
 def test_handshake_timeout_closes_the_connection(tiny_split):

@@ -183,7 +183,7 @@ def test_serve_cloud_of_1b_shard_holds_about_the_shard(split_1b):
         client = CloudClient(f"ws://127.0.0.1:{port}", Manifest.read(shard, "cloud").fingerprint)
         try:  # one forward touches every weight of the shard
             sid = client.open(Open("fp16")).session
-            out = cloud_forward(client, sid, torch.randn(4, 2048), [0, 1, 2, 3], "fp16").tensors["hidden"]
+            out = cloud_forward(client, sid, torch.randn(4, 2048), [0, 1, 2, 3], "fp16").hidden
         finally:
             client.close()
         assert out.shape == (4, 2048) and torch.isfinite(out).all()

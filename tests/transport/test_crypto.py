@@ -39,8 +39,8 @@ from splitlm.transport.frames import (
     unpack_tensors,
 )
 from splitlm.transport.handshake import ClientHandshake, server_handshake
+from splitlm.transport.hello import Hello, Limits, ServerInfo
 from splitlm.transport.keys import Identity
-from splitlm.transport.messages import Hello, Limits, ServerInfo
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 KEYS = DirectionKeys(bytes(range(32)), bytes(range(100, 112)))

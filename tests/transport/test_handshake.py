@@ -11,13 +11,13 @@ from cryptography.x509.oid import NameOID
 
 from splitlm.cloud.server import BackgroundServer
 from splitlm.edge import Edge, EdgeConfig
-from splitlm.transport.client import CloudClient, CloudError
+from splitlm.transport.client import ClientOptions, CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import Frame, MsgType, decode_frame, encode_frame
 from splitlm.transport.handshake import ClientHandshake, server_handshake
+from splitlm.transport.hello import Hello, ServerInfo
 from splitlm.transport.keys import KnownHosts, generate_identity, write_identity
-from splitlm.transport.messages import Hello, ServerInfo
 
 SHARD_FP = "0ea3882e8a74dced859753008aee3085"
 INFO = {"server": "test", "fingerprint": SHARD_FP, "limits": {}}
@@ -158,7 +158,8 @@ def expect(code, fn, *args, **kwargs):
 
 def test_pinned_cloud_key(tiny_split, locked_server, keys, tmp_path):
     fp = shard_fp(tiny_split)
-    client = CloudClient(locked_server.url, fp, identity=tmp_path / "alice.key", cloud_key=tmp_path / "cloud.pub")
+    options = ClientOptions(identity=tmp_path / "alice.key", cloud_key=tmp_path / "cloud.pub")
+    client = CloudClient(locked_server.url, fp, options)
     assert client.cloud_fingerprint == keys["cloud"].fingerprint == locked_server.fingerprint
     assert client.info.fingerprint == fp
     client.close()
@@ -167,8 +168,7 @@ def test_pinned_cloud_key(tiny_split, locked_server, keys, tmp_path):
         CloudClient,
         locked_server.url,
         fp,
-        identity=tmp_path / "alice.key",
-        cloud_key=keys["mallory"].fingerprint,
+        ClientOptions(identity=tmp_path / "alice.key", cloud_key=keys["mallory"].fingerprint),
     )
     assert keys["cloud"].fingerprint in msg and "--cloud-key" in msg
 
@@ -178,14 +178,14 @@ def test_trust_on_first_use_and_a_changed_key(tiny_split, tmp_path):
     first, second = generate_identity(), generate_identity()
     with BackgroundServer(tiny_split / "cloud", identity=first) as server:
         url, port = server.url, server.server.port
-        CloudClient(url, fp, known_hosts=hosts).close()
+        CloudClient(url, fp, ClientOptions(known_hosts=hosts)).close()
         assert hosts.read_text() == f"127.0.0.1:{port} {first.fingerprint}\n"
-        CloudClient(url, fp, known_hosts=hosts).close()  # known and unchanged
+        CloudClient(url, fp, ClientOptions(known_hosts=hosts)).close()  # known and unchanged
     with BackgroundServer(tiny_split / "cloud", identity=second, port=port) as server:
-        msg = expect(ErrorCode.SERVER_KEY_MISMATCH, CloudClient, url, fp, known_hosts=hosts)
+        msg = expect(ErrorCode.SERVER_KEY_MISMATCH, CloudClient, url, fp, ClientOptions(known_hosts=hosts))
         assert str(hosts) in msg and "line 1" in msg and second.fingerprint in msg
         hosts.write_text("# the cloud was re-keyed; old line removed by hand\n")
-        CloudClient(url, fp, known_hosts=hosts).close()
+        CloudClient(url, fp, ClientOptions(known_hosts=hosts)).close()
         assert KnownHosts(hosts).lookup(f"127.0.0.1:{port}") == (2, second.fingerprint)
 
 
@@ -195,8 +195,7 @@ def test_an_unlisted_client_is_refused(tiny_split, locked_server, tmp_path, keys
         CloudClient,
         locked_server.url,
         shard_fp(tiny_split),
-        identity=tmp_path / "mallory.key",
-        cloud_key=locked_server.fingerprint,
+        ClientOptions(identity=tmp_path / "mallory.key", cloud_key=locked_server.fingerprint),
     )
     assert keys["mallory"].fingerprint in msg and "allowed clients" in msg
 
@@ -251,8 +250,11 @@ def test_wss_on_top_of_the_encryption(tiny_split, tmp_path):
             tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", tls_ca=cert, cloud_key=server.fingerprint)
         ) as edge:
             assert len(edge.generate([5, 6, 7], max_new_tokens=3, stop_at_eos=False).token_ids) == 3
-        msg = expect(None, CloudClient, server.url, shard_fp(tiny_split), cloud_key=server.fingerprint, timeout_s=5)
+        pinned = ClientOptions(timeout_s=5, cloud_key=server.fingerprint)
+        msg = expect(None, CloudClient, server.url, shard_fp(tiny_split), pinned)
         assert "CERTIFICATE_VERIFY_FAILED" in msg  # not signed by a CA the system trusts
-        expect(None, CloudClient, server.url.replace("wss://", "ws://"), shard_fp(tiny_split), timeout_s=5)
+        expect(
+            None, CloudClient, server.url.replace("wss://", "ws://"), shard_fp(tiny_split), ClientOptions(timeout_s=5)
+        )
     with pytest.raises(CloudError, match="not a wss:// URL"):
-        CloudClient("ws://127.0.0.1:9", "x", tls_ca=cert)
+        CloudClient("ws://127.0.0.1:9", "x", ClientOptions(tls_ca=cert))

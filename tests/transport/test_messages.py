@@ -13,12 +13,15 @@ from splitlm.transport.messages import (
     Close,
     Closed,
     Control,
+    ErrorReply,
     Forward,
     Open,
     Opened,
     PolicyChange,
     PolicyOk,
     Result,
+    answering,
+    reply_ref,
 )
 from splitlm.transport.policy import CachePolicy
 
@@ -108,10 +111,10 @@ def test_forward_too_many_elements_is_too_large():
 
 
 def test_result_policy_and_close_round_trip():
-    res = Result(5, {"hidden": torch.randn(2, 8)}, cache_len=12, compute_s=0.25, queue_s=0.125)
+    res = Result(5, torch.randn(2, 8), cache_len=12, compute_s=0.25, queue_s=0.125)
     got = Result.from_frame(wire(res.to_frame("fp32")), 100)
     assert (got.session, got.cache_len, got.compute_s, got.queue_s) == (5, 12, 0.25, 0.125)
-    assert torch.equal(got.tensors["hidden"], res.tensors["hidden"])
+    assert torch.equal(got.hidden, res.hidden) and got.logits is None
     change = PolicyChange(CachePolicy("none"), revoke=True, key=b"k" * 32)
     assert PolicyChange.from_frame(wire(change.to_frame(3))) == change
     assert PolicyChange.from_frame(wire(PolicyChange().to_frame(3))) == PolicyChange()
@@ -140,7 +143,7 @@ def test_the_control_tuple_always_travels_through_to_meta():
     frame = Forward(torch.randn(1, 8), torch.tensor([0]), control=Control(cache=True, dtype="fp16")).to_frame(1, "fp32")
     assert frame.meta["control"] == {"dtype": "fp16"}
     assert "control" not in Forward(torch.randn(1, 8), torch.tensor([0])).to_frame(1, "fp32").meta
-    res = Result(5, {"hidden": torch.randn(1, 8)}, cache_len=1, round_trip_s=0.5, wait_s=0.25)
+    res = Result(5, torch.randn(1, 8), cache_len=1, round_trip_s=0.5, wait_s=0.25)
     assert set(res.to_frame("fp32").meta) == {"tensors", "compute_s", "queue_s", "cache_len"}
     got = Result.from_frame(wire(res.to_frame("fp32")), 100)
     assert (got.round_trip_s, got.wait_s) == (0.0, 0.0)
@@ -186,7 +189,7 @@ def test_layering(package, forbidden):
 
 
 def test_server_info_keeps_the_documented_order_and_reads_partial_limits():
-    from splitlm.transport.messages import Limits, ServerInfo
+    from splitlm.transport.hello import Limits, ServerInfo
 
     info = ServerInfo("splitlm/0.1.0", "ab" * 16, Limits(8192, 2048, 67108864))
     meta = info.to_meta()
@@ -197,3 +200,39 @@ def test_server_info_keeps_the_documented_order_and_reads_partial_limits():
         {"server": "x", "limits": {"max_frame_bytes": 5, "other": 1, "max_tokens_per_forward": "9"}}
     )
     assert partial.limits == Limits(max_frame_bytes=5)
+
+
+def test_split_head_results_and_replies_carry_typed_fields():
+    """Split-head's logits travel beside the hidden states; every reply's `ref` is a field of its message."""
+    res = Result(5, torch.randn(2, 4), cache_len=3, logits=torch.randn(2, 6), ref=11)
+    frame = wire(res.to_frame("fp32"))
+    got = Result.from_frame(frame, 100)
+    assert torch.equal(got.logits, res.logits) and torch.equal(got.hidden, res.hidden)
+    assert (got.ref, reply_ref(frame), got.nbytes) == (11, 11, (8 + 12) * 4)
+    assert Opened.from_frame(wire(answering(Opened(7, "fp16", CachePolicy(), "tail-local").to_frame(), 4))).ref == 4
+    assert PolicyOk.from_frame(wire(PolicyOk(3, CachePolicy(), 0, ref=9).to_frame())).ref == 9
+    assert Closed.from_frame(wire(Closed(9, ref=2).to_frame())) == Closed(9, 2)
+    assert reply_ref(wire(Closed(9).to_frame())) is None
+
+
+def test_error_replies_round_trip_and_tolerate_unknown_codes():
+    err = ErrorReply.of(ProtocolError(ErrorCode.PREEMPTED, "gone"), session=4, ref=6)
+    got = ErrorReply.from_frame(wire(err.to_frame()))
+    assert got == err and got.error_code == ErrorCode.PREEMPTED and got.name == "PREEMPTED"
+    odd = ErrorReply.from_frame(Frame(MsgType.ERROR, meta={"code": 999, "message": "new", "ref": "x"}))
+    assert (odd.code, odd.error_code, odd.name, odd.ref, odd.message) == (999, None, None, None, "new")
+    with pytest.raises(ProtocolError):
+        ErrorReply.from_frame(Frame(MsgType.RESULT))
+
+
+def test_no_module_but_the_messages_reads_a_frames_metadata():
+    """Clients, servers and edges read typed messages; only the message modules and the codecs
+    (frames, crypto) touch `Frame.meta`."""
+    allowed = {"transport/messages.py", "transport/hello.py", "transport/frames.py", "transport/crypto.py"}
+    readers = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "meta" and rel not in allowed:
+                readers.append(f"{rel}:{node.lineno}")
+    assert not readers, readers

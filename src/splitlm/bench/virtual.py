@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitlm.bench.trace import PromptTrace, Trace, TracedStep
-from splitlm.transport.client import CloudClient, CloudError, PendingForward
+from splitlm.transport.client import ClientOptions, CloudClient, CloudError, PendingForward
 from splitlm.transport.messages import Control, Forward, Open
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class VirtualEdge:
 
     def connect(self) -> CloudClient:
         t = self.target
-        return CloudClient(t.url, t.fingerprint, timeout_s=t.timeout_s)
+        return CloudClient(t.url, t.fingerprint, ClientOptions(timeout_s=t.timeout_s))
 
     def run(self) -> None:
         client: CloudClient | None = None

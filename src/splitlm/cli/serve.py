@@ -28,7 +28,7 @@ def cmd_serve_cloud(args) -> int:
     import asyncio
 
     from splitlm.cloud.scheduler import BatchConfig
-    from splitlm.cloud.server import CloudServer
+    from splitlm.cloud.server import CloudServer, ServerSettings
     from splitlm.cloud.sessions import ServerLimits
 
     set_threads(args.threads)
@@ -41,7 +41,7 @@ def cmd_serve_cloud(args) -> int:
         kv_budget_bytes=args.kv_budget_mb * 2**20,
         ping_interval_s=args.ping_interval or None,
     )
-    options = dict(
+    settings = ServerSettings(
         device=args.device,
         dtype=args.dtype,
         identity=args.identity,
@@ -62,11 +62,11 @@ def cmd_serve_cloud(args) -> int:
             args.threads or 1,
             args.lanes,
         )
-        server = RayFrontDoor(args.shard, limits, ray=ray, **options)
+        server = RayFrontDoor(args.shard, limits, settings, ray)
     elif args.replicas or args.stages or args.lanes:
         raise SplitLMError("--replicas, --stages and --lanes need --ray (the cloud on a Ray cluster)")
     else:
-        server = CloudServer(args.shard, limits, **options)
+        server = CloudServer(args.shard, limits, settings)
     try:
         asyncio.run(server.serve(args.host, args.port))
     except OSError as e:

@@ -99,11 +99,12 @@ class SessionRequests:
         finally:
             self.sessions.settle(session)
         self.metrics.count_forward(t, req.context, done.compute_s, done.queue_s)
-        result = Result(session.id, done.tensors, session.cache_shape[0], done.compute_s, done.queue_s)
+        out = done.outputs
+        result = Result(
+            session.id, out.hidden, session.cache_shape[0], out.logits, compute_s=done.compute_s, queue_s=done.queue_s
+        )
         try:
-            return await self.codec.run(
-                sum(x.nbytes for x in done.tensors.values()), result.to_frame, req.control.dtype or session.wire_dtype
-            )
+            return await self.codec.run(result.nbytes, result.to_frame, req.control.dtype or session.wire_dtype)
         except OverflowError as e:  # the session's cache is intact; the edge may reopen with bf16
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 

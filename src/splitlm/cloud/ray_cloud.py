@@ -26,7 +26,7 @@ import asyncio
 import logging
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.ray_replica import Failure, Load, Lost, ReplicaHead, Reply
 from splitlm.cloud.ray_stage import StageSpec, StageWorker, read_cloud_shard, stage_ranges
 from splitlm.cloud.scheduler import BatchConfig
-from splitlm.cloud.server import CloudServer
+from splitlm.cloud.server import CloudServer, ServerSettings
 from splitlm.cloud.servicer import Caller, RequestTable, request_table
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.device import DTYPES, dtype_name
@@ -221,17 +221,16 @@ class RayFrontDoor(CloudServer):
         self,
         shard_dir: str | Path,
         limits: ServerLimits | None = None,
-        *,
+        settings: ServerSettings | None = None,
         ray: RayConfig | None = None,
-        batch: BatchConfig | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        **security,
     ):
+        """`settings`' device, dtype and batch are the replicas'; this process computes nothing."""
+        settings = settings or ServerSettings()
         self.ray_config = ray or RayConfig()
-        super().__init__(shard_dir, limits, device="cpu", dtype="fp32", batch=BatchConfig(max_batch=1), **security)
+        here = replace(settings, device="cpu", dtype="fp32", batch=BatchConfig(max_batch=1))
+        super().__init__(shard_dir, limits, here)
         self.scheduler.close()  # the replicas compute; this process holds no layers
-        replicas = deploy(shard_dir, self.ray_config, self.limits, batch, device, dtype)
+        replicas = deploy(shard_dir, self.ray_config, self.limits, settings.batch, settings.device, settings.dtype)
         self.sessions = RouteTable(secrets.token_hex(4), replicas)
         first = replicas[0].load  # what /healthz reports: the replicas' device and dtype
         self.replica_device, self.dtype = first.device, DTYPES.get(first.dtype, torch.float32)
@@ -325,7 +324,7 @@ class RayFrontDoor(CloudServer):
         import ray
 
         head = self.replicas[index].head
-        frame = Frame(frame.type, frame.session, frame.seq, frame.meta, bytes(frame.payload), frame.flags)
+        frame = replace(frame, payload=bytes(frame.payload))
         try:
             ref = head.handle.remote(self.sessions.conn_id(conn.id), conn.client_key, frame, incarnation)
             out = await asyncio.wrap_future(ref.future())

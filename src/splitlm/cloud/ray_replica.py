@@ -25,7 +25,7 @@ import torch
 from splitlm.cloud.handlers import SessionRequests
 from splitlm.cloud.ray_stage import PassMeta, StageCache, StageSpec, load_stage
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
-from splitlm.cloud.server import CloudServer
+from splitlm.cloud.server import CloudServer, ServerSettings
 from splitlm.cloud.sessions import ServerLimits, Session, SessionTable
 from splitlm.model.device import dtype_name, to_device, to_host
 from splitlm.transport.errors import ErrorCode, ProtocolError
@@ -88,7 +88,7 @@ class RemoteConn:
 
 class PipelineStack(torch.nn.Module):
     """Stage 0's layers followed by the later stages' (`StageWorker` actors), with the interface of
-    `LayerStack.forward_packed` that `cloud.sessions.run_pass` calls."""
+    `LayerStack.forward_packed` that `cloud.runner.run_layers` calls."""
 
     def __init__(self, local, downstream: list, on_lost):
         super().__init__()
@@ -219,9 +219,8 @@ class ReplicaCore(CloudServer):
         self.ready = not downstream
         self.lose_lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
-        super().__init__(
-            spec.shard_dir, limits, device=spec.device, dtype=spec.dtype, identity=generate_identity(), batch=batch
-        )
+        settings = ServerSettings(device=spec.device, dtype=spec.dtype, identity=generate_identity(), batch=batch)
+        super().__init__(spec.shard_dir, limits, settings)
 
     def load_model(self, shard_dir):
         model = load_stage(shard_dir, self.spec.start, self.spec.end, self.device, self.dtype, head_part=True)

@@ -8,11 +8,12 @@ context rows) therefore runs in chunks over several passes, keeping its place in
 the steps of other sessions that arrive meanwhile join the passes: after a pass with a chunk, the
 next pass runs only the other waiting steps (when there are any), so a step that arrives during a
 chunk's pass waits for that pass but not also for the next chunk, and a 2,048-token prefill delays
-the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a mask (a token tree,
-a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone. A pass runs the
-middle layers once over its pieces (`sessions.run_pass`: rows packed for the dense layers,
-attention per session on its own cache). Requests of a session that was closed meanwhile (CLOSE,
-its connection ended, expiry) are dropped without being computed.
+the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a
+mask (a token tree, a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone.
+`take` decides a pass (a `PassPlan` of `Piece`s); the runner executes it on the middle layers
+(`cloud.runner`: rows packed for the dense layers, attention per session on its own cache); the
+scheduler answers the requests it finished or failed. Requests of a session that was closed
+meanwhile (CLOSE, its connection ended, expiry) are dropped without being computed.
 
 While a pass runs, new requests queue and join the next one, so batches form by themselves under
 load and a lone edge never waits for company (no gathering delay). `max_batch = 1` is the old
@@ -22,22 +23,16 @@ one-request-at-a-time cloud (and the baseline of `splitlm loadtest`).
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from splitlm.cloud.metrics import PassTiming
-from splitlm.cloud.sessions import Session, Step, begin_step, finish_step, run_pass
+from splitlm.cloud.runner import Job, Outputs, PassPlan, PassReport, PassRunner, Piece
+from splitlm.cloud.sessions import Session
 from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Forward
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,35 +46,11 @@ class BatchConfig:
             raise ValueError("max_batch, max_batch_tokens and prefill_chunk must be >= 1")
 
 
-@dataclass(eq=False)  # identity: the queue finds and removes a job by itself, never by comparing tensors
-class Job:
-    session: Session
-    req: Forward
-    future: Future = field(default_factory=Future)
-    submitted: float = field(default_factory=time.perf_counter)
-    step: Step | None = None  # once its first piece runs
-    first_pass: float | None = None
-    passes: int = 0
-    running: bool = False  # taken into a pass (its future can no longer be cancelled)
-
-    @property
-    def rows(self) -> int:
-        return self.req.hidden.shape[0]
-
-    @property
-    def remaining(self) -> int:
-        return self.rows - (self.step.done if self.step is not None else 0)
-
-    @property
-    def chunkable(self) -> bool:
-        return self.req.mask is None
-
-
 @dataclass
 class Done:
     """A request's outcome: its reply tensors, how long it waited for its first pass, how long it took."""
 
-    tensors: dict[str, torch.Tensor]
+    outputs: Outputs
     queue_s: float
     compute_s: float  # from submit to output (queue_s included)
     passes: int  # passes it took (more than one: chunked)
@@ -89,6 +60,7 @@ class Scheduler:
     def __init__(self, model: CloudModel, config: BatchConfig | None = None, on_pass=None):
         """`on_pass(PassTiming)`: called on the compute thread after each pass (metrics)."""
         self.model, self.config = model, config or BatchConfig()
+        self.runner = PassRunner(model)
         self.on_pass = on_pass
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
@@ -128,10 +100,10 @@ class Scheduler:
     async def run(self, session: Session, req: Forward) -> Done:
         return await asyncio.wrap_future(self.submit(session, req))
 
-    def take(self) -> list[tuple[Job, int]]:
-        """The next pass as (job, rows to run) pieces, in queue order (call with the lock held).
+    def take(self) -> PassPlan:
+        """The next pass: its pieces (job, rows to run) in queue order (call with the lock held).
         Requests of closed sessions leave the queue here, failed, never computed."""
-        cfg, batch, rows, sessions = self.config, [], 0, set()
+        cfg, batch, rows, sessions = self.config, PassPlan(), 0, set()
         # after a pass that ran a chunk of a long request, the next one runs only the other steps (if
         # any wait): a step that arrived during a chunk's pass waits for that pass, not also for the next chunk
         defer_long = self._ran_long and any(not self.long(j) for j in self._queue)
@@ -149,9 +121,9 @@ class Scheduler:
             n = self._piece(job, cfg.max_batch_tokens - rows, alone=not batch)
             if n is None or not self._start(job):
                 continue
-            batch.append((job, n))
+            batch.pieces.append(Piece(job, n))
             rows += n
-        self._ran_long = any(self.long(j) for j, _ in batch)
+        self._ran_long = any(self.long(p.job) for p in batch)
         return batch
 
     def _drop_if_gone(self, job: Job) -> bool:
@@ -190,12 +162,6 @@ class Scheduler:
         """A causal request that runs in chunks (longer than one)."""
         return job.chunkable and job.rows > self.config.prefill_chunk
 
-    def _fail(self, job: Job, error: BaseException) -> None:
-        with self._cv:
-            if job in self._queue:
-                self._queue.remove(job)
-        job.future.set_exception(error)
-
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -206,64 +172,29 @@ class Scheduler:
                         job.future.set_exception(RuntimeError("the cloud is shutting down"))
                     self._queue.clear()
                     return
-                pieces = self.take()
-            if pieces:
-                self._pass(pieces)
+                plan = self.take()
+            if plan:
+                self._answer(self.runner.run(plan))
 
-    @torch.inference_mode()
-    def _pass(self, pieces: list[tuple[Job, int]]) -> None:
-        start = time.perf_counter()
-        ready = self._begin(pieces, start)
-        began = time.perf_counter()
-        if not ready or not self._run(ready):
-            return
-        ran = time.perf_counter()
-        self.passes += 1
-        for job, _ in ready:
-            job.passes += 1
-            if not job.remaining:
-                self._finish(job)
-        if self.on_pass is not None:
-            self.on_pass(
-                PassTiming(len(ready), sum(n for _, n in ready), began - start, ran - began, time.perf_counter() - ran)
-            )
+    def _answer(self, report: PassReport) -> None:
+        """The pass's finished requests answered, its failed ones failed (they leave the queue)."""
+        if report.timing is not None:
+            self.passes += 1
+            if self.on_pass is not None:
+                self.on_pass(report.timing)
+        for failed in report.failed:
+            self._leave(failed.job)
+            failed.job.future.set_exception(failed.error)
+        for done in report.finished:
+            job = done.job
+            self._leave(job)
+            queue_s, compute_s = job.first_pass - job.submitted, done.end - job.submitted
+            job.future.set_result(Done(done.outputs, queue_s, compute_s, job.passes))
 
-    def _begin(self, pieces: list[tuple[Job, int]], start: float) -> list[tuple[Job, int]]:
-        """The pieces whose steps are ready (a job's first piece begins its step; one that fails alone)."""
-        ready = []
-        for job, n in pieces:
-            if job.step is None:
-                try:
-                    job.step = begin_step(self.model, job.session, job.req)
-                except Exception as e:  # noqa: BLE001 - e.g. SEALED_KEY: this request fails, the others run
-                    self._fail(job, e)
-                    continue
-                job.first_pass = start
-            ready.append((job, n))
-        return ready
-
-    def _run(self, ready: list[tuple[Job, int]]) -> bool:
-        """One pass of the layers over the pieces (False: it failed, and so did their requests)."""
-        try:
-            run_pass(self.model, [(job.step, n) for job, n in ready])
-        except Exception as e:  # noqa: BLE001 - a bug in the pass fails its requests, not the server
-            log.exception("a pass of %d request(s) failed", len(ready))
-            for job, _ in ready:
-                self._fail(job, e)
-            return False
-        return True
-
-    def _finish(self, job: Job) -> None:
-        """The job's last rows ran: its reply tensors, and its `Done`."""
-        try:
-            tensors = finish_step(self.model, job.step)
-        except Exception as e:  # noqa: BLE001
-            self._fail(job, e)
-            return
+    def _leave(self, job: Job) -> None:
         with self._cv:
-            self._queue.remove(job)
-        end = time.perf_counter()
-        job.future.set_result(Done(tensors, job.first_pass - job.submitted, end - job.submitted, job.passes))
+            if job in self._queue:
+                self._queue.remove(job)
 
     def close(self) -> None:
         with self._cv:

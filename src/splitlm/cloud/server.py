@@ -13,6 +13,7 @@ import logging
 import signal
 import ssl
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from websockets.asyncio.server import ServerConnection, serve
@@ -29,8 +30,8 @@ from splitlm.model.device import describe, dtype_name, resolve_device, resolve_d
 from splitlm.model.shards import CloudModel, load_cloud
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.frames import Frame
+from splitlm.transport.hello import Limits, ServerInfo
 from splitlm.transport.keys import AllowedClients, Identity, resolve_identity
-from splitlm.transport.messages import Limits, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ def tls_context(cert: str | Path | None, key: str | Path | None) -> ssl.SSLConte
     return context
 
 
-class CloudServer:
-    """The cloud.
+@dataclass
+class ServerSettings:
+    """How a `CloudServer` runs and whom it serves (its limits are `ServerLimits`).
 
     device, dtype: where the middle layers run and in which precision (`splitlm.model.device`;
         default auto: CUDA in bf16 where present, else the CPU in fp32).
@@ -67,22 +69,26 @@ class CloudServer:
     batch: the scheduler's limits per pass (`BatchConfig`; max_batch=1: one request at a time).
     """
 
+    device: str = "auto"
+    dtype: str = "auto"
+    identity: Identity | str | Path | None = None
+    allowed_clients: str | Path | list | AllowedClients | None = None
+    tls_cert: str | Path | None = None
+    tls_key: str | Path | None = None
+    rekey: RekeyPolicy | None = None
+    batch: BatchConfig | None = None
+
+
+class CloudServer:
+    """The cloud: the shard of `shard_dir` served within `limits`, as `settings` say."""
+
     def __init__(
-        self,
-        shard_dir: str | Path,
-        limits: ServerLimits | None = None,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        identity: Identity | str | Path | None = None,
-        allowed_clients: str | Path | list | AllowedClients | None = None,
-        tls_cert: str | Path | None = None,
-        tls_key: str | Path | None = None,
-        rekey: RekeyPolicy | None = None,
-        batch: BatchConfig | None = None,
+        self, shard_dir: str | Path, limits: ServerLimits | None = None, settings: ServerSettings | None = None
     ):
+        settings = settings or ServerSettings()
+        device, batch, allowed_clients = settings.device, settings.batch, settings.allowed_clients
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
         self.model = self.load_model(shard_dir)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
@@ -92,16 +98,16 @@ class CloudServer:
         self.sessions = self.make_sessions()
         self.scheduler = self.make_scheduler(batch)
         self.codec = CodecPool()
-        self.identity = resolve_identity(identity, "cloud")
+        self.identity = resolve_identity(settings.identity, "cloud")
         self.allowed = (
             allowed_clients
             if isinstance(allowed_clients, AllowedClients) or allowed_clients is None
             else AllowedClients(allowed_clients)
         )
-        self.rekey = rekey
-        self.ssl_context = tls_context(tls_cert, tls_key)
+        self.rekey = settings.rekey
+        self.ssl_context = tls_context(settings.tls_cert, settings.tls_key)
         self.requests = self.make_requests()
-        handshake = HandshakeConfig(self.identity, self.server_info(batch or BatchConfig()), self.allowed, rekey)
+        handshake = HandshakeConfig(self.identity, self.server_info(batch or BatchConfig()), self.allowed, self.rekey)
         self.servicer = Servicer(
             self.limits, handshake, self.request_table(), self.metrics, self.codec, self.connection_closed
         )
@@ -263,11 +269,14 @@ class BackgroundServer:
         port: int = 0,
         limits: ServerLimits | None = None,
         server_cls: type[CloudServer] | None = None,
-        **security,
+        ray=None,
+        **settings,
     ):
-        """`security`: the server class's keyword arguments (identity, allowed_clients, tls_cert, tls_key, rekey,
-        batch; `server_cls` defaults to CloudServer, e.g. `cloud.ray_cloud.RayFrontDoor` with its `ray`)."""
-        self.server = (server_cls or CloudServer)(shard_dir, limits, **security)
+        """`settings`: the fields of `ServerSettings` (identity, allowed_clients, tls_cert, tls_key, rekey,
+        batch, device, dtype); `server_cls` defaults to CloudServer, e.g. `cloud.ray_cloud.RayFrontDoor`
+        with its `ray` (a `RayConfig`)."""
+        extra = {} if ray is None else {"ray": ray}
+        self.server = (server_cls or CloudServer)(shard_dir, limits, ServerSettings(**settings), **extra)
         self.host, self._port = host, port
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

@@ -34,11 +34,11 @@ from splitlm.transport.frames import (
     decode_body,
     decode_header,
     encode_frame,
-    error_frame,
 )
 from splitlm.transport.handshake import server_handshake
+from splitlm.transport.hello import Hello, ServerInfo
 from splitlm.transport.keys import AllowedClients, Identity, fingerprint
-from splitlm.transport.messages import GoingAway, Hello, ServerInfo
+from splitlm.transport.messages import ErrorReply, GoingAway, answering
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +278,7 @@ class Servicer:
 
     async def request(self, conn: Connection, frame: Frame) -> None:
         start = time.perf_counter()
-        reply = await answer(self.table, conn, frame)
-        reply.meta["ref"] = frame.seq
+        reply = answering(await answer(self.table, conn, frame), frame.seq)
         await conn.send(reply, codec=self.codec)
         self.metrics.count_request(frame.type, time.perf_counter() - start)
 
@@ -320,7 +319,7 @@ class Servicer:
         self.metrics.count_error(err.code)
         log.info("conn %d (client %s): %s", conn.id, conn.client, err)  # messages never hold tensor data
         try:
-            await conn.send(error_frame(err, session, ref=ref), plaintext)
+            await conn.send(ErrorReply.of(err, session, ref).to_frame(), plaintext)
         except ConnectionClosed:
             pass
 

@@ -1,6 +1,6 @@
-"""Cloud sessions: one KV cache per session under its cache policy, the limits that protect the
-server, preemption when the KV budget is full (`cloud.preemption`), and the forward steps of several
-sessions in one pass."""
+"""The cloud's session table: one KV cache per session under its cache policy, the limits that protect
+the server, preemption when the KV budget is full (`cloud.preemption`), and the checks a FORWARD
+passes before it touches any state (`validate`). Running the layers is `cloud.runner`'s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.metrics import CloudMetrics
 from splitlm.cloud.preemption import OPEN_GRACE_S, Tombstones, victims
 from splitlm.cloud.sealing import check_key, seal, unseal
-from splitlm.model.device import to_device, to_host
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
@@ -81,6 +80,23 @@ class Session:
         elif new.sealed and self.sealed is None and self.cache.length:
             self.seal(check_key(key))
         self.policy = new
+
+    def restore(self, key: bytes | None, device: torch.device) -> None:
+        """A sealed cache unsealed onto `device` (SEALED_KEY, nothing changed, when `key` does not open
+        it); nothing to do when the cache is not sealed."""
+        if self.sealed is None:
+            return
+        self.cache = unseal(self.sealed, key, self.id, self.seal_counter, self.cache.num_layers, device)
+        self.sealed, self.sealed_shape = None, (0, 0)
+
+    def apply_policy(self, key: bytes | None) -> None:
+        """After a step: the cache wiped (policy none), trimmed (window) or sealed with `key`."""
+        if self.policy.retention == 0:
+            self.cache.clear()
+        elif self.policy.mode == "window":
+            self.cache.retain_last(self.policy.window)
+        elif self.policy.sealed:
+            self.seal(key)
 
     def seal(self, key: bytes) -> None:
         self.seal_counter += 1
@@ -320,109 +336,3 @@ def entries_during_pass(req: Forward, session: Session, limits: ServerLimits) ->
             f"session would hold {length + rows} tokens; the limit is {limits.max_tokens_per_session}",
         )
     return length + rows
-
-
-def context_mask(c: int, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-    """Visibility among C context rows (causal) followed by T new tokens (which see all context)."""
-    if c == 0:
-        return mask
-    full = torch.ones(c + t, c + t, dtype=torch.bool).tril()
-    if mask is not None:
-        full[c:, c:] = mask
-    return full
-
-
-@dataclass
-class Step:
-    """One request made ready for the layers: the session's cache restored, cropped and kept, the rows
-    on the model's device. A causal request (no mask) may run in chunks over several passes."""
-
-    session: Session
-    req: Forward
-    hidden: torch.Tensor  # [1, C + T, D] float32 (the residual stream)
-    positions: torch.Tensor  # [C + T]
-    mask: torch.Tensor | None  # [C + T, C + T] bool, None = causal
-    start: int  # the cache's length before the step (after crop and keep)
-    done: int = 0  # rows already run
-    outs: list[torch.Tensor] = field(default_factory=list)  # their outputs, [rows, D] each
-
-    @property
-    def rows(self) -> int:
-        return self.hidden.shape[1]
-
-    @property
-    def chunkable(self) -> bool:
-        """Whether its rows may run in several passes: only when they are causal among themselves
-        (each chunk then sees every earlier row in the cache, as one pass would)."""
-        return self.req.mask is None
-
-
-def begin_step(model: CloudModel, session: Session, req: Forward) -> Step:
-    """Restore (unseal), wipe, crop, keep and tighten, in the order of docs/protocol.md §6.1."""
-    ctl = req.control
-    device = next(model.parameters()).device
-    if session.sealed is not None:  # raises SEALED_KEY before any state changes
-        session.cache = unseal(
-            session.sealed, ctl.key, session.id, session.seal_counter, session.cache.num_layers, device
-        )
-        session.sealed, session.sealed_shape = None, (0, 0)
-    cache = session.cache
-    if not ctl.cache:
-        cache.clear()
-    if req.crop is not None:
-        cache.crop(req.crop)
-    if req.keep is not None:
-        cache.keep(req.keep)
-    if ctl.window is not None and ctl.window < session.policy.retention:  # after keep: no block is cut
-        session.tighten(CachePolicy("window", ctl.window))
-    mask = context_mask(req.context, req.mask, req.new_tokens)
-    return Step(
-        session,
-        req,
-        to_device(req.hidden, device, torch.float32)[None],
-        to_device(req.positions, device),
-        None if mask is None else to_device(mask, device),
-        cache.length,
-    )
-
-
-def run_pass(model: CloudModel, pieces: list[tuple[Step, int]]) -> None:
-    """One pass of the layers over the next `n` rows of each step (at most one piece per session):
-    rows packed for the dense layers, attention per session on its own cache (`forward_packed`)."""
-    xs, positions, masks, caches = [], [], [], []
-    for step, n in pieces:
-        lo, hi = step.done, step.done + n
-        whole = lo == 0 and hi == step.rows
-        if not whole and not step.chunkable:
-            raise ValueError("only a causal request runs in chunks")
-        xs.append(step.hidden[:, lo:hi])
-        positions.append(step.positions[lo:hi])
-        masks.append(step.mask if whole else None)  # a chunk of causal rows: causal, all earlier rows cached
-        caches.append(step.session.cache)
-    outs = model.middle.forward_packed(xs, positions, masks, caches)
-    for (step, n), out in zip(pieces, outs, strict=True):
-        step.outs.append(out[0])
-        step.done += n
-
-
-def finish_step(model: CloudModel, step: Step) -> dict[str, torch.Tensor]:
-    """After the step's last rows ran: apply the policy (wipe, trim or seal); the reply's tensors in
-    host memory (the one copy back)."""
-    session, req = step.session, step.req
-    cache, c = session.cache, req.context
-    out = (step.outs[0] if len(step.outs) == 1 else torch.cat(step.outs))[c:]  # [T, D]
-    cache.pending_start = step.start + c  # the T new tokens; context rows are history
-    session.tokens_processed += req.new_tokens
-    policy = session.policy
-    if policy.retention == 0:
-        cache.clear()
-    elif policy.mode == "window":
-        cache.retain_last(policy.window)
-    elif policy.sealed:
-        session.seal(req.control.key)
-    if not model.split_head:
-        return {"hidden": to_host(out)}
-    from splitlm.model.splithead import cloud_head
-
-    h_end, logits = cloud_head(model, out if req.rows is None else out[req.rows], session.vocab)
-    return {"hidden": to_host(h_end), "logits": to_host(logits)}

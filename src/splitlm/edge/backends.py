@@ -143,7 +143,7 @@ class LocalHead:
     def tail_inputs(self, reply: Result, f: Block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The reply's hidden states [1, T, D] fp32, the block's positions [T] and mask, on the edge's device."""
         dev = self.device
-        h = to_device(reply.tensors["hidden"], dev, torch.float32)[None]
+        h = to_device(reply.hidden, dev, torch.float32)[None]
         return h, torch.tensor(f.positions, device=dev), None if f.mask is None else to_device(f.mask, dev)
 
 
@@ -217,7 +217,7 @@ class SplitHeadBackend(LocalHead):
 
     def logits(self, reply: Result, n_rows: int) -> torch.Tensor:
         """Logits [R, V] from a split-head RESULT: h[:d] [R, d] and partial logits [R, S]."""
-        h_end, z = reply.tensors["hidden"], reply.tensors.get("logits")
+        h_end, z = reply.hidden, reply.logits
         d, s = self.model.manifest.d_end, self.vocab.size
         if z is None or h_end.shape != (n_rows, d) or z.shape != (n_rows, s):
             raise SplitLMError(f"the cloud's split-head RESULT does not hold {n_rows} rows of h[:{d}] and {s} logits")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from splitlm import SplitLMError
-from splitlm.transport.client import PING_INTERVAL_S, CloudClient, CloudError
+from splitlm.transport.client import PING_INTERVAL_S, ClientOptions, CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.keys import Identity
 from splitlm.transport.messages import Open
@@ -83,9 +83,7 @@ class ClientSettings:
     def connect(self, url: str, open_timeout_s: float | None = None) -> CloudClient:
         """A new connection to `url`; `open_timeout_s` caps the time to open it (not its requests')."""
         timeout_s = self.timeout_s if open_timeout_s is None else min(self.timeout_s, max(open_timeout_s, 0.1))
-        client = CloudClient(
-            url,
-            fingerprint=self.fingerprint,
+        options = ClientOptions(
             timeout_s=timeout_s,
             identity=self.identity,
             cloud_key=self.cloud_key,
@@ -95,6 +93,7 @@ class ClientSettings:
             ping_interval_s=self.ping_interval_s,
             ping_timeout_s=self.ping_interval_s,
         )
+        client = CloudClient(url, self.fingerprint, options)
         client.timeout_s = self.timeout_s
         return client
 

@@ -24,6 +24,7 @@ from splitlm.transport.frames import (
     decode_header,
 )
 from splitlm.transport.handshake import ClientHandshake
+from splitlm.transport.hello import ServerInfo
 from splitlm.transport.keys import (
     Identity,
     KnownHosts,
@@ -36,6 +37,7 @@ from splitlm.transport.messages import (
     REPLY_TYPE,
     Close,
     Closed,
+    ErrorReply,
     Forward,
     GoingAway,
     Open,
@@ -43,7 +45,7 @@ from splitlm.transport.messages import (
     PolicyChange,
     PolicyOk,
     Result,
-    ServerInfo,
+    reply_ref,
 )
 
 log = logging.getLogger(__name__)
@@ -100,17 +102,15 @@ def tls_context(url: str, ca_file: str | Path | None) -> ssl.SSLContext | None:
 def error_from_frame(reply: Frame, note: str = "") -> CloudError:
     """An ERROR frame as a `CloudError`; `PREEMPTED` is retryable (only the session is gone: the edge
     opens a new one and replays into it, docs/failover.md)."""
-    code = reply.meta.get("code")
-    code = ErrorCode(code) if code in ErrorCode._value2member_map_ else None
-    return CloudError(
-        f"cloud error {reply.meta.get('name', code)}: {reply.meta.get('message', '')}{note}",
-        code,
-        retryable=code == ErrorCode.PREEMPTED,
-    )
+    error = ErrorReply.from_frame(reply)
+    code = error.error_code
+    name = code if error.name is None else error.name
+    return CloudError(f"cloud error {name}: {error.message}{note}", code, retryable=code == ErrorCode.PREEMPTED)
 
 
-class CloudClient:
-    """One authenticated, encrypted connection to a cloud server. Counts bytes in both directions (as sent).
+@dataclass
+class ClientOptions:
+    """How a `CloudClient` connects and waits (everything but the URL and the shard's fingerprint).
 
     identity: this client's static key (an `Identity` or a .key path); None = the one kept in the
         config dir (created on first use).
@@ -121,30 +121,33 @@ class CloudClient:
     rekey: when this side's sending key rotates (tests force rotations with small limits).
     """
 
-    def __init__(
-        self,
-        url: str,
-        fingerprint: str,
-        timeout_s: float = 60.0,
-        max_frame_bytes: int = 64 * 2**20,
-        *,
-        identity: Identity | str | Path | None = None,
-        cloud_key: str | bytes | None = None,
-        known_hosts: str | Path | None = None,
-        tls_ca: str | Path | None = None,
-        rekey: RekeyPolicy | None = None,
-        ping_interval_s: float | None = PING_INTERVAL_S,
-        ping_timeout_s: float | None = PING_TIMEOUT_S,
-    ):
+    timeout_s: float = 60.0
+    max_frame_bytes: int = 64 * 2**20
+    identity: Identity | str | Path | None = None
+    cloud_key: str | bytes | None = None
+    known_hosts: str | Path | None = None
+    tls_ca: str | Path | None = None
+    rekey: RekeyPolicy | None = None
+    ping_interval_s: float | None = PING_INTERVAL_S
+    ping_timeout_s: float | None = PING_TIMEOUT_S
+
+
+class CloudClient:
+    """One authenticated, encrypted connection to the cloud at `url` that serves the cloud shard matching
+    the edge shard `fingerprint`, made as `options` say. Counts bytes in both directions (as sent)."""
+
+    def __init__(self, url: str, fingerprint: str, options: ClientOptions | None = None):
+        o = options or ClientOptions()
+        timeout_s, max_frame_bytes = o.timeout_s, o.max_frame_bytes
         self.url, self.timeout_s, self.max_frame_bytes = url, timeout_s, max_frame_bytes
         self.bytes_up = self.bytes_down = 0
         self.serialize_s = 0.0  # time spent encoding, encrypting, decrypting and decoding frames and tensors
         self.seq = itertools.count(1)
         self.in_flight: deque[int] = deque()  # sequence numbers of requests sent and not yet answered
         self._arrived: deque[bytes] = deque()  # replies taken off the socket by `reply_waiting`, not yet read
-        self.identity = resolve_identity(identity, "client")
-        pinned = None if cloud_key is None else parse_key_spec(cloud_key)
-        context = tls_context(url, tls_ca)
+        self.identity = resolve_identity(o.identity, "client")
+        pinned = None if o.cloud_key is None else parse_key_spec(o.cloud_key)
+        context = tls_context(url, o.tls_ca)
         try:
             self.ws: ClientConnection = connect(
                 url,
@@ -152,8 +155,8 @@ class CloudClient:
                 max_size=max_frame_bytes,
                 compression=None,
                 proxy=None,
-                ping_interval=ping_interval_s,
-                ping_timeout=ping_timeout_s,
+                ping_interval=o.ping_interval_s,
+                ping_timeout=o.ping_timeout_s,
                 ssl=context,
             ).__enter__()
         except InvalidURI as e:
@@ -164,7 +167,7 @@ class CloudClient:
             cause = f" ({e.__cause__})" if e.__cause__ is not None else ""  # the upgrade's: EOF, a bad status line
             raise lost(f"cannot reach the cloud at {url}: {e or type(e).__name__}{cause}") from None
         try:
-            self.channel: Channel = self._handshake(fingerprint, pinned, known_hosts, rekey)
+            self.channel: Channel = self._handshake(fingerprint, pinned, o.known_hosts, o.rekey)
         except BaseException:
             self.ws.close()
             raise
@@ -288,7 +291,7 @@ class CloudClient:
         if reply.type == MsgType.GOING_AWAY:
             self.ws.close()
             raise lost(f"the cloud is going away ({GoingAway.from_frame(reply).reason})")
-        if reply.meta.get("ref") != frame.seq:
+        if reply_ref(reply) != frame.seq:
             raise CloudError("the cloud answered a different request")
         if reply.type != REPLY_TYPE[frame.type]:
             raise CloudError(f"the cloud answered {frame.type.name} with {reply.type.name}")

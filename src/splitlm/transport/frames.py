@@ -186,10 +186,3 @@ def unpack_vocab(data: bytes, vocab_size: int) -> torch.Tensor:
     if ids.numel() == 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "vocab allows no token")
     return ids
-
-
-def error_frame(err: ProtocolError, session: int = 0, seq: int = 0, ref: int | None = None) -> Frame:
-    meta: dict[str, Any] = {"code": int(err.code), "name": err.code.name, "message": err.message}
-    if ref is not None:
-        meta["ref"] = ref
-    return Frame(MsgType.ERROR, session, seq, meta)

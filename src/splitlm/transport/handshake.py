@@ -44,8 +44,8 @@ from splitlm.transport.frames import (
     decode_header,
     encode_frame,
 )
+from splitlm.transport.hello import Hello, HelloOk, ServerInfo
 from splitlm.transport.keys import Identity, fingerprint
-from splitlm.transport.messages import Hello, ServerInfo, public_key
 
 
 def _raw(key: X25519PrivateKey) -> bytes:
@@ -75,7 +75,7 @@ def server_handshake(
     e_c, s_c = hello.ephemeral, hello.static
     e_s = X25519PrivateKey.generate()
     dh_ee, dh_es, dh_se = _exchange(e_s, e_c), _exchange(identity.private_key, e_c), _exchange(e_s, s_c)
-    meta = msgpack.packb({"e": _raw(e_s), "s": identity.public_bytes, "ref": hello.seq}, use_bin_type=True)
+    meta = msgpack.packb(HelloOk(_raw(e_s), identity.public_bytes, hello.seq).to_meta(), use_bin_type=True)
     info_bytes = msgpack.packb(info.to_meta(), use_bin_type=True)
     header = HEADER.pack(MAGIC, VERSION, MsgType.HELLO_OK, 0, 0, seq, len(meta), len(info_bytes) + TAG_SIZE)
     c2s, s2c = derive_keys(dh_ee, dh_es, dh_se, transcript_hash(hello_bytes, header + meta))
@@ -98,7 +98,7 @@ class ClientHandshake:
     @staticmethod
     def server_key(ok: Frame) -> bytes:
         """The cloud's static public key announced in HELLO_OK (not yet proven)."""
-        return public_key(ok.meta, "s", "HELLO_OK", ErrorCode.AUTH_FAILED)
+        return HelloOk.static_key(ok)
 
     def finish(
         self, ok_data: bytes, policy: RekeyPolicy | None = None, window: ReplayWindow | None = None
@@ -108,10 +108,9 @@ class ClientHandshake:
         if header.type != MsgType.HELLO_OK or header.payload_len < TAG_SIZE:
             raise ProtocolError(ErrorCode.AUTH_FAILED, "HELLO_OK carries no key confirmation")
         head_len = HEADER_SIZE + header.meta_len
-        ok = decode_body(header, memoryview(ok_data)[HEADER_SIZE:])
-        e_s = public_key(ok.meta, "e", "HELLO_OK", ErrorCode.AUTH_FAILED)
-        s_s = self.server_key(ok)
-        if ok.meta.get("ref") != self.seq:
+        ok = HelloOk.from_frame(decode_body(header, memoryview(ok_data)[HEADER_SIZE:]))
+        e_s, s_s = ok.ephemeral, ok.static
+        if ok.ref != self.seq:
             raise ProtocolError(ErrorCode.AUTH_FAILED, "HELLO_OK answers another HELLO")
         dh_ee, dh_es = _exchange(self.ephemeral, e_s), _exchange(self.ephemeral, s_s)
         dh_se = _exchange(self.identity.private_key, e_s)

@@ -5,15 +5,17 @@ give for its fields.
 Both sides use these: the edge's `CloudClient` builds requests and reads replies, the cloud's server
 reads requests and builds replies. A field that is malformed on the wire raises `ProtocolError`
 with the code of §7 (`BAD_FRAME` for tensor descriptions, `BAD_REQUEST` for content); checks that
-need the model or the session (shapes, positions, budgets) stay with the cloud.
+need the model or the session (shapes, positions, budgets) stay with the cloud. No other module reads
+or writes a frame's metadata: every field of it is a typed field of its message here, a reply's `ref`
+(§3) included (`answering` sets it, `reply_ref` reads it).
 
     request           reply
-    Hello        ->   ServerInfo (HELLO_OK's encrypted payload; the handshake itself is `handshake.py`)
+    Hello        ->   HelloOk + ServerInfo (`transport.hello`; the handshake itself is `handshake.py`)
     Open         ->   Opened
     Forward      ->   Result
     PolicyChange ->   PolicyOk
     Close        ->   Closed
-    (any)        ->   ERROR (`frames.error_frame`)
+    (any)        ->   ErrorReply (ERROR)
     (none)      <-    GoingAway (the cloud shuts down: unsolicited, in place of the next reply)
 """
 
@@ -27,7 +29,6 @@ import torch
 from splitlm.transport.codecs import WIRE_DTYPES
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.frames import (
-    VERSION,
     Frame,
     MsgType,
     pack_mask,
@@ -35,7 +36,6 @@ from splitlm.transport.frames import (
     unpack_mask,
     unpack_tensors,
 )
-from splitlm.transport.keys import PUBLIC_KEY_SIZE
 from splitlm.transport.policy import CachePolicy
 
 # The one table of which reply answers which request (the table above); `CloudClient` checks every
@@ -62,93 +62,59 @@ def parse_policy(value) -> CachePolicy:
         raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
 
-def _expect(frame: Frame, msg_type: MsgType) -> None:
+def expect_type(frame: Frame, msg_type: MsgType) -> None:
     if frame.type != msg_type:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected {msg_type.name}, got {frame.type.name}")
 
 
+def answering(reply: Frame, ref: int | None) -> Frame:
+    """`reply` carrying `ref`, the sequence number of the request it answers (§3; None: no `ref`)."""
+    if ref is not None:
+        reply.meta["ref"] = ref
+    return reply
+
+
+def reply_ref(reply: Frame) -> int | None:
+    """The `ref` of a reply: the sequence number of the request it answers (None: it carries none)."""
+    ref = reply.meta.get("ref")
+    return ref if type(ref) is int else None
+
+
 @dataclass
-class Limits:
-    """The cloud's limits an edge must respect (docs/protocol.md §8), sent in HELLO_OK."""
+class ErrorReply:
+    """ERROR (§7): why a request (or a frame) was refused. `code` is the number on the wire (an
+    `ErrorCode`, or an unknown number from a newer peer: `error_code` is then None)."""
 
-    max_tokens_per_session: int | None = None  # None: not announced
-    max_tokens_per_forward: int | None = None
-    max_frame_bytes: int | None = None
-    pass_rows: int | None = None  # rows of one causal request per pass of the cloud's layers (longer: several passes)
-
-
-@dataclass
-class ServerInfo:
-    """HELLO_OK's encrypted server information (§4)."""
-
-    server: str = ""
-    fingerprint: str = ""
-    limits: Limits = field(default_factory=Limits)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {
-            "server": self.server,
-            "fingerprint": self.fingerprint,
-            "limits": {k: v for k, v in vars(self.limits).items() if v is not None},
-        }
+    code: int | None
+    message: str = ""
+    name: str | None = None  # the code's name as the cloud wrote it
+    session: int = 0
+    ref: int | None = None  # seq of the offending frame, when its header could be read
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> ServerInfo:
-        limits = meta.get("limits") if isinstance(meta.get("limits"), dict) else {}
-        known = {k: v for k, v in limits.items() if k in vars(Limits()) and type(v) is int}
-        return cls(str(meta.get("server", "")), str(meta.get("fingerprint", "")), Limits(**known))
+    def of(cls, err: ProtocolError, session: int = 0, ref: int | None = None) -> ErrorReply:
+        return cls(int(err.code), err.message, err.code.name, session, ref)
 
+    @property
+    def error_code(self) -> ErrorCode | None:
+        return ErrorCode(self.code) if self.code in ErrorCode._value2member_map_ else None
 
-def public_key(meta: dict[str, Any], name: str, what: str, code: ErrorCode) -> bytes:
-    """The raw X25519 public key `meta[name]` of a HELLO or HELLO_OK (`code` when it is missing or malformed)."""
-    value = meta.get(name)
-    if value is None:
-        raise ProtocolError(code, f"{what} carries no {name!r} key")
-    if not isinstance(value, bytes) or len(value) != PUBLIC_KEY_SIZE:
-        raise ProtocolError(code, f"{what} {name!r} must be {PUBLIC_KEY_SIZE} bytes (msgpack bin)")
-    return value
+    def to_frame(self, seq: int = 0) -> Frame:
+        meta: dict[str, Any] = {"code": self.code, "name": self.name, "message": self.message}
+        return answering(Frame(MsgType.ERROR, self.session, seq, meta), self.ref)
 
-
-@dataclass
-class Hello:
-    """The edge's HELLO (§4, §5), in the clear: the protocol version, the edge shard's fingerprint and
-    the client's two X25519 public keys. HELLO_OK's payload is `ServerInfo`; `handshake.py` derives
-    the keys from both."""
-
-    fingerprint: str  # the edge shard's (must equal the cloud shard's)
-    ephemeral: bytes  # e_c.pub, fresh for this connection
-    static: bytes  # s_c.pub: the client's identity (announced here, proven by its first encrypted frame)
-    seq: int = 1  # the frame's sequence number (HELLO_OK's `ref` answers it)
-    version: int = VERSION
-
-    def to_frame(self) -> Frame:
-        return Frame(
-            MsgType.HELLO,
-            seq=self.seq,
-            meta={"version": self.version, "fingerprint": self.fingerprint, "e": self.ephemeral, "s": self.static},
+    @classmethod
+    def from_frame(cls, frame: Frame) -> ErrorReply:
+        expect_type(frame, MsgType.ERROR)
+        m = frame.meta
+        code, name = m.get("code"), m.get("name")
+        return cls(
+            code if type(code) is int else None,
+            str(m.get("message", "")),
+            name if isinstance(name, str) else None,
+            frame.session,
+            reply_ref(frame),
         )
-
-    @classmethod
-    def from_frame(cls, frame: Frame, shard_fingerprint: str | None = None) -> Hello:
-        """The HELLO, checked in the order of §5 step 2: `version` (VERSION_MISMATCH), the fingerprint
-        against the cloud shard's `shard_fingerprint` (FINGERPRINT_MISMATCH; None: not checked), `s`
-        (missing or not 32 bytes: AUTH_FAILED), `e` (BAD_REQUEST)."""
-        _expect(frame, MsgType.HELLO)
-        meta = frame.meta
-        if meta.get("version") != VERSION:
-            raise ProtocolError(
-                ErrorCode.VERSION_MISMATCH, f"edge speaks version {meta.get('version')}, cloud {VERSION}"
-            )
-        fp = meta.get("fingerprint")
-        if shard_fingerprint is not None and fp != shard_fingerprint:
-            raise ProtocolError(
-                ErrorCode.FINGERPRINT_MISMATCH,
-                "the edge shard and the cloud shard come from different "
-                f"splits (cloud fingerprint {shard_fingerprint})",
-            )
-        static = public_key(meta, "s", "HELLO", ErrorCode.AUTH_FAILED)  # a missing credential
-        ephemeral = public_key(meta, "e", "HELLO", ErrorCode.BAD_REQUEST)
-        return cls(fp if isinstance(fp, str) else "", ephemeral, static, frame.seq)
 
 
 @dataclass
@@ -167,7 +133,7 @@ class Open:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Open:
-        _expect(frame, MsgType.OPEN)
+        expect_type(frame, MsgType.OPEN)
         wire = frame.meta.get("wire_dtype", "fp16")
         if not isinstance(wire, str) or wire not in WIRE_DTYPES:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown wire dtype {wire!r}")
@@ -182,6 +148,7 @@ class Opened:
     cache_policy: CachePolicy
     topology: str  # the cloud shard's: tail-local or split-head
     vocab_size: int | None = None  # split-head: the number of authorised ids S
+    ref: int | None = None  # the OPEN's sequence number
 
     def to_frame(self) -> Frame:
         meta: dict[str, Any] = {
@@ -191,11 +158,11 @@ class Opened:
         }
         if self.vocab_size is not None:
             meta["vocab_size"] = self.vocab_size
-        return Frame(MsgType.OPENED, self.session, meta=meta)
+        return answering(Frame(MsgType.OPENED, self.session, meta=meta), self.ref)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Opened:
-        _expect(frame, MsgType.OPENED)
+        expect_type(frame, MsgType.OPENED)
         m = frame.meta
         return cls(
             frame.session,
@@ -203,6 +170,7 @@ class Opened:
             parse_policy(m.get("cache_policy", "session")),
             m.get("topology", "tail-local"),
             m.get("vocab_size"),
+            reply_ref(frame),
         )
 
 
@@ -283,7 +251,7 @@ class Forward:
     @classmethod
     def from_frame(cls, frame: Frame, max_elements: int) -> Forward:
         """The request, its fields checked in the order of §7 (tensor descriptions, then content)."""
-        _expect(frame, MsgType.FORWARD)
+        expect_type(frame, MsgType.FORWARD)
         meta = frame.meta
         tensors = unpack_tensors(frame, max_elements)
         if "hidden" not in tensors:
@@ -309,37 +277,48 @@ RESULT_RESERVE_BYTES = 4096  # of a RESULT frame, kept for its metadata and fram
 
 @dataclass
 class Result:
-    """The new tokens' outputs (§4 RESULT): tail-local `hidden` [T, D]; split-head `hidden` [R, d]
-    and `logits` [R, S].
+    """The new tokens' outputs (§4 RESULT): tail-local `hidden` [T, D]; split-head `hidden` (h[:d])
+    [R, d] and `logits` [R, S]. On the wire they are the tensors named "hidden" and "logits".
 
     `round_trip_s` and `wait_s` are not on the wire: the receiving client measures them
     (`CloudClient.receive_forward`); a decoded frame has them at 0."""
 
     session: int
-    tensors: dict[str, torch.Tensor]
+    hidden: torch.Tensor
     cache_len: int  # cache entries after the step (after crop, keep, append and the policy)
+    logits: torch.Tensor | None = None  # split-head only
     compute_s: float = 0.0  # seconds from the request's arrival at the scheduler to its output (queue included)
     queue_s: float = 0.0  # of which waiting for a pass of the scheduler
     round_trip_s: float = 0.0  # the edge's: from the request's send to its reply (client-measured)
     wait_s: float = 0.0  # the edge's: how long taking the reply blocked (client-measured)
+    ref: int | None = None  # the FORWARD's sequence number (the cloud's servicer sets it: `answering`)
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.nbytes + (0 if self.logits is None else self.logits.nbytes)
 
     def to_frame(self, wire_dtype: str) -> Frame:
-        specs, payload = pack_tensors(self.tensors, wire_dtype)
-        return Frame(
-            MsgType.RESULT,
-            self.session,
-            payload=payload,
-            meta={"tensors": specs, "compute_s": self.compute_s, "queue_s": self.queue_s, "cache_len": self.cache_len},
-        )
+        tensors = {"hidden": self.hidden} if self.logits is None else {"hidden": self.hidden, "logits": self.logits}
+        specs, payload = pack_tensors(tensors, wire_dtype)
+        meta = {"tensors": specs, "compute_s": self.compute_s, "queue_s": self.queue_s, "cache_len": self.cache_len}
+        return answering(Frame(MsgType.RESULT, self.session, payload=payload, meta=meta), self.ref)
 
     @classmethod
     def from_frame(cls, frame: Frame, max_elements: int) -> Result:
-        _expect(frame, MsgType.RESULT)
+        expect_type(frame, MsgType.RESULT)
         tensors = unpack_tensors(frame, max_elements)
         if "hidden" not in tensors:
             raise ProtocolError(ErrorCode.BAD_FRAME, "the RESULT carries no hidden tensor")
         m = frame.meta
-        return cls(frame.session, tensors, m.get("cache_len", 0), m.get("compute_s", 0.0), m.get("queue_s", 0.0))
+        return cls(
+            frame.session,
+            tensors["hidden"],
+            m.get("cache_len", 0),
+            tensors.get("logits"),
+            m.get("compute_s", 0.0),
+            m.get("queue_s", 0.0),
+            ref=reply_ref(frame),
+        )
 
 
 @dataclass
@@ -360,7 +339,7 @@ class PolicyChange:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> PolicyChange:
-        _expect(frame, MsgType.POLICY)
+        expect_type(frame, MsgType.POLICY)
         revoke = frame.meta.get("revoke", False)
         if type(revoke) is not bool:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "revoke must be true or false")
@@ -373,17 +352,18 @@ class PolicyOk:
     session: int
     cache_policy: CachePolicy
     cache_len: int
+    ref: int | None = None  # the POLICY's sequence number
 
     def to_frame(self) -> Frame:
-        return Frame(
-            MsgType.POLICY_OK, self.session, meta={"cache_policy": str(self.cache_policy), "cache_len": self.cache_len}
-        )
+        meta = {"cache_policy": str(self.cache_policy), "cache_len": self.cache_len}
+        return answering(Frame(MsgType.POLICY_OK, self.session, meta=meta), self.ref)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> PolicyOk:
-        _expect(frame, MsgType.POLICY_OK)
+        expect_type(frame, MsgType.POLICY_OK)
+        m = frame.meta
         return cls(
-            frame.session, parse_policy(frame.meta.get("cache_policy", "session")), frame.meta.get("cache_len", 0)
+            frame.session, parse_policy(m.get("cache_policy", "session")), m.get("cache_len", 0), reply_ref(frame)
         )
 
 
@@ -396,14 +376,15 @@ class Close:
 @dataclass
 class Closed:
     session: int
+    ref: int | None = None  # the CLOSE's sequence number
 
     def to_frame(self) -> Frame:
-        return Frame(MsgType.CLOSED, self.session)
+        return answering(Frame(MsgType.CLOSED, self.session), self.ref)
 
     @classmethod
     def from_frame(cls, frame: Frame) -> Closed:
-        _expect(frame, MsgType.CLOSED)
-        return cls(frame.session)
+        expect_type(frame, MsgType.CLOSED)
+        return cls(frame.session, reply_ref(frame))
 
 
 @dataclass
@@ -419,5 +400,5 @@ class GoingAway:
 
     @classmethod
     def from_frame(cls, frame: Frame) -> GoingAway:
-        _expect(frame, MsgType.GOING_AWAY)
+        expect_type(frame, MsgType.GOING_AWAY)
         return cls(str(frame.meta.get("reason", "shutting down"))[:200])
