@@ -31,7 +31,6 @@ without a round trip.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +46,7 @@ from splitlm.decoding.grammar_tree import (
     graft,
     small_choice,
 )
-from splitlm.decoding.request import Plan
+from splitlm.decoding.request import GrammarStats, Plan
 from splitlm.decoding.speculative import build_step, stop_at
 from splitlm.decoding.step import StepInput, StepResult
 from splitlm.decoding.tree import FORCED, TokenTree
@@ -61,31 +60,6 @@ MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
 CLOSE_WINDOW = 64  # tokens before the length limit from which every token is checked for room to close
 AFTER_ENDS = 4  # open ends inside a tree (where a forced chain or a small choice ends) the drafter drafts after
 AFTER_MIN_REACH = 0.01  # the budget, not this, decides what is sent: steps reached ends it put below 0.05
-
-
-@dataclass
-class GrammarStats:
-    """What the grammar did to the trees of one request."""
-
-    rejected_drafts: int = 0  # drafted nodes pruned before they were sent
-    forced_tokens: int = 0  # emitted tokens that the grammar forced
-    forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
-    choice_nodes: int = 0  # nodes added to trees because their state allowed only a few tokens
-    value_end_nodes: int = 0  # nodes added to trees to close a string where a drafted word ends (chains included)
-    mask_steps: int = 0  # masks computed (one per tree node sent or walked)
-    mask_s: float = 0.0  # time spent walking trees and computing masks
-
-    def to_dict(self) -> dict:
-        return {
-            "rejected_drafts": self.rejected_drafts,
-            "forced_tokens": self.forced_tokens,
-            "forced_free": self.forced_free,
-            "choice_nodes": self.choice_nodes,
-            "value_end_nodes": self.value_end_nodes,
-            "mask_steps": self.mask_steps,
-            "mask_s": round(self.mask_s, 6),
-            "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1),
-        }
 
 
 def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, context: list[int]) -> int:

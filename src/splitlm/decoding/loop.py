@@ -15,9 +15,9 @@ import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
-from splitlm.decoding.grammar_decode import GrammarShape, GrammarStats, close_at
+from splitlm.decoding.grammar_decode import GrammarShape, close_at
 from splitlm.decoding.pipeline import PipelinedFlow
-from splitlm.decoding.request import DecodeRequest, Reply, Run, Speculation
+from splitlm.decoding.request import DecodeRequest, GrammarStats, Reply, Run, Speculation
 from splitlm.decoding.shapes import Acceptance, PlainShape, SequentialShape
 from splitlm.decoding.speculative import stop_at
 from splitlm.decoding.step import StepResult, StepSession
@@ -181,10 +181,6 @@ def rules(
     if n is not None:
         fresh, keep = fresh[:n], path[: skip + n]  # the cache keeps the context up to, not including, the last token
     closing = None
-    if (
-        run.state is not None
-        and run.request.logprobs is None
-        and (cut := close_at(run.state, fresh, run.produced, limit))
-    ):
+    if (cut := closes(run, fresh)) is not None:
         fresh, keep, closing = fresh[: cut[0]], path[: max(cut[0], 1)], cut[1]
     return fresh, keep, n is not None, closing

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from splitlm.decoding.budget import StepBudget
     from splitlm.decoding.drafters import Drafter, Window
     from splitlm.decoding.grammar import GrammarState
-    from splitlm.decoding.grammar_decode import GrammarStats
     from splitlm.decoding.logprobs import LogprobRecorder
 
 
@@ -33,6 +32,31 @@ class Speculation:
     pipeline: bool = False  # send the next step while this one is in flight (bets; no lookahead window)
     bet_drafter: Drafter | None = None  # pipelined: drafts the steps sent on a bet (then `drafter` learns)
     always_bet: bool = False  # pipelined: bet whenever there is a path to bet on (tests)
+
+
+@dataclass
+class GrammarStats:
+    """What the grammar did to the trees of one request."""
+
+    rejected_drafts: int = 0  # drafted nodes pruned before they were sent
+    forced_tokens: int = 0  # emitted tokens that the grammar forced
+    forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
+    choice_nodes: int = 0  # nodes added to trees because their state allowed only a few tokens
+    value_end_nodes: int = 0  # nodes added to trees to close a string where a drafted word ends (chains included)
+    mask_steps: int = 0  # masks computed (one per tree node sent or walked)
+    mask_s: float = 0.0  # time spent walking trees and computing masks
+
+    def to_dict(self) -> dict:
+        return {
+            "rejected_drafts": self.rejected_drafts,
+            "forced_tokens": self.forced_tokens,
+            "forced_free": self.forced_free,
+            "choice_nodes": self.choice_nodes,
+            "value_end_nodes": self.value_end_nodes,
+            "mask_steps": self.mask_steps,
+            "mask_s": round(self.mask_s, 6),
+            "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1),
+        }
 
 
 @dataclass

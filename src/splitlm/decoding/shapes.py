@@ -19,8 +19,7 @@ from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
 if TYPE_CHECKING:
     from splitlm.decoding.budget import BudgetChoice, StepBudget
     from splitlm.decoding.drafters import Drafter, Window
-    from splitlm.decoding.grammar_decode import GrammarStats
-    from splitlm.decoding.request import Reply, Run
+    from splitlm.decoding.request import GrammarStats, Reply, Run
     from splitlm.decoding.sampling import Sampler
 
 

@@ -25,11 +25,10 @@ from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.corpus import NgramModel
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import GrammarSpec, grammar_from_format
-from splitlm.decoding.grammar_decode import GrammarStats
 from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter, spec_mode
-from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.request import DecodeRequest, GrammarStats, Speculation
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats
 from splitlm.edge.backends import load_model, make_backend
