@@ -113,7 +113,7 @@ class PipelinedFlow:
     Each round `next` sends a step on the verified context when none that stands is in flight
     (`fill`), bets on it (`bet`: the next step sent as a continuation of its likeliest path), then
     hands the oldest step that stands to the loop; once verified, `settle` settles the bet
-    (`resolve_bet`: the next step stands, or is void and every cache rolls back). A bet is placed when
+    (the next step stands, or is void and every cache rolls back). A bet is placed when
     it is expected to pay: its chance p to hold (the budget's calibrated acceptance) times the round
     trip it saves exceeds (1 - p) times what a stale step delays the retry (its compute less a round
     trip, so at a long RTT nothing); `always_bet` bets whenever there is a path to bet on (tests)."""
