@@ -337,7 +337,8 @@ class Edge:
                 grammar_stats=gstats,
                 speculation=speculation,
             )
-            for new in decode(session, request):
+            steps = decode(session, request)  # closed with this frame, as before: after the finally below
+            for new in steps:
                 if gstats is not None:
                     s.grammar = gstats.to_dict()
                 produced += new
