@@ -26,9 +26,11 @@ from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.grammar import GrammarTokenizer
 from splitlm.decoding.head import HeadRunner, load_head
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
 from splitlm.edge.text import encode_prompt
@@ -47,9 +49,9 @@ def compute_s(tokens: int) -> float:
 class FixedCostSession(LocalSession):
     rtt_s = 0.09
 
-    def forward(self, ids, *args, **kwargs) -> StepResult:
-        step = super().forward(ids, *args, **kwargs)
-        step.network_s, step.compute_s = self.rtt_s, compute_s(len(ids))
+    def forward(self, request: StepInput) -> StepResult:
+        step = super().forward(request)
+        step.network_s, step.compute_s = self.rtt_s, compute_s(len(request.ids))
         return step
 
 
@@ -140,17 +142,20 @@ def run(args) -> None:
         drafter = TimedDrafter(make_drafter(spec, memory=memory, text=text))
         stats = SpecStats()
         out = []
-        for new in speculative_decode(FixedCostSession(model), ids, args.max_new_tokens, eos, drafter, budget, stats):
+        for new in decode(
+            FixedCostSession(model),
+            DecodeRequest(ids, args.max_new_tokens, eos, speculation=Speculation(drafter, budget, stats)),
+        ):
             out += new
         ref = []
-        for new in speculative_decode(
+        for new in decode(
             FixedCostSession(model),
-            ids,
-            args.max_new_tokens,
-            eos,
-            make_drafter(SpecConfig()),
-            StepBudget(),
-            SpecStats(),
+            DecodeRequest(
+                ids,
+                args.max_new_tokens,
+                eos,
+                speculation=Speculation(make_drafter(SpecConfig()), StepBudget(), SpecStats()),
+            ),
         ):
             ref += new
         assert out == ref, f"{p['id']}: speculative output differs from sequential"

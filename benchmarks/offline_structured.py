@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -28,10 +29,12 @@ from offline_drafting import ROOT, FixedCostBudget, FixedCostSession, TimedDraft
 
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.grammar import GrammarSpec, GrammarTokenizer, compile_grammar
-from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
+from splitlm.decoding.grammar_decode import GrammarStats
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.edge.text import encode_prompt
 
 
@@ -63,10 +66,11 @@ class ScriptedSession(FixedCostSession):
         super().__init__(model)
         self.target, self.end = target, end
 
-    def forward(self, ids, positions=None, mask=None, keep=None, rows=None, argmax=False, **kwargs) -> StepResult:
+    def forward(self, request: StepInput) -> StepResult:
+        ids, positions, mask, rows = request.ids, request.positions, request.mask, request.rows
         if positions is None:  # the prefill: the tokens follow the cache
             positions = list(range(self.length, self.length + len(ids)))
-        step = super().forward(ids, positions, mask, keep, rows, argmax, **kwargs)
+        step = super().forward(replace(request, positions=positions))
         on = []
         for i, (tok, pos) in enumerate(zip(ids, positions, strict=True)):
             parents = range(i) if mask is None else [j for j in range(i) if mask[i, j]]
@@ -101,16 +105,16 @@ def run(args) -> None:
         stats, gstats = SpecStats(), GrammarStats()
         drafter = TimedDrafter(make_drafter(spec, memory=memories["json"], text=text))
         out: list[int] = []
-        for new in constrained_decode(
+        for new in decode(
             FixedCostSession(model),
-            ids,
-            args.max_new_tokens,
-            eos,
-            drafter,
-            budgets["json"],
-            stats,
-            grammar.start(),
-            gstats,
+            DecodeRequest(
+                ids,
+                args.max_new_tokens,
+                eos,
+                grammar=grammar.start(),
+                grammar_stats=gstats,
+                speculation=Speculation(drafter, budgets["json"], stats),
+            ),
         ):
             if args.steps and out:
                 print(f"    +{len(new):2d} {tok.decode(new)!r}")
@@ -123,23 +127,26 @@ def run(args) -> None:
             print(f"  INVALID: {answer!r}")
         if not args.no_check:
             ref: list[int] = []
-            for new in constrained_sequential(
-                FixedCostSession(model), ids, args.max_new_tokens, eos, grammar.start(), GrammarStats()
+            for new in decode(
+                FixedCostSession(model),
+                DecodeRequest(ids, args.max_new_tokens, eos, grammar=grammar.start(), grammar_stats=GrammarStats()),
             ):
                 ref += new
             assert out == ref, f"{p['id']}: constrained speculative output differs from sequential"
         free_stats = SpecStats()
         free: list[int] = []
         free_drafter = TimedDrafter(make_drafter(spec, memory=memories["free"], text=text))
-        for new in speculative_decode(
-            FixedCostSession(model), ids, len(out), eos, free_drafter, budgets["free"], free_stats
+        for new in decode(
+            FixedCostSession(model),
+            DecodeRequest(ids, len(out), eos, speculation=Speculation(free_drafter, budgets["free"], free_stats)),
         ):
             free += new
         same_stats = SpecStats()
         same: list[int] = []
         same_drafter = TimedDrafter(make_drafter(spec, memory=memories["same"], text=text))
-        for new in speculative_decode(
-            ScriptedSession(model, ids + out, min(eos)), ids, len(out), eos, same_drafter, budgets["same"], same_stats
+        for new in decode(
+            ScriptedSession(model, ids + out, min(eos)),
+            DecodeRequest(ids, len(out), eos, speculation=Speculation(same_drafter, budgets["same"], same_stats)),
         ):
             same += new
         assert same == out, f"{p['id']}: the scripted run did not write the constrained answer"

@@ -12,8 +12,10 @@ from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.copy import CopyDrafter
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.tree import TokenTree
@@ -164,8 +166,9 @@ def test_auto_with_copies_decodes_what_sequential_decoding_does(model):
         outs = []
         for d in (Drafter(), drafter):
             out = []
-            for new in speculative_decode(
-                LocalSession(model), prompt, 48, set(), d, StepBudget(max_nodes=64), SpecStats()
+            for new in decode(
+                LocalSession(model),
+                DecodeRequest(prompt, 48, set(), speculation=Speculation(d, StepBudget(max_nodes=64), SpecStats())),
             ):
                 out += new
             outs.append(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -23,13 +24,16 @@ from splitlm.decoding.grammar import (
     compile_grammar,
     grammar_from_format,
 )
-from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
+from splitlm.decoding.grammar_decode import GrammarStats
 from splitlm.decoding.grammar_tree import constrain
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.logprobs import LogprobRecorder
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
+from splitlm.decoding.request import DecodeRequest, Speculation
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.loading import load_model
 
@@ -68,15 +72,17 @@ def decode_text(tok, ids: list[int]) -> str:
 def sequential(model, gt, spec, prompt, n, sampling=None, logprobs=None):
     gstats = GrammarStats()
     out = []
-    for new in constrained_sequential(
+    for new in decode(
         LocalSession(model),
-        prompt,
-        n,
-        set(),
-        compile_grammar(spec, gt).start(),
-        gstats,
-        sampling=sampling,
-        logprobs=logprobs,
+        DecodeRequest(
+            prompt,
+            n,
+            set(),
+            sampling=sampling,
+            logprobs=logprobs,
+            grammar=compile_grammar(spec, gt).start(),
+            grammar_stats=gstats,
+        ),
     ):
         out += new
     return out, gstats
@@ -87,17 +93,17 @@ def speculative(model, gt, spec, prompt, n, drafter, sampling=None, step_cap=Non
     out = []
     session = LocalSession(model)
     session.max_step_tokens = step_cap  # a cloud window's cap on the tokens of one step
-    for new in constrained_decode(
+    for new in decode(
         session,
-        prompt,
-        n,
-        set(),
-        drafter,
-        StepBudget(),
-        stats,
-        compile_grammar(spec, gt).start(),
-        gstats,
-        sampling=sampling,
+        DecodeRequest(
+            prompt,
+            n,
+            set(),
+            sampling=sampling,
+            grammar=compile_grammar(spec, gt).start(),
+            grammar_stats=gstats,
+            speculation=Speculation(drafter, StepBudget(), stats),
+        ),
     ):
         out += new
     return out, stats, gstats
@@ -143,7 +149,7 @@ def test_sequential_is_argmax_over_the_allowed_tokens(setup, spec):
     state, ctx = compile_grammar(spec, gt).start(), list(prompt)
     for t in out:
         with torch.inference_mode():
-            logits = LocalSession(model).forward(ctx).out[-1]
+            logits = LocalSession(model).forward(StepInput(ctx)).out[-1]
         assert t == int(logits.masked_fill(~state.allowed(), -torch.inf).argmax())
         state.advance(t)
         ctx.append(t)
@@ -380,7 +386,7 @@ def test_the_drafter_drafts_after_the_leaves_the_grammar_added(setup):
     import numpy as np
 
     from splitlm.decoding.grammar import mask_words
-    from splitlm.decoding.grammar_decode import ConstrainedRun
+    from splitlm.decoding.grammar_decode import GrammarShape
     from splitlm.decoding.grammar_tree import CHOICE, ConstrainedTree
     from splitlm.decoding.tree import FORCED
 
@@ -395,9 +401,9 @@ def test_the_drafter_drafts_after_the_leaves_the_grammar_added(setup):
     inner = tree.add(0, 10, 0.9, CHOICE)
     tree.add(inner, 11, 0.9, ("head", 1))
     walked = ConstrainedTree(tree, [many, many, many, many, one, many, many])
-    run = ConstrainedRun(None, Drafter(), StepBudget(), SpecStats(), state, GrammarStats(), None, None)
-    assert [i for _, i in run.open_ends(walked, 0)] == [forced, chosen]
-    assert [i for _, i in run.open_ends(walked, forced)] == [chosen]  # the root's own chain is not the tree's
+    shape = GrammarShape(Drafter(), StepBudget(), state, GrammarStats())
+    assert [i for _, i in shape.open_ends(walked, 0)] == [forced, chosen]
+    assert [i for _, i in shape.open_ends(walked, forced)] == [chosen]  # the root's own chain is not the tree's
 
 
 def test_the_budget_sends_forced_chains_first(setup):
@@ -426,17 +432,17 @@ def test_the_forced_start_rides_in_the_prefill_with_its_logprobs(setup):
     opening = compile_grammar(spec, gt).start().forced_chain(32)
     for rec in (spec_rec, None):
         steps = list(
-            constrained_decode(
+            decode(
                 LocalSession(model),
-                prompt,
-                40,
-                set(),
-                Drafter(),
-                StepBudget(),
-                SpecStats(),
-                compile_grammar(spec, gt).start(),
-                GrammarStats(),
-                logprobs=rec,
+                DecodeRequest(
+                    prompt,
+                    40,
+                    set(),
+                    logprobs=rec,
+                    grammar=compile_grammar(spec, gt).start(),
+                    grammar_stats=GrammarStats(),
+                    speculation=Speculation(Drafter(), StepBudget(), SpecStats()),
+                ),
             )
         )
         assert [t for new in steps for t in new] == reference
@@ -453,13 +459,13 @@ class SpaceLover(LocalSession):
         super().__init__(model)
         self.space = space
 
-    def forward(self, ids, positions=None, mask=None, keep=None, rows=None, argmax=False, extras=0, allowed=None):
-        step = super().forward(ids, positions, mask, keep, rows, extras=extras)
+    def forward(self, request: StepInput) -> StepResult:
+        step = super().forward(replace(request, argmax=False, allowed=None))
         logits = step.out.clone()  # [R, V] (an inference tensor: not writable outside inference mode)
         logits[:, self.space] = logits.max() + 10.0
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, -torch.inf)
-        step.out = logits.argmax(-1) if argmax else logits
+        if request.allowed is not None:
+            logits = logits.masked_fill(~request.allowed, -torch.inf)
+        step.out = logits.argmax(-1) if request.argmax else logits
         return step
 
 
@@ -476,23 +482,24 @@ def test_a_prefill_guess_the_model_does_not_take_is_cropped(setup):
     space = next(t for t in state.allowed().nonzero().flatten().tolist() if tok.decode([t]) == " ")
     assert tok.decode([state.likely()]) == ' "'
     reference = []
-    for new in constrained_sequential(
-        SpaceLover(model, space), prompt, 30, set(), compile_grammar(spec, gt).start(), GrammarStats()
+    for new in decode(
+        SpaceLover(model, space),
+        DecodeRequest(prompt, 30, set(), grammar=compile_grammar(spec, gt).start(), grammar_stats=GrammarStats()),
     ):
         reference += new
     assert reference[len(opening)] == space  # sequential takes the space, not the guessed ` "`
     session = SpaceLover(model, space)
     steps = list(
-        constrained_decode(
+        decode(
             session,
-            prompt,
-            30,
-            set(),
-            make_drafter(SpecConfig("auto")),
-            StepBudget(),
-            SpecStats(),
-            compile_grammar(spec, gt).start(),
-            GrammarStats(),
+            DecodeRequest(
+                prompt,
+                30,
+                set(),
+                grammar=compile_grammar(spec, gt).start(),
+                grammar_stats=GrammarStats(),
+                speculation=Speculation(make_drafter(SpecConfig("auto")), StepBudget(), SpecStats()),
+            ),
         )
     )
     assert steps[0] == opening + [space]  # the guess was not taken: the space is the prefill's pick

@@ -16,9 +16,11 @@ from splitlm.decoding.budget import ComputeFit, StepBudget
 from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
 from splitlm.decoding.head import DraftHead, HeadRunner, load_head, native_bf16
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
 from splitlm.decoding.recycle import RecycleTable
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import ContextAutomaton, SuffixIndex
 from splitlm.decoding.tree import TokenTree
@@ -33,8 +35,9 @@ def model(tmp_path_factory):
 
 def run(model, prompt, n, drafter, cost="measured"):
     stats, out = SpecStats(), []
-    for new in speculative_decode(
-        LocalSession(model), prompt, n, set(), drafter, StepBudget(max_nodes=128, cost=cost), stats
+    for new in decode(
+        LocalSession(model),
+        DecodeRequest(prompt, n, set(), speculation=Speculation(drafter, StepBudget(max_nodes=128, cost=cost), stats)),
     ):
         out.extend(new)
     return out, stats

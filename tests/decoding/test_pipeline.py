@@ -10,10 +10,13 @@ from conftest import make_tiny_llama
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig
-from splitlm.decoding.pipeline import pipelined_decode, sync_drafter
+from splitlm.decoding.pipeline import sync_drafter
+from splitlm.decoding.request import DecodeRequest, Speculation
 from splitlm.decoding.sampling import SamplingConfig
 from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.step import StepInput
 from splitlm.decoding.tree import TokenTree
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import split_model
@@ -73,17 +76,18 @@ def pipelined(edge, prompt, n, drafter, sampling=None, max_nodes=None, eos=(), s
     session = session or edge.open_session()
     out = []
     try:
-        for new in pipelined_decode(
+        for new in decode(
             session,
-            prompt,
-            n,
-            set(eos),
-            drafter,
-            StepBudget(fixed_nodes=max_nodes),
-            stats,
-            cached=cached,
-            sampling=sampling,
-            always_bet=True,
+            DecodeRequest(
+                prompt,
+                n,
+                set(eos),
+                cached=cached,
+                sampling=sampling,
+                speculation=Speculation(
+                    drafter, StepBudget(fixed_nodes=max_nodes), stats, pipeline=True, always_bet=True
+                ),
+            ),
         ):
             out.extend(new)
     finally:
@@ -151,8 +155,16 @@ def test_the_learning_drafter_learns_each_step_it_drafted_and_bets_go_to_the_oth
     learner, better = Learner(prompt + reference, rng, 8, 0.9), Scripted(prompt + reference, rng, 8, 0.9)
     stats, session, out = SpecStats(), edge.open_session(), []
     try:
-        for new in pipelined_decode(
-            session, prompt, 40, set(), learner, StepBudget(fixed_nodes=6), stats, always_bet=True, bet_drafter=better
+        for new in decode(
+            session,
+            DecodeRequest(
+                prompt,
+                40,
+                set(),
+                speculation=Speculation(
+                    learner, StepBudget(fixed_nodes=6), stats, pipeline=True, bet_drafter=better, always_bet=True
+                ),
+            ),
         ):
             out.extend(new)
     finally:
@@ -199,8 +211,8 @@ def test_caches_after_a_run_equal_a_recomputation(edge):
         assert out == reference and stats.discarded > 0
         context = prompt + out
         # one more step: the caches hold the context except its last token, as a fresh prefill's do
-        logits = session.forward([context[-1]]).out[-1]
-        expected = fresh.forward(context).out[-1]
+        logits = session.forward(StepInput([context[-1]])).out[-1]
+        expected = fresh.forward(StepInput(context)).out[-1]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         for name in ("head_cache", "tail_cache"):
             a, b = getattr(session, name), getattr(fresh, name)
@@ -222,17 +234,17 @@ def test_two_forwards_in_flight_on_one_connection(edge):
     sequential_session = edge.open_session()
     try:
         prompt = [5, 9, 11, 5, 9]
-        session.forward(prompt)
-        sequential_session.forward(prompt)
-        first = session.send([12], [5])
-        second = session.send([13, 14], [6, 7])  # sent before the first reply is taken
+        session.forward(StepInput(prompt))
+        sequential_session.forward(StepInput(prompt))
+        first = session.send(StepInput([12], [5]))
+        second = session.send(StepInput([13, 14], [6, 7]))  # sent before the first reply is taken
         assert len(session.link.client.in_flight) == 2
         with pytest.raises(Exception, match="order"):
             session.receive(second)
         a, b = session.receive(first).out, session.receive(second).out
         assert not session.link.client.in_flight
-        torch.testing.assert_close(a, sequential_session.forward([12]).out)
-        torch.testing.assert_close(b, sequential_session.forward([13, 14]).out)
+        torch.testing.assert_close(a, sequential_session.forward(StepInput([12])).out)
+        torch.testing.assert_close(b, sequential_session.forward(StepInput([13, 14])).out)
     finally:
         session.close()
         sequential_session.close()
@@ -270,15 +282,16 @@ def test_a_later_turn_reuses_the_caches_a_pipelined_turn_left(edge, stop_early):
     reference = sequential(edge, prompt, 30)
     session = edge.open_session()
     try:
-        steps = pipelined_decode(
+        steps = decode(
             session,
-            prompt,
-            30,
-            set(),
-            Scripted(prompt + reference, rng, 6, 0.9),
-            StepBudget(),
-            SpecStats(),
-            always_bet=True,
+            DecodeRequest(
+                prompt,
+                30,
+                set(),
+                speculation=Speculation(
+                    Scripted(prompt + reference, rng, 6, 0.9), StepBudget(), SpecStats(), pipeline=True, always_bet=True
+                ),
+            ),
         )
         first = []
         for new in steps:
@@ -324,10 +337,10 @@ def test_window_policies_do_not_pipeline(edge):
     session = edge.open_session(cache_policy="window:64")
     try:
         assert not session.pipelines
-        session.forward([4, 5, 6])
-        session.send([7], [3])
+        session.forward(StepInput([4, 5, 6]))
+        session.send(StepInput([7], [3]))
         with pytest.raises(Exception, match="pipelined"):
-            session.send([8], [4])
+            session.send(StepInput([8], [4]))
         session.receive(session.link.flights[0])
     finally:
         session.close()

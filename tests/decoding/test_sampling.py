@@ -5,7 +5,9 @@ import torch
 
 from conftest import make_tiny_llama
 from splitlm.decoding.local import LocalSession
-from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_decode, sample_token, token_distribution
+from splitlm.decoding.loop import decode
+from splitlm.decoding.request import DecodeRequest
+from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_token, token_distribution
 from splitlm.model.loading import load_model
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -80,7 +82,7 @@ def test_sampling_loop_matches_a_cacheless_reference(tmp_path):
     model = load_model(make_tiny_llama(tmp_path / "m", seed=4, vocab_size=64))[0]
     cfg = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, seed=11)
     prompt = [5, 9, 13, 3]
-    out = [t for step in sample_decode(LocalSession(model), prompt, 12, set(), cfg) for t in step]
+    out = [t for step in decode(LocalSession(model), DecodeRequest(prompt, 12, set(), sampling=cfg)) for t in step]
     sampler = Sampler(cfg)  # the reference recomputes the whole sequence each step, no KV cache
     ref: list[int] = []
     with torch.inference_mode():
@@ -90,5 +92,5 @@ def test_sampling_loop_matches_a_cacheless_reference(tmp_path):
             ref.append(sampler.token(logits, prompt + ref))
     assert out == ref
     eos = {ref[3]}
-    stopped = [t for step in sample_decode(LocalSession(model), prompt, 12, eos, cfg) for t in step]
+    stopped = [t for step in decode(LocalSession(model), DecodeRequest(prompt, 12, eos, sampling=cfg)) for t in step]
     assert stopped == ref[: ref.index(ref[3]) + 1]

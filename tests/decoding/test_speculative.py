@@ -9,8 +9,11 @@ from conftest import make_tiny_llama
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter, LookaheadDrafter, NgramDrafter
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
+from splitlm.decoding.step import StepInput
 from splitlm.decoding.tree import TokenTree, accept_greedy
 from splitlm.model.loading import load_model
 
@@ -26,8 +29,9 @@ def model(request, tmp_path_factory):
 def run(model, prompt, n, drafter, max_nodes=None):
     stats = SpecStats()
     out = []
-    for new in speculative_decode(
-        LocalSession(model), prompt, n, set(), drafter, StepBudget(fixed_nodes=max_nodes), stats
+    for new in decode(
+        LocalSession(model),
+        DecodeRequest(prompt, n, set(), speculation=Speculation(drafter, StepBudget(fixed_nodes=max_nodes), stats)),
     ):
         out.extend(new)
     return out, stats
@@ -124,12 +128,12 @@ def test_ngram_tree_has_branches():
 def test_keep_after_partial_acceptance_equals_recompute(model):
     prompt = [5, 6, 7, 8]
     sess = LocalSession(model)
-    sess.forward(prompt)
+    sess.forward(StepInput(prompt))
     tree = TokenTree([9, 10, 11, 12, 13], [-1, 0, 0, 1, 3], [1, 0.5, 0.5, 0.4, 0.3])
     mask = tree.mask()
     positions = [len(prompt) + d for d in tree.depths()]
-    sess.forward(tree.tokens, positions, mask)
-    logits = sess.forward([20], [len(prompt) + 3], keep=[0, 1, 3]).out[-1]
+    sess.forward(StepInput(tree.tokens, positions, mask))
+    logits = sess.forward(StepInput([20], [len(prompt) + 3], keep=[0, 1, 3])).out[-1]
     with torch.no_grad():
         ref = model(torch.tensor([prompt + [9, 10, 12, 20]]), torch.arange(8))[0, -1]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)

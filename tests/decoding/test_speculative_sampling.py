@@ -8,9 +8,11 @@ from conftest import make_tiny_llama
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_decode, sample_token, token_distribution
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.sampling import Sampler, SamplingConfig, sample_token, token_distribution
+from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.tree import TokenTree, accept_sampled
 from splitlm.model.loading import load_model
 
@@ -66,15 +68,15 @@ class FixedTreeDrafter(Drafter):
 
 
 def run_once(model, prompt, guesses, cfg) -> list[int]:
-    steps = speculative_decode(
+    steps = decode(
         LocalSession(model),
-        prompt,
-        2,
-        set(),
-        FixedTreeDrafter(guesses),
-        StepBudget(fixed_nodes=5),
-        SpecStats(),
-        sampling=cfg,
+        DecodeRequest(
+            prompt,
+            2,
+            set(),
+            sampling=cfg,
+            speculation=Speculation(FixedTreeDrafter(guesses), StepBudget(fixed_nodes=5), SpecStats()),
+        ),
     )
     return [t for step in steps for t in step]
 
@@ -116,20 +118,23 @@ def test_greedy_with_sampling_config_stays_token_identical(tmp_path):
     model = load_model(make_tiny_llama(tmp_path / "m", seed=5, vocab_size=48))[0]
     prompt = [3, 4, 5, 3, 4, 5, 3]
     ref = list(
-        speculative_decode(
-            LocalSession(model), prompt, 20, set(), make_drafter(SpecConfig("none")), StepBudget(), SpecStats()
+        decode(
+            LocalSession(model),
+            DecodeRequest(
+                prompt, 20, set(), speculation=Speculation(make_drafter(SpecConfig("none")), StepBudget(), SpecStats())
+            ),
         )
     )
     out = list(
-        speculative_decode(
+        decode(
             LocalSession(model),
-            prompt,
-            20,
-            set(),
-            make_drafter(SpecConfig("ngram")),
-            StepBudget(),
-            SpecStats(),
-            sampling=SamplingConfig(seed=1),
+            DecodeRequest(
+                prompt,
+                20,
+                set(),
+                sampling=SamplingConfig(seed=1),
+                speculation=Speculation(make_drafter(SpecConfig("ngram")), StepBudget(), SpecStats()),
+            ),
         )
     )
     assert [t for s in out for t in s] == [t for s in ref for t in s]
@@ -143,35 +148,35 @@ def test_same_seed_same_tokens_as_sequential_sampling_whatever_the_drafter(tmp_p
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     for seed in range(5):
         cfg = SamplingConfig(temperature=1.3, top_p=0.95, repetition_penalty=1.1, seed=seed)
-        ref = [t for s in sample_decode(LocalSession(model), prompt, 24, set(), cfg) for t in s]
+        ref = [t for s in decode(LocalSession(model), DecodeRequest(prompt, 24, set(), sampling=cfg)) for t in s]
         for mode in ("ngram", "lookahead"):
             stats = SpecStats()
             out = [
                 t
-                for s in speculative_decode(
+                for s in decode(
                     LocalSession(model),
-                    prompt,
-                    24,
-                    set(),
-                    make_drafter(SpecConfig(mode)),
-                    StepBudget(fixed_nodes=8),
-                    stats,
-                    sampling=cfg,
+                    DecodeRequest(
+                        prompt,
+                        24,
+                        set(),
+                        sampling=cfg,
+                        speculation=Speculation(make_drafter(SpecConfig(mode)), StepBudget(fixed_nodes=8), stats),
+                    ),
                 )
                 for t in s
             ]
             assert out == ref, (seed, mode)
         fixed = [
             t
-            for s in speculative_decode(
+            for s in decode(
                 LocalSession(model),
-                prompt,
-                24,
-                set(),
-                FixedTreeDrafter(ref[1:4]),
-                StepBudget(fixed_nodes=5),
-                SpecStats(),
-                sampling=cfg,
+                DecodeRequest(
+                    prompt,
+                    24,
+                    set(),
+                    sampling=cfg,
+                    speculation=Speculation(FixedTreeDrafter(ref[1:4]), StepBudget(fixed_nodes=5), SpecStats()),
+                ),
             )
             for t in s
         ]

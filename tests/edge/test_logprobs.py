@@ -67,7 +67,8 @@ def test_sampled_logprobs_are_the_models_distribution(edge):
 
 
 def test_pipelined_logprobs_follow_the_bets(edge):
-    from splitlm.decoding.pipeline import pipelined_decode
+    from splitlm.decoding.loop import decode
+    from splitlm.decoding.request import DecodeRequest, Speculation
 
     sequential = run(edge, "none")
     rec = LogprobRecorder(3)
@@ -81,8 +82,15 @@ def test_pipelined_logprobs_follow_the_bets(edge):
     try:
         out = [
             t
-            for new in pipelined_decode(
-                session, PROMPT, 24, set(), drafter, budget, stats, logprobs=rec, always_bet=True
+            for new in decode(
+                session,
+                DecodeRequest(
+                    PROMPT,
+                    24,
+                    set(),
+                    logprobs=rec,
+                    speculation=Speculation(drafter, budget, stats, pipeline=True, always_bet=True),
+                ),
             )
             for t in new
         ]

@@ -11,6 +11,7 @@ from conftest import BUNDLED_PROMPTS
 from splitlm import SplitLMError
 from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.modes import SpecConfig
+from splitlm.decoding.step import StepInput
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.onnx_runtime import OnnxEdge, parse_onnx_device
 from splitlm.model.device import resolve_device
@@ -210,7 +211,7 @@ def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_ser
             want = ref.generate(ids, 32, spec="none", stop_at_eos=False).token_ids
             session = int8.open_session()
             try:
-                logits = session.forward(ids + want[:-1]).out  # [T, V], teacher-forced
+                logits = session.forward(StepInput(ids + want[:-1])).out  # [T, V], teacher-forced
             finally:
                 session.close()
             got = logits[len(ids) - 1 :].argmax(-1).tolist()

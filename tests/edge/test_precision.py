@@ -5,6 +5,7 @@ import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm.cloud.server import BackgroundServer
+from splitlm.decoding.step import StepInput
 from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def test_bf16_cloud_agrees_with_the_fp32_model(fp32_edge_bf16_cloud, bundled_hf)
             continuation = hf_greedy(hf, ids, 48)
             session = edge.open_session()
             try:
-                logits = session.forward(ids + continuation[:-1]).out  # one round trip
+                logits = session.forward(StepInput(ids + continuation[:-1])).out  # one round trip
             finally:
                 session.close()
             predicted = logits[len(ids) - 1 :].argmax(-1).tolist()
@@ -87,7 +88,7 @@ def test_speculative_equals_sequential_up_to_bf16_near_ties(fp32_edge_bf16_cloud
         k = next(i for i, (a, b) in enumerate(zip(seq, spec, strict=False)) if a != b)
         session = edge.open_session()
         try:
-            logits = session.forward(ids + seq[:k]).out[-1]  # [V]
+            logits = session.forward(StepInput(ids + seq[:k])).out[-1]  # [V]
         finally:
             session.close()
         gap = abs(float(logits[seq[k]] - logits[spec[k]]))

@@ -6,7 +6,6 @@ seeded sampling; session, sealed and none cache policies)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import pytest
 
@@ -24,9 +23,8 @@ PROMPT = [5, 6, 7, 8] * 5
 def always_bet(monkeypatch):
     """Pipelined steps bet whenever they can (at loopback latency a bet would rarely pay)."""
     from splitlm.decoding import pipeline
-    from splitlm.edge import runtime
 
-    monkeypatch.setattr(runtime, "pipelined_decode", functools.partial(pipeline.pipelined_decode, always_bet=True))
+    monkeypatch.setattr(pipeline.PipelinedFlow, "pays", lambda self, p, nodes: True)  # what `always_bet` does
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import torch
 
 from conftest import hf_greedy
 from splitlm import SplitLMError
+from splitlm.decoding.step import StepInput
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.edge.prefill import StageFit, Stages, candidates, plan, simulate, split
 
@@ -25,7 +26,7 @@ def prefill_logits(edge: Edge, ids: list[int], policy: str | None = None):
     """All rows' logits of one causal run of `ids`, and how it went up (None: in one forward)."""
     session = edge.open_session(policy)
     try:
-        logits = session.forward(ids).out
+        logits = session.forward(StepInput(ids)).out
         return logits, session.last_prefill, session.stats.round_trips
     finally:
         session.close()
@@ -66,7 +67,7 @@ def test_split_head_streams_rows_only_for_the_last_chunk(tiny_split_head, split_
         run = None
         session = streamed.open_session()
         try:  # the greedy prefill asks for the last row only: the other chunks' replies carry no logits
-            session.forward(PROMPT, rows=[len(PROMPT) - 1], argmax=True)
+            session.forward(StepInput(PROMPT, rows=[len(PROMPT) - 1], argmax=True))
             run = session.last_prefill
         finally:
             session.close()
@@ -89,8 +90,8 @@ def test_a_later_turn_streams_after_the_cached_history(tiny_split, tiny_server, 
     with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32", prefill_chunk=32)) as edge:
         session = edge.open_session()
         try:
-            session.forward(PROMPT[:30])
-            logits = session.forward(PROMPT[30:]).out
+            session.forward(StepInput(PROMPT[:30]))
+            logits = session.forward(StepInput(PROMPT[30:])).out
             assert len(session.last_prefill.chunks) == 3
         finally:
             session.close()

@@ -5,6 +5,7 @@ import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
 from splitlm.decoding.modes import SPEC_MODES
+from splitlm.decoding.step import StepInput
 from splitlm.edge import Edge, EdgeConfig
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def teacher_forced_agreement(edge, hf, ids, n):
     continuation = hf_greedy(hf, ids, n)
     session = edge.open_session()
     try:
-        logits = session.forward(ids + continuation).out  # one round trip
+        logits = session.forward(StepInput(ids + continuation)).out  # one round trip
     finally:
         session.close()
     predicted = logits[len(ids) - 1 : len(ids) - 1 + len(continuation)].argmax(-1).tolist()
@@ -130,8 +131,9 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
 
     from splitlm.cli import main
     from splitlm.decoding.budget import StepBudget
+    from splitlm.decoding.loop import decode
     from splitlm.decoding.modes import SpecConfig, make_drafter
-    from splitlm.decoding.pipeline import pipelined_decode
+    from splitlm.decoding.request import DecodeRequest, Speculation
     from splitlm.decoding.speculative import SpecStats
 
     hf, tok = bundled_hf
@@ -144,15 +146,16 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
             drafter = make_drafter(SpecConfig("auto-window"), edge.drafting.corpus_model())
             out = [
                 t
-                for new in pipelined_decode(
+                for new in decode(
                     session,
-                    ids,
-                    48,
-                    set(edge.cfg.eos_token_ids),
-                    drafter,
-                    StepBudget(fixed_nodes=10),
-                    stats,
-                    always_bet=True,
+                    DecodeRequest(
+                        ids,
+                        48,
+                        set(edge.cfg.eos_token_ids),
+                        speculation=Speculation(
+                            drafter, StepBudget(fixed_nodes=10), stats, pipeline=True, always_bet=True
+                        ),
+                    ),
                 )
                 for t in new
             ]

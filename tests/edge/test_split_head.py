@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import BUNDLED_PROMPTS, hf_greedy
+from splitlm.decoding.step import StepInput
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.shards import split_model
 
@@ -108,7 +109,7 @@ def test_reduced_wire_codecs_decode(tiny_split_head, split_head_server, tiny_hf,
         session = edge.open_session()
         try:
             ids = PROMPTS[1]
-            logits = session.forward(ids).out
+            logits = session.forward(StepInput(ids)).out
         finally:
             session.close()
     with torch.no_grad():
@@ -164,7 +165,7 @@ def test_many_rows_of_logits_go_in_chunks_under_the_frame_limit(tiny_split_head,
         assert edge.backend.max_logit_rows == 10
         session = edge.open_session()
         try:
-            logits = session.forward(ids).out
+            logits = session.forward(StepInput(ids)).out
             assert session.stats.round_trips == 2
         finally:
             session.close()

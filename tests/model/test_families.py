@@ -12,8 +12,10 @@ from splitlm.cloud.server import BackgroundServer
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.speculative import SpecStats
 from splitlm.edge import Edge, EdgeConfig
 from splitlm.model.loading import load_model
 from splitlm.model.shards import split_model
@@ -113,8 +115,9 @@ def test_speculative_matches_sequential_with_windows(family, mode):
         outs = []
         for drafter in (Drafter(), make_drafter(SpecConfig(mode))):
             out = []
-            for new in speculative_decode(
-                LocalSession(model), ids, 48, set(), drafter, StepBudget(fixed_nodes=8), SpecStats()
+            for new in decode(
+                LocalSession(model),
+                DecodeRequest(ids, 48, set(), speculation=Speculation(drafter, StepBudget(fixed_nodes=8), SpecStats())),
             ):
                 out.extend(new)
             outs.append(out)

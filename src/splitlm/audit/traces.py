@@ -14,9 +14,10 @@ import torch
 
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.local import LocalSession
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
-from splitlm.decoding.speculative import SpecStats, speculative_decode
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.request import DecodeRequest, Speculation
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.model.llama import Transformer
 
 
@@ -77,19 +78,12 @@ class TracingSession(LocalSession):
         super().settle(keep)
         self.trace.steps[-1].keep = None if keep is None else list(keep)
 
-    def forward(
-        self,
-        ids: list[int],
-        positions: list[int] | None = None,
-        mask: torch.Tensor | None = None,
-        keep: list[int] | None = None,
-        rows: list[int] | None = None,
-        argmax: bool = False,
-    ) -> StepResult:
-        super().settle(keep)  # before the positions: they follow the kept entries
+    def forward(self, step: StepInput) -> StepResult:
+        ids, positions, mask, rows = step.ids, step.positions, step.mask, step.rows
+        super().settle(step.keep)  # before the positions: they follow the kept entries
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
-        logits = super().forward(ids, positions, mask).out  # [T, V], every row: the trace keeps each one's argmax
+        logits = super().forward(StepInput(ids, positions, mask)).out  # [T, V], every row: the trace keeps each argmax
         out = logits.argmax(-1)
         self.trace.steps.append(
             Step(
@@ -103,7 +97,7 @@ class TracingSession(LocalSession):
         )
         logits = logits if rows is None else logits[rows]
         return StepResult(
-            logits.argmax(-1) if argmax else logits, len(ids), self.rtt_s, self.c0_s + self.c1_s * len(ids)
+            logits.argmax(-1) if step.argmax else logits, len(ids), self.rtt_s, self.c0_s + self.c1_s * len(ids)
         )
 
 
@@ -114,15 +108,9 @@ def trace_generation(
     trace = Trace(label, list(prompt))
     session = TracingSession(model, layers, trace)
     try:
-        for new in speculative_decode(
-            session,
-            list(prompt),
-            max_new_tokens,
-            set(model.cfg.eos_token_ids),
-            make_drafter(SpecConfig(mode=spec)),
-            StepBudget(),
-            SpecStats(),
-        ):
+        drafting = Speculation(make_drafter(SpecConfig(mode=spec)), StepBudget())
+        request = DecodeRequest(list(prompt), max_new_tokens, set(model.cfg.eos_token_ids), speculation=drafting)
+        for new in decode(session, request):
             trace.generated.extend(new)
     finally:
         session.close()

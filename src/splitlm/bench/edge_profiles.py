@@ -78,6 +78,7 @@ def _child() -> None:
 
     torch.set_num_threads(spec["threads"])
     baseline = current_rss_bytes()
+    from splitlm.decoding.step import StepInput
     from splitlm.edge import Edge, EdgeConfig
 
     out: dict = {}
@@ -98,7 +99,7 @@ def _child() -> None:
         for ids, cont in zip(prompts, reference, strict=True):
             session = edge.open_session()
             try:
-                logits = session.forward(ids + cont[:-1]).out  # [T, V], one round trip
+                logits = session.forward(StepInput(ids + cont[:-1])).out  # [T, V], one round trip
             finally:
                 session.close()
             predicted = logits[len(ids) - 1 :].argmax(-1).tolist()

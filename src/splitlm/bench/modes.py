@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.decoding.step import StepInput
 
 
 @dataclass
@@ -411,7 +412,7 @@ def teacher_forced_agreement(ctx: BenchContext, prompt_ids: list[int], reference
         return 0, 0
     session = ctx.edge.open_session()
     try:
-        logits = session.forward(prompt_ids + reference[:-1]).out  # [T_prompt + n - 1, V]
+        logits = session.forward(StepInput(prompt_ids + reference[:-1])).out  # [T_prompt + n - 1, V]
     finally:
         session.close()
     predicted = logits[len(prompt_ids) - 1 :].argmax(-1).tolist()  # [n]

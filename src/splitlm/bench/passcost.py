@@ -4,7 +4,7 @@ The middle layers of a real model's shape (random weights made on the device its
 from disk) run passes of T new tokens after a context of C cached entries, as the cloud does
 for a speculative step (a tree of T nodes) or a prefill chunk. Each pass is timed after a
 device synchronisation; the figure is the median of `reps` passes, with the cache cropped back
-to C in between. `speculative_decode`'s budget learns exactly this curve (c0 + c1·T) online; the
+to C in between. The decoding loop's budget learns exactly this curve (c0 + c1·T) online; the
 table tells how many tokens a step may verify before the cloud's compute stops being free next to
 the WAN's round trip.
 """

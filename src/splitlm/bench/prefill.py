@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from splitlm import SplitLMError, __version__
+from splitlm.decoding.step import StepInput
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def run_once(edge, ids: list[int], streamed: bool, mbps: float, rtt_s: float) ->
     session = edge.open_session()
     try:
         start = time.perf_counter()
-        first = int(session.forward(ids, rows=[len(ids) - 1], argmax=True).out[-1])
+        first = int(session.forward(StepInput(ids, rows=[len(ids) - 1], argmax=True)).out[-1])
         ttft = time.perf_counter() - start
         s = session.stats
         row = {
@@ -119,7 +120,7 @@ def run_once(edge, ids: list[int], streamed: bool, mbps: float, rtt_s: float) ->
         row.update(stages_s=stages, bound_s=bound, slowest=slowest)
         tokens = [first]
         for _ in range(DECODE_TOKENS):
-            tokens.append(int(session.forward([tokens[-1]], argmax=True).out[-1]))
+            tokens.append(int(session.forward(StepInput([tokens[-1]], argmax=True)).out[-1]))
         row["tokens"] = tokens
         if run is not None:
             row["chunk_log"] = [asdict(c) for c in run.chunks]

@@ -1,14 +1,15 @@
 """Constrained decoding: every emitted token is one the request's grammar allows.
 
-Sequential constrained decoding (`constrained_sequential`, spec mode `none`) is the reference: at
+Sequential constrained decoding (`splitlm.decoding.shapes.SequentialShape` with a grammar, spec mode
+`none`) is the reference: at
 each step the best allowed token (argmax over the grammar's mask, or the sampler's draw from the
 masked distribution), one token per round trip. A forced state allows one token only, so it is
 emitted whatever the model says.
 
-Grammar-aware speculation (`constrained_decode`, every other mode) gives the same tokens with fewer
-round trips:
+Grammar-aware speculation (`GrammarShape`, the loop's shape part in every other mode) gives the same
+tokens with fewer round trips:
 
-- the tokens the grammar forces before the first choice go up with the prompt (`constrained_prefill`),
+- the tokens the grammar forces before the first choice go up with the prompt (`GrammarShape.prefill`),
   with the guess of what it fixes next where the tokenizer could split that more than one way (` "`
   opening a string: `GrammarState.expected_chain`): the prefill's logits check the guess and pick the
   first token the model chooses; a guess it does not take is cropped from the caches;
@@ -20,7 +21,7 @@ round trips:
   are pruned before they are sent, forced continuations join as certain nodes, every node gets its
   mask;
 - each row's token is chosen among its node's allowed tokens (the screened greedy head takes the
-  masks, `EdgeSession.forward(allowed=...)`; sampling masks the logits before the sampler), and the
+  masks, `StepInput.allowed`; sampling masks the logits before the sampler), and the
   tree is verified as usual: the certain nodes are accepted whenever their parents are.
 
 Where the forced chain itself ends the request (an end token, or the length limit) it is emitted
@@ -30,8 +31,6 @@ without a round trip.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,44 +46,20 @@ from splitlm.decoding.grammar_tree import (
     graft,
     small_choice,
 )
-from splitlm.decoding.sampling import Sampler, SamplingConfig
-from splitlm.decoding.speculative import SpecStats, StepSession, build_step, extras, stop_at
-from splitlm.decoding.step import StepResult
-from splitlm.decoding.tree import FORCED, TokenTree, accept_greedy, accept_sampled
+from splitlm.decoding.request import GrammarStats, Plan
+from splitlm.decoding.speculative import build_step, stop_at
+from splitlm.decoding.step import StepInput, StepResult
+from splitlm.decoding.tree import FORCED, TokenTree
 
 if TYPE_CHECKING:
-    from splitlm.decoding.logprobs import LogprobRecorder
+    from splitlm.decoding.request import Run
+    from splitlm.decoding.sampling import Sampler
 
 MAX_ROOT_CHAIN = 32  # forced tokens put ahead of the drafter's tree in one step
 MAX_TREE_CHAIN = 16  # forced tokens added after one drafted node
 CLOSE_WINDOW = 64  # tokens before the length limit from which every token is checked for room to close
 AFTER_ENDS = 4  # open ends inside a tree (where a forced chain or a small choice ends) the drafter drafts after
 AFTER_MIN_REACH = 0.01  # the budget, not this, decides what is sent: steps reached ends it put below 0.05
-
-
-@dataclass
-class GrammarStats:
-    """What the grammar did to the trees of one request."""
-
-    rejected_drafts: int = 0  # drafted nodes pruned before they were sent
-    forced_tokens: int = 0  # emitted tokens that the grammar forced
-    forced_free: int = 0  # forced tokens emitted without a round trip (the request's last)
-    choice_nodes: int = 0  # nodes added to trees because their state allowed only a few tokens
-    value_end_nodes: int = 0  # nodes added to trees to close a string where a drafted word ends (chains included)
-    mask_steps: int = 0  # masks computed (one per tree node sent or walked)
-    mask_s: float = 0.0  # time spent walking trees and computing masks
-
-    def to_dict(self) -> dict:
-        return {
-            "rejected_drafts": self.rejected_drafts,
-            "forced_tokens": self.forced_tokens,
-            "forced_free": self.forced_free,
-            "choice_nodes": self.choice_nodes,
-            "value_end_nodes": self.value_end_nodes,
-            "mask_steps": self.mask_steps,
-            "mask_s": round(self.mask_s, 6),
-            "mask_us_per_step": round(1e6 * self.mask_s / max(self.mask_steps, 1), 1),
-        }
 
 
 def pick(logits: torch.Tensor, allowed: torch.Tensor, sampler: Sampler | None, context: list[int]) -> int:
@@ -128,71 +103,85 @@ def close_at(
         state.rollback(done)
 
 
-def constrained_sequential(
-    session: StepSession,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    eos: set[int],
-    state: GrammarState,
-    gstats: GrammarStats,
-    cached: int = 0,
-    sampling: SamplingConfig | None = None,
-    logprobs: LogprobRecorder | None = None,
-) -> Iterator[list[int]]:
-    """One token per round trip, each the best the grammar allows (`state`: the grammar before the
-    first; the request ends with it). Yields [token] per step."""
-    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    argmax = sampler is None and logprobs is None
-    eos = eos | set(state.eos)
-    context = list(prompt_ids)
-    ids, rows = prompt_ids[cached:], [len(prompt_ids) - cached - 1]
-    for produced in range(1, max_new_tokens + 1):
-        t0 = time.perf_counter()
-        allowed = state.allowed()  # [V]
-        gstats.mask_s += time.perf_counter() - t0
-        gstats.mask_steps += 1
-        gstats.forced_tokens += state.forced() is not None
-        if argmax and produced > 1:  # the prefill (maybe streamed in chunks) returns logits
-            token = int(session.forward(ids, argmax=True, allowed=allowed[None]).out[-1])
-        else:
-            logits = session.forward(ids, rows=rows).out  # [1, V]
-            token = pick(logits[-1], allowed, sampler, context)
-            if logprobs is not None:
-                logprobs.record([token], logits[-1:])
-        if logprobs is None and (cut := close_at(state, [token], produced - 1, max_new_tokens)) is not None:
-            yield advance_all(
-                state, cut[1]
-            )  # no room left after this token to complete the output: complete it instead
-            return
-        state.advance(token)
-        context.append(token)
-        yield [token]
-        if token in eos or produced == max_new_tokens:
-            return
-        ids, rows = [token], None
+class GrammarShape:
+    """The loop's shape part for a constrained request (`state`: the grammar after the emitted tokens):
+    the forced chain after the root, then the drafter's tree drafted after it, walked through the
+    grammar (pruned, forced continuations and value ends added, drafts after open ends), every node
+    with its mask, cut to what the budget affords. Near the length limit the loop closes the output
+    (`close_at`)."""
 
-
-class ConstrainedRun:
-    """One constrained speculative request after its prefill: the verified context, the grammar state
-    after it, and what each step needs."""
-
-    def __init__(
-        self,
-        session: StepSession,
-        drafter: Drafter,
-        budget: StepBudget,
-        stats: SpecStats,
-        state: GrammarState,
-        gstats: GrammarStats,
-        sampler: Sampler | None,
-        logprobs: LogprobRecorder | None,
-    ):
-        self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
-        self.state, self.gstats, self.sampler, self.logprobs = state, gstats, sampler, logprobs
-        self.argmax = sampler is None and logprobs is None  # else logits come back and the mask applies here
+    def __init__(self, drafter: Drafter, budget: StepBudget, state: GrammarState, gstats: GrammarStats):
+        self.drafter, self.budget, self.state, self.gstats = drafter, budget, state, gstats
         self.last_nodes = 16  # the tree size the budget chose last
+        self.cap: int | None = None  # the most tokens a step may carry
 
-    def plan(self, context: list[int], chain: list[int]) -> tuple[ConstrainedTree, int]:
+    def prefill(self, run: Run) -> tuple[list[int], StepResult]:
+        """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name":`)
+        and those it likely takes next (` "`: `GrammarState.expected_chain`), so that the prefill's logits
+        give the first value's token. Returns the first tokens (those forced, the guesses the model took,
+        then its best allowed token; the state is not advanced) and the prefill's step as the drafter sees
+        it (the last emitted token's row). A guess the model did not take is cropped from the caches."""
+        session, prompt_ids, cached = run.session, run.request.prompt_ids, run.request.cached
+        logprobs = run.request.logprobs
+        chain, certain = self.state.expected_chain(min(MAX_ROOT_CHAIN, run.request.max_new_tokens - 1))
+        end = next((i for i, t in enumerate(chain) if t in run.eos), len(chain))  # the end token: picked
+        chain, certain = chain[:end], min(certain, end)
+        base = len(prompt_ids) - cached - 1  # the prompt's last token, among those sent
+        top = base if logprobs is not None else base + certain  # the first row asked for
+        step = session.forward(
+            StepInput(
+                prompt_ids[cached:] + chain, rows=list(range(top, base + len(chain) + 1)), extras=self.drafter.extras
+            )
+        )
+        self.budget.observe_network(step.network_s)
+        context = list(prompt_ids) + advance_all(self.state, chain[:certain])
+        self.gstats.forced_tokens += certain
+        taken = certain
+        while True:
+            self.gstats.forced_tokens += self.state.forced() is not None
+            root = pick(step.out[base + taken - top], self.state.allowed(), run.sampler, context)
+            if taken == len(chain) or root != chain[taken]:
+                break
+            self.state.advance(root)
+            context.append(root)
+            taken += 1
+        self.state.rollback(taken)
+        if taken < len(chain):
+            session.crop(len(prompt_ids) + taken)
+        if logprobs is not None:
+            logprobs.record(chain[:taken] + [root], step.out[: taken + 1])
+        return chain[:taken] + [root], step.rows_from(base + taken - top)
+
+    def start(self, context: list[int], first: StepResult) -> None:
+        self.drafter.reset(context)
+        self.drafter.verified(TokenTree.root_only(context[-2]), [0], [context[-1]], first)
+
+    def plan(self, run: Run) -> Plan:
+        """The step: the forced chain and the drafter's tree walked through the grammar, or the chain's
+        tokens alone (`free`) where they end the request."""
+        self.cap = cap = run.session.max_step_tokens
+        chain = self.state.forced_chain(MAX_ROOT_CHAIN if cap is None else min(MAX_ROOT_CHAIN, cap - 1))
+        limit = run.request.max_new_tokens
+        if run.request.logprobs is None and (n := stop_at(chain, run.produced, limit, run.eos)) is not None:
+            self.gstats.forced_tokens += n
+            self.gstats.forced_free += n
+            return Plan(TokenTree.root_only(run.context[-1]), None, free=chain[:n])  # no round trip needed
+        self.drafter.extend(chain)
+        tree, expected = self.walk(run.context, chain)
+        tokens, positions, mask, rows = build_step(tree.tree, None, len(run.context) - 1)
+        allowed = tree.allowed(list(range(len(tree.tree))), self.state.vocab_size)  # [N, V]
+        step = StepInput(
+            tokens,
+            positions,
+            mask,
+            rows=rows,
+            argmax=run.argmax,
+            extras=self.drafter.extras,
+            allowed=allowed if run.argmax else None,  # else logits come back and the mask applies here
+        )
+        return Plan(tree.tree, step, allowed=allowed, expected=expected, chain=len(chain))
+
+    def walk(self, context: list[int], chain: list[int]) -> tuple[ConstrainedTree, float]:
         """The step's tree: the forced `chain` after the root, then the drafter's tree (drafted on the
         context extended by the chain), walked through the grammar and cut to what the budget affords;
         and the budget's expected tokens."""
@@ -216,7 +205,7 @@ class ConstrainedRun:
         self.gstats.choice_nodes += walked.choices
         choice = self.budget.choose(walked.tree)
         self.last_nodes = choice.nodes
-        cap = self.session.max_step_tokens
+        cap = self.cap
         nodes = max(choice.nodes, len(chain) + 1)  # the chain is certain: always sent
         nodes = nodes if cap is None else max(min(nodes, cap), 1)
         kept = walked.tree.pruned(nodes, choice.reach)
@@ -255,137 +244,17 @@ class ConstrainedRun:
         self.gstats.mask_steps += len(walked.tree) - before
         return walked
 
-    def verify(self, tree: ConstrainedTree, context: list[int]) -> tuple[list[int], list[int], StepResult]:
-        """Send the tree, choose each row's token among its allowed ones, walk the tree: the accepted
-        path, the new tokens and the step."""
-        tokens, positions, mask, rows = build_step(tree.tree, None, len(context) - 1)
-        allowed = tree.allowed(list(range(len(tree.tree))), self.state.vocab_size)  # [N, V]
-        step = self.session.forward(
-            tokens,
-            positions,
-            mask,
-            rows=rows,
-            argmax=self.argmax,
-            allowed=allowed if self.argmax else None,
-            **extras(self.drafter),
-        )
-        if self.sampler is not None:
-            path, new = accept_sampled(tree.tree, step.out.masked_fill(~allowed, -torch.inf), self.sampler, context)
-        else:
-            out = step.out if self.argmax else step.out.masked_fill(~allowed, -torch.inf).argmax(-1)
-            path, new = accept_greedy(tree.tree, out.tolist())
-        return path, new, step
-
-    def learn(self, tree: TokenTree, k: int, path: list[int], new: list[int], step: StepResult) -> None:
-        """The drafter hears of the step as of its own tree: the part after the `k` chain tokens."""
+    def learn(self, plan: Plan, path: list[int], new: list[int], ids: list[int] | None, result: StepResult) -> None:
+        """The drafter hears of the step as of its own tree: the part after the chain's tokens."""
+        tree, k = plan.tree, plan.chain
         self.drafter.accepted(new[k:-1])
         if len(path) > k:
             sub = TokenTree(tree.tokens[k:], [max(p - k, -1) for p in tree.parents[k:]], tree.scores[k:], tree.keys[k:])
-            self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], step.rows_from(k))
+            self.drafter.verified(sub, [p - k for p in path[k:]], new[k:], result.rows_from(k))
 
+    def emitted(self, plan: Plan, path: list[int], fresh: list[int]) -> None:
+        """Count the forced tokens among those emitted."""
+        self.gstats.forced_tokens += sum(plan.tree.certain(i) for i in path[1 : len(fresh) + 1])
 
-def constrained_prefill(
-    session: StepSession, prompt_ids: list[int], cached: int, run: ConstrainedRun, max_new_tokens: int, eos: set[int]
-) -> tuple[list[int], StepResult]:
-    """Run the prompt followed by the tokens the grammar forces before its first choice (`{"name":`)
-    and those it likely takes next (` "`: `GrammarState.expected_chain`), so that the prefill's logits
-    give the first value's token. Returns the first tokens (those forced, the guesses the model took,
-    then its best allowed token; the state is not advanced) and the prefill's step as the drafter sees
-    it (the last emitted token's row). A guess the model did not take is cropped from the caches."""
-    chain, certain = run.state.expected_chain(min(MAX_ROOT_CHAIN, max_new_tokens - 1))
-    end = next((i for i, t in enumerate(chain) if t in eos), len(chain))  # the end token: picked
-    chain, certain = chain[:end], min(certain, end)
-    base = len(prompt_ids) - cached - 1  # the prompt's last token, among those sent
-    top = base if run.logprobs is not None else base + certain  # the first row asked for
-    step = session.forward(
-        prompt_ids[cached:] + chain, rows=list(range(top, base + len(chain) + 1)), **extras(run.drafter)
-    )
-    run.budget.observe_network(step.network_s)
-    context = list(prompt_ids) + advance_all(run.state, chain[:certain])
-    run.gstats.forced_tokens += certain
-    taken = certain
-    while True:
-        run.gstats.forced_tokens += run.state.forced() is not None
-        root = pick(step.out[base + taken - top], run.state.allowed(), run.sampler, context)
-        if taken == len(chain) or root != chain[taken]:
-            break
-        run.state.advance(root)
-        context.append(root)
-        taken += 1
-    run.state.rollback(taken)
-    if taken < len(chain):
-        session.crop(len(prompt_ids) + taken)
-    if run.logprobs is not None:
-        run.logprobs.record(chain[:taken] + [root], step.out[: taken + 1])
-    return chain[:taken] + [root], step.rows_from(base + taken - top)
-
-
-def constrained_decode(
-    session: StepSession,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    eos: set[int],
-    drafter: Drafter,
-    budget: StepBudget,
-    stats: SpecStats,
-    state: GrammarState,
-    gstats: GrammarStats,
-    cached: int = 0,
-    sampling: SamplingConfig | None = None,
-    logprobs: LogprobRecorder | None = None,
-) -> Iterator[list[int]]:
-    """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), every token
-    allowed by the grammar (`state`: before the first token); the same tokens as
-    `constrained_sequential`. Yields the new tokens of each step; the request ends with the grammar."""
-    eos = eos | set(state.eos)
-    sampler = Sampler(sampling) if sampling is not None and not sampling.plain_greedy else None
-    run = ConstrainedRun(session, drafter, budget, stats, state, gstats, sampler, logprobs)
-    firsts, first = constrained_prefill(session, prompt_ids, cached, run, max_new_tokens, eos)
-    if logprobs is None and (cut := close_at(state, firsts, 0, max_new_tokens)) is not None:
-        yield advance_all(state, firsts[: cut[0]] + cut[1])
-        return
-    yield advance_all(state, firsts)
-    root, produced, context = firsts[-1], len(firsts), list(prompt_ids) + firsts
-    drafter.reset(context)
-    drafter.verified(TokenTree.root_only(context[-2]), [0], [root], first)
-    cap = session.max_step_tokens
-    while produced < max_new_tokens and root not in eos:
-        started = time.perf_counter()
-        chain = state.forced_chain(MAX_ROOT_CHAIN if cap is None else min(MAX_ROOT_CHAIN, cap - 1))
-        if logprobs is None and (n := stop_at(chain, produced, max_new_tokens, eos)) is not None:
-            gstats.forced_tokens += n
-            gstats.forced_free += n
-            yield advance_all(state, chain[:n])  # the request ends inside the chain: no round trip needed
-            return
-        drafter.extend(chain)
-        tree, expected = run.plan(context, chain)
-        sent = time.perf_counter()
-        path, new, step = run.verify(tree, context)
-        returned = time.perf_counter()
-        run.learn(tree.tree, len(chain), path, new, step)
-        budget.observe_acceptance(tree.tree, path)
-        budget.observe_step(
-            len(tree.tree), step.compute_s, step.network_s, (sent - started) + (time.perf_counter() - returned)
-        )
-        stats.verified(len(tree.tree), len(path) - 1)
-        stats.expected_tokens += expected
-        stats.choices.append(len(tree.tree))
-        keep = path
-        if (n := stop_at(new, produced, max_new_tokens, eos)) is not None:
-            new, keep = new[:n], path[:n]  # the cache keeps the context up to, not including, the last token
-        closing = None
-        if logprobs is None and (cut := close_at(state, new, produced, max_new_tokens)) is not None:
-            new, keep, closing = new[: cut[0]], path[: max(cut[0], 1)], cut[1]
-        session.settle(keep)
-        if logprobs is not None:
-            logprobs.record(new, step.out[path[: len(new)]])
-        gstats.forced_tokens += sum(tree.tree.certain(i) for i in path[1 : len(new) + 1])
-        if closing is not None:  # no room to complete the output after new[len(new)]: complete it now
-            yield advance_all(state, new + closing)
-            return
-        advance_all(state, new)
-        produced += len(new)
-        context.extend(new)
-        drafter.extend(new[len(chain) :])
-        root = new[-1]
-        yield new
+    def extend(self, plan: Plan, fresh: list[int]) -> None:
+        self.drafter.extend(fresh[plan.chain :])

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.model.device import to_host
 from splitlm.model.llama import Transformer, embed
 
@@ -32,22 +32,13 @@ class LocalSession:
         self.cache.crop(n)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        ids: list[int],
-        positions: list[int] | None = None,
-        mask: torch.Tensor | None = None,
-        keep: list[int] | None = None,
-        rows: list[int] | None = None,
-        argmax: bool = False,
-        extras: int = 0,
-        allowed: torch.Tensor | None = None,
-    ) -> StepResult:
+    def forward(self, step: StepInput) -> StepResult:
         """Like `EdgeSession.forward`: with `extras` = k, the step holds each row's top-k ids and
         final-normed hidden state; with `argmax` and `allowed` [R, V], each row's greedy id among its allowed."""
         start = time.perf_counter()
-        if keep is not None:
-            self.cache.keep(keep)
+        ids, positions, mask, rows = step.ids, step.positions, step.mask, step.rows
+        if step.keep is not None:
+            self.cache.keep(step.keep)
         if positions is None:
             positions = list(range(self.cache.length, self.cache.length + len(ids)))
         dev = self.model.embed_tokens.weight.device
@@ -61,8 +52,8 @@ class LocalSession:
         h = h if rows is None else h[rows]
         logits = to_host(m.logits(h))  # [R, V]
         compute_s = time.perf_counter() - start
-        greedy = logits if allowed is None else logits.masked_fill(~allowed, -torch.inf)  # [R, V]
-        step = StepResult(greedy.argmax(-1) if argmax else logits, len(ids), 0.0, compute_s)
-        if extras:
-            step.topk, step.hidden = logits.topk(extras, -1).indices, to_host(m.norm(h))
-        return step
+        greedy = logits if step.allowed is None else logits.masked_fill(~step.allowed, -torch.inf)  # [R, V]
+        result = StepResult(greedy.argmax(-1) if step.argmax else logits, len(ids), 0.0, compute_s)
+        if step.extras:
+            result.topk, result.hidden = logits.topk(step.extras, -1).indices, to_host(m.norm(h))
+        return result

@@ -18,7 +18,7 @@ sampler's draw with the uniform of that position), so greedy output equals seque
 and seeded sampling equals sequential sampling with that seed. At most two steps are in flight.
 
 Two drafters share the request's drafting memory: the *learning* one drafts every step sent on the
-verified context and learns from its verification as `speculative_decode`'s does (its context only
+verified context and learns from its verification as a direct flow's does (its context only
 ever grows, so the step it learns from is always its latest proposal); the *betting* one drafts the
 steps sent on a bet, on a context that may be dropped, and learns nothing itself (what it reads of
 the memory — retrieval, the recycled table, the calibrations — the learning one keeps up to date).
@@ -27,56 +27,21 @@ the memory — retrieval, the recycled table, the calibrations — the learning 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from splitlm.decoding.budget import StepBudget
-from splitlm.decoding.drafters import Drafter
-from splitlm.decoding.logprobs import LogprobRecorder
-from splitlm.decoding.sampling import Sampler, SamplingConfig
-from splitlm.decoding.speculative import SpecStats, build_step, extras, greedy_ids, prefill, stop_at
-from splitlm.decoding.step import StepResult
-from splitlm.decoding.tree import TokenTree, accept_greedy, accept_sampled
+from splitlm.decoding.request import Plan, Reply
+from splitlm.decoding.speculative import build_step
+from splitlm.decoding.step import StepInput, StepResult
+from splitlm.decoding.tree import TokenTree
 
-
-class PipeSession(Protocol):
-    """What pipelining needs from a session (`splitlm.edge.session.EdgeSession`)."""
-
-    def forward(
-        self,
-        ids: list[int],
-        positions: list[int] | None = None,
-        mask: torch.Tensor | None = None,
-        keep: list[int] | None = None,
-        rows: list[int] | None = None,
-        argmax: bool = False,
-    ) -> StepResult: ...
-
-    def send(
-        self,
-        ids: list[int],
-        positions: list[int],
-        mask: torch.Tensor | None = None,
-        rows: list[int] | None = None,
-        keep: list[int] | None = None,
-        argmax: bool = False,
-        extras: int = 0,
-    ) -> object: ...
-
-    def receive(self, flight) -> StepResult: ...
-
-    def discard(self, flight) -> None: ...
-
-    def rewind(self, flight, keep: list[int]) -> None: ...
-
-    def settle(self, keep: list[int] | None = None) -> None: ...
-
-    @property
-    def max_step_tokens(self) -> int | None:
-        """The most new tokens one step may carry, or None."""
+if TYPE_CHECKING:
+    from splitlm.decoding.budget import StepBudget
+    from splitlm.decoding.drafters import Drafter
+    from splitlm.decoding.request import Run, Speculation
+    from splitlm.decoding.shapes import PlainShape
 
 
 @dataclass
@@ -141,60 +106,44 @@ def choose_bet(step: Step, budget: StepBudget) -> tuple[list[int], float] | None
     return path + tail[::-1], best_p
 
 
-@dataclass
-class Limits:
-    """Where a request's decoding ends."""
+class PipelinedFlow:
+    """The loop's flow part for pipelined requests: the steps in flight (at most two) and what the
+    session must still be told.
 
-    max_new_tokens: int
-    eos: set[int]
-    prompt_len: int
+    Each round `next` sends a step on the verified context when none that stands is in flight
+    (`fill`), bets on it (`bet`: the next step sent as a continuation of its likeliest path), then
+    hands the oldest step that stands to the loop; once verified, `settle` settles the bet
+    (the next step stands, or is void and every cache rolls back). A bet is placed when
+    it is expected to pay: its chance p to hold (the budget's calibrated acceptance) times the round
+    trip it saves exceeds (1 - p) times what a stale step delays the retry (its compute less a round
+    trip, so at a long RTT nothing); `always_bet` bets whenever there is a path to bet on (tests)."""
 
-
-class PipelinedRun:
-    """One pipelined request after its prefill: the steps in flight (at most two), the verified
-    context, and what the session must still be told.
-
-    Each round `next_verified` sends a step on the verified context when none that stands is in
-    flight (`fill`), bets on it (`bet`: the next step sent as a continuation of its likeliest path),
-    then verifies the oldest step (`verify`), which settles the bet (`resolve_bet`: the next step
-    stands, or is void and every cache rolls back)."""
-
-    @staticmethod
-    def learner(drafter: Drafter, bet_drafter: Drafter | None) -> Drafter | None:
-        """The drafter that learns from verified steps: `drafter`, when bets have a drafter of their own;
-        else bets move the one drafter ahead and it learns nothing (None)."""
-        return drafter if bet_drafter is not None else None
-
-    def __init__(
-        self,
-        session: PipeSession,
-        drafter: Drafter,
-        budget: StepBudget,
-        stats: SpecStats,
-        sampler: Sampler | None,
-        context: list[int],
-        limits: Limits,
-        always_bet: bool = False,
-        logprobs: LogprobRecorder | None = None,
-        bet_drafter: Drafter | None = None,
-    ):
-        self.session, self.drafter, self.budget, self.stats = session, drafter, budget, stats
-        self.bet_drafter = bet_drafter or drafter
-        self.learning = self.learner(drafter, bet_drafter) is not None
-        self.sampler, self.limits, self.always_bet = sampler, limits, always_bet
-        self.logprobs = logprobs  # records each emitted token with its logits row (then greedy steps ask for logits)
-        self.context = context  # the prompt and the verified tokens
-        self.produced = 1  # the prefill's token
-        self.cap = session.max_step_tokens
+    def __init__(self, spec: Speculation, shape: PlainShape):
+        """`spec.bet_drafter` (another drafter of the same mode and memory) drafts the steps sent on a bet,
+        and `spec.drafter` learns from the others (`shape.drafter`); without it `spec.drafter` drafts both
+        and learns nothing."""
+        self.drafter, self.budget, self.stats = spec.drafter, spec.budget, spec.stats
+        self.bet_drafter = spec.bet_drafter or spec.drafter
+        self.shape, self.always_bet = shape, spec.always_bet
+        self.learning = shape.drafter is not None
         self.flight: deque[Step] = deque()
         self.keep_next: list[int] | None = None  # the last block's keep, for the next send (or the final settle)
         self.last: tuple[Step, list[int]] | None = None  # the last verified step and its true keep
-        drafter.reset(context)
-        if self.bet_drafter is not drafter:
-            self.bet_drafter.reset(context)
+        self.verifying: Step | None = None  # the step handed to the loop
 
-    def done(self) -> bool:
-        return self.produced >= self.limits.max_new_tokens or self.context[-1] in self.limits.eos
+    @staticmethod
+    def learner(spec: Speculation) -> Drafter | None:
+        """The drafter that learns from verified steps: `spec.drafter`, when bets have a drafter of their
+        own; else bets move the one drafter ahead and it learns nothing (None)."""
+        return spec.drafter if spec.bet_drafter is not None else None
+
+    def start(self, run: Run, first: StepResult) -> None:
+        self.run, self.session, self.cap = run, run.session, run.session.max_step_tokens
+        self.drafter.reset(run.context)
+        if self.bet_drafter is not self.drafter:
+            self.bet_drafter.reset(run.context)
+        if self.learning:
+            self.drafter.verified(TokenTree.root_only(run.context[-2]), [0], [run.context[-1]], first)
 
     def propose(self, drafter: Drafter, ctx: list[int], exclude_root: bool) -> TokenTree:
         """`drafter`'s tree on `ctx`, pruned to what the budget affords."""
@@ -213,25 +162,17 @@ class PipelinedRun:
         else:
             tokens, positions = tree.tokens[1:], [base + d for d in tree.depths()[1:]]
             mask, rows = tree.mask()[1:, 1:], list(range(len(tree) - 1))
-        step.flight = self.session.send(
-            tokens,
-            positions,
-            mask,
-            rows,
-            keep,
-            argmax=self.sampler is None and self.logprobs is None,
-            **(extras(self.drafter) if step.learns else {}),
-        )
+        extras = self.drafter.extras if step.learns else 0
+        step.flight = self.session.send(StepInput(tokens, positions, mask, rows, keep, self.run.argmax, extras))
         self.flight.append(step)
 
     def fill(self) -> None:
         """Send a step on the verified context when none that stands is in flight; bet on the step
         in flight when it is alone."""
-        if all(s.void for s in self.flight) and not self.done():
-            self.send(
-                Step(self.propose(self.drafter, self.context, False), list(self.context), True, learns=self.learning),
-                self.keep_next,
-            )
+        if all(s.void for s in self.flight) and not self.run.done():
+            context = self.run.context
+            step = Step(self.propose(self.drafter, context, False), list(context), True, learns=self.learning)
+            self.send(step, self.keep_next)
             self.keep_next = None
         if len(self.flight) == 1 and not self.flight[0].void:
             self.bet(self.flight[0])
@@ -252,12 +193,9 @@ class PipelinedRun:
             return
         path, p = bet
         tokens = [prev.tree.tokens[i] for i in path[1:]]
-        done = len(prev.ctx) + len(tokens) - self.limits.prompt_len  # generated if the bet holds
-        if (
-            not self.pays(p, len(prev.tree))
-            or done + 1 >= self.limits.max_new_tokens
-            or self.limits.eos.intersection(tokens)
-        ):
+        request = self.run.request
+        done = len(prev.ctx) + len(tokens) - len(request.prompt_ids)  # generated if the bet holds
+        if not self.pays(p, len(prev.tree)) or done + 1 >= request.max_new_tokens or self.run.eos.intersection(tokens):
             return
         ctx = prev.ctx + tokens
         nxt = Step(self.propose(self.bet_drafter, ctx, True), ctx, False)
@@ -266,80 +204,57 @@ class PipelinedRun:
             self.send(nxt, prev.block_keep(path))
             self.stats.pipelined += 1
 
-    def next_verified(self) -> tuple[list[int], bool] | None:
-        """Send and bet as the flight allows, then verify the oldest step that stands: the tokens it
-        adds to the context, and whether decoding stops there. None: nothing is left in flight."""
+    def next(self, run: Run) -> Reply | None:
+        """Send and bet as the flight allows, then take the reply of the oldest step that stands (None:
+        nothing is left in flight)."""
         while True:
             self.fill()
             if not self.flight:
                 return None
             step = self.flight.popleft()
             if not step.void:
-                return self.verify(step)
+                break
             self.session.discard(step.flight)  # rolled back, or it guessed nothing
             self.stats.discarded += 1
-
-    def verify(self, step: Step) -> tuple[list[int], bool]:
-        """Take `step`'s reply and verify its tree on the true context (argmax, or the sampler's draw)."""
+        self.verifying = step
         info = self.session.receive(step.flight)
         logits = info.out  # [N, V] (greedy: [N] tokens); without the root's row when it went with the step before
         if not step.root_sent:
             logits = torch.cat([step.root_logits[None], logits])
-        if self.sampler:
-            path, new = accept_sampled(step.tree, logits, self.sampler, step.ctx)
-        else:
-            path, new = accept_greedy(step.tree, greedy_ids(logits))
-        if step.learns:  # the learning drafter's latest proposal, on the context it still holds
-            self.drafter.accepted(new[:-1])
-            self.drafter.verified(step.tree, path, new, info)
-        self.learn(step, info, path)
-        fresh, keep, stop = self.cut(step, path, new)
-        if self.logprobs is not None:  # fresh[i] is new[skip + i], chosen at node path[skip + i]
-            skip = len(self.context) - len(step.ctx)
-            self.logprobs.record(fresh, logits[path[skip : skip + len(fresh)]])
-        self.last = (step, keep)
-        self.resolve_bet(step, path, new, logits, keep, stop)
-        self.produced += len(fresh)
-        self.context.extend(fresh)
-        return fresh, stop
+        return Reply(Plan(step.tree, None), step.ctx, logits, info, step.root_sent, step.learns)
 
-    def learn(self, step: Step, info: StepResult, path: list[int]) -> None:
-        """What the budget and the stats learn from a verified step."""
+    def learn(self, reply: Reply, path: list[int], new: list[int], ids: list[int] | None) -> None:
+        """What the drafter (a step it drafted on the verified context), the budget and the stats learn
+        from a verified step."""
+        if reply.learns:  # the learning drafter's latest proposal, on the context it still holds
+            self.shape.learn(reply.plan, path, new, ids, reply.result)
+        info = reply.result
         self.budget.compute.add(info.tokens, info.compute_s)
         if not info.overlapped:
             self.budget.observe_network(info.network_s)
-        self.budget.observe_acceptance(step.tree, path)
-        self.stats.verified(len(step.tree), len(path) - 1)
+        self.budget.observe_acceptance(reply.plan.tree, path)
+        self.stats.verified(len(reply.plan.tree), len(path) - 1)
 
-    def cut(self, step: Step, path: list[int], new: list[int]) -> tuple[list[int], list[int], bool]:
-        """The tokens `step` adds to the context (a pipelined step's first token was the step before's
-        bonus), cut at an end token or the length limit; the entries of its block the caches keep; and
-        whether decoding stops."""
-        fresh = (step.ctx + new)[len(self.context) :]
-        keep_len = len(path)
-        n = stop_at(fresh, self.produced, self.limits.max_new_tokens, self.limits.eos)
-        if n is not None:
-            fresh = fresh[:n]
-            # the cache keeps the context up to, not including, the last token
-            keep_len = len(self.context) - len(step.ctx) + n
-        return fresh, step.block_keep(path[:keep_len]), n is not None
-
-    def resolve_bet(
-        self, step: Step, path: list[int], new: list[int], logits: torch.Tensor, keep: list[int], stop: bool
-    ) -> None:
-        """After `step` is verified: the step sent on its bet stands (the bet held) or is void (every
-        cache rolls back to the accepted path); with no step on a bet, `keep` goes with the next send."""
+    def settle(self, reply: Reply, path: list[int], new: list[int], keep: list[int], stop: bool) -> None:
+        """The verified step keeps `keep` of its block: the step sent on its bet stands (the bet held) or
+        is void (every cache rolls back to the accepted path); with no step on a bet, `keep` goes with the
+        next send."""
+        step = self.verifying
+        self.last = (step, keep)
         nxt = self.flight[0] if self.flight else None
         if nxt is None or step.bet is None:
             self.keep_next = keep
         elif not stop and path == step.bet:  # verification goes on into the next step when its reply arrives
-            nxt.root_logits, nxt.known = logits[path[-1]], new[-1]
+            nxt.root_logits, nxt.known = reply.out[path[-1]], new[-1]
             if nxt.tree.child(0, new[-1]) is None:  # it guessed nothing right: drop its block
                 nxt.void, self.keep_next = True, []
         else:
             self.session.rewind(step.flight, keep)
             nxt.void = True
             self.stats.missed += not stop
+
+    def extend(self, reply: Reply, fresh: list[int]) -> None:
+        """Nothing: the drafters are brought to the context when they propose (`sync_drafter`)."""
 
     def finish(self) -> None:
         """Decoding is over: take the rolled-back steps' replies, settle the last block."""
@@ -357,56 +272,3 @@ class PipelinedRun:
             self.session.settle(self.keep_next)
         for s in self.flight:
             self.session.discard(s.flight)
-
-
-def pipelined_decode(
-    session: PipeSession,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    eos: set[int],
-    drafter: Drafter,
-    budget: StepBudget,
-    stats: SpecStats,
-    cached: int = 0,
-    sampling: SamplingConfig | None = None,
-    always_bet: bool = False,
-    logprobs: LogprobRecorder | None = None,
-    bet_drafter: Drafter | None = None,
-) -> Iterator[list[int]]:
-    """Like `splitlm.decoding.speculative.speculative_decode` (no lookahead window), with up to two
-    steps in flight. Yields the new tokens of each verified step. `bet_drafter` (another drafter of
-    the same mode and memory) drafts the steps sent on a bet, and `drafter` learns from the others;
-    without it `drafter` drafts both and learns nothing.
-
-    A bet is placed when it is expected to pay: its chance p to hold (the budget's calibrated
-    acceptance) times the round trip it saves exceeds (1 - p) times what a stale step delays the
-    retry (its compute less a round trip, so at a long RTT nothing);
-    `always_bet` bets whenever there is a path to bet on (tests)."""
-    learner = PipelinedRun.learner(drafter, bet_drafter)
-    sampler, root, first = prefill(session, prompt_ids, cached, budget, sampling, learner, logprobs)
-    yield [root]
-    run = PipelinedRun(
-        session,
-        drafter,
-        budget,
-        stats,
-        sampler,
-        list(prompt_ids) + [root],
-        Limits(max_new_tokens, eos, len(prompt_ids)),
-        always_bet,
-        logprobs,
-        bet_drafter,
-    )
-    if learner is not None:
-        learner.verified(TokenTree.root_only(prompt_ids[-1]), [0], [root], first)
-    try:
-        while (verified := run.next_verified()) is not None:
-            fresh, stop = verified
-            if fresh:
-                yield fresh
-            if stop:
-                break
-        run.finish()
-    except GeneratorExit:  # the caller stopped early
-        run.abandon()
-        raise

@@ -11,7 +11,6 @@ logits by them could overflow float32 into NaNs.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -120,30 +119,3 @@ class Sampler:
         return min(
             int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64), right=True)), int(probs.nonzero()[-1])
         )
-
-
-def sample_decode(
-    session,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    eos: set[int],
-    cfg: SamplingConfig,
-    cached: int = 0,
-    logprobs=None,
-) -> Iterator[list[int]]:
-    """Sequential decoding with sampling, one token (one round trip) per step; `session` is a
-    `splitlm.decoding.speculative.StepSession` whose caches already hold the first `cached` prompt
-    tokens. Yields [token] per step; `logprobs` (a `splitlm.decoding.logprobs.LogprobRecorder`)
-    records each with its logits row."""
-    sampler = Sampler(cfg)
-    logits = session.forward(prompt_ids[cached:], rows=[len(prompt_ids) - cached - 1]).out  # [1, V]
-    context = list(prompt_ids)
-    for produced in range(1, max_new_tokens + 1):
-        token = sampler.token(logits[-1], context)
-        context.append(token)
-        if logprobs is not None:
-            logprobs.record([token], logits[-1:])
-        yield [token]
-        if token in eos or produced == max_new_tokens:
-            return
-        logits = session.forward([token]).out

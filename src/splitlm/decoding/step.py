@@ -1,9 +1,11 @@
-"""What one forward of new tokens gives back to the decoding loop: the asked rows' outputs, and the
-step's cost and extras that the step budget and the drafters learn from."""
+"""What one step takes (`StepInput`) and gives back to the decoding loop (`StepResult`: the asked rows'
+outputs, and the step's cost and extras that the step budget and the drafters learn from), and what a
+session offers the loop (`StepSession`, `PipeSession`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -32,3 +34,47 @@ class StepResult:
             topk=None if self.topk is None else self.topk[k:],
             hidden=None if self.hidden is None else self.hidden[k:],
         )
+
+
+@dataclass
+class StepInput:
+    """What one step sends: T new tokens and how the session runs them."""
+
+    ids: list[int]  # [T] the new tokens
+    positions: list[int] | None = None  # [T] absolute positions (None: right after the session's tokens)
+    mask: torch.Tensor | None = None  # [T, T] bool, which new tokens each sees (None: causal)
+    rows: list[int] | None = None  # the new tokens whose outputs come back (None: all T)
+    keep: list[int] | None = None  # first keep only these entries of the previous step's tokens (None: all)
+    argmax: bool = False  # each row's greedy id [R] comes back instead of its logits [R, V]
+    extras: int = 0  # k > 0: each row's top-k ids and final-normed hidden state come back (the drafter's)
+    allowed: torch.Tensor | None = None  # [R, V] bool: with `argmax`, each row's greedy id among its allowed
+
+
+class StepSession(Protocol):
+    """What the loop needs from a session: `forward` runs a step and returns a `StepResult`,
+    `settle` keeps only the accepted entries of the last forward's tokens and `crop` the first n of the
+    session's."""
+
+    def forward(self, step: StepInput) -> StepResult: ...
+
+    def settle(self, keep: list[int] | None = None) -> None: ...
+
+    def crop(self, n: int) -> None:
+        """Keep the first n committed tokens (a prefill's guesses the model did not take go)."""
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may carry (a cloud cache window caps them), or None."""
+
+
+class PipeSession(StepSession, Protocol):
+    """What pipelining needs beyond that (`splitlm.edge.session.EdgeSession`): up to two steps in flight."""
+
+    def send(self, step: StepInput) -> object:
+        """Settle the last block with `step.keep` and send `step` without waiting for its reply."""
+
+    def receive(self, flight) -> StepResult: ...
+
+    def discard(self, flight) -> None: ...
+
+    def rewind(self, flight, keep: list[int]) -> None: ...

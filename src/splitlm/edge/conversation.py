@@ -72,7 +72,7 @@ class Conversation:
             self.messages.pop()
             self._undo(keep)
             raise
-        # the caches hold the context except its last token (see speculative_decode)
+        # the caches hold the context except its last token (see splitlm.decoding.loop.decode)
         self.cached = (ids + result.token_ids)[:-1]
         self.messages.append({"role": "assistant", "content": result.text})
         self.turns.append(result)

@@ -1,18 +1,15 @@
 """Constrained decoding on the edge (`docs/structured-outputs.md`): the grammar engine's view of the
-edge's tokenizer (made once), the compiled grammars (kept, a few dozen), and the decoding loop of a
-constrained request. The grammar never leaves the edge: the cloud sees the steps' tokens as it sees
-any others."""
+edge's tokenizer (made once) and the compiled grammars (kept, a few dozen); a constrained request is
+decoded by the one loop (`splitlm.decoding.loop`) with a grammar's shape. The grammar never leaves
+the edge: the cloud sees the steps' tokens as it sees any others."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from splitlm.decoding.budget import StepBudget
-from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import (
     Grammar,
     GrammarError,
@@ -21,15 +18,9 @@ from splitlm.decoding.grammar import (
     GrammarTokenizer,
     compile_grammar,
 )
-from splitlm.decoding.grammar_decode import GrammarStats, constrained_decode, constrained_sequential
-from splitlm.decoding.modes import SpecConfig
-from splitlm.decoding.sampling import SamplingConfig
-from splitlm.decoding.speculative import SpecStats, StepSession
-from splitlm.edge.results import GenerationStats
 
 if TYPE_CHECKING:
     from splitlm.decoding.copy import TextTokenizer
-    from splitlm.decoding.logprobs import LogprobRecorder
     from splitlm.edge.text import TextCodec
 
 log = logging.getLogger(__name__)
@@ -85,45 +76,3 @@ class EdgeGrammars:
     def start(self, spec: GrammarSpec) -> GrammarState:
         """A fresh state of `spec`'s grammar for one request."""
         return self.compile(spec).start()
-
-
-def constrained_steps(
-    session: StepSession,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    eos: set[int],
-    drafter: Drafter,
-    budget: StepBudget,
-    spec: SpecConfig,
-    spec_stats: SpecStats,
-    state: GrammarState,
-    stats: GenerationStats,
-    cached: int = 0,
-    sampling: SamplingConfig | None = None,
-    logprobs: LogprobRecorder | None = None,
-) -> Iterator[list[int]]:
-    """The decoding loop of a constrained request: sequential under spec mode `none`, grammar-aware
-    speculation otherwise (pipelining does not apply); `stats.grammar` follows it."""
-    gstats = GrammarStats()
-    if spec.mode == "none":
-        steps = constrained_sequential(
-            session, prompt_ids, max_new_tokens, eos, state, gstats, cached, sampling, logprobs
-        )
-    else:
-        steps = constrained_decode(
-            session,
-            prompt_ids,
-            max_new_tokens,
-            eos,
-            drafter,
-            budget,
-            spec_stats,
-            state,
-            gstats,
-            cached,
-            sampling,
-            logprobs,
-        )
-    for new in steps:
-        stats.grammar = gstats.to_dict()
-        yield new

@@ -25,15 +25,16 @@ from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.drafters import Drafter
 from splitlm.decoding.grammar import GrammarSpec
 from splitlm.decoding.logprobs import LogprobRecorder
+from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig
-from splitlm.decoding.pipeline import pipelined_decode
-from splitlm.decoding.sampling import SamplingConfig, sample_decode
-from splitlm.decoding.speculative import SpecStats, speculative_decode
+from splitlm.decoding.request import DecodeRequest, GrammarStats, Speculation
+from splitlm.decoding.sampling import SamplingConfig
+from splitlm.decoding.speculative import SpecStats
 from splitlm.edge.backends import load_model, make_backend
 from splitlm.edge.config import EdgeConfig
 from splitlm.edge.connections import CloudConnections
 from splitlm.edge.drafting import DraftState
-from splitlm.edge.grammars import EdgeGrammars, constrained_steps
+from splitlm.edge.grammars import EdgeGrammars
 from splitlm.edge.link import StepObserver
 from splitlm.edge.onnx_runtime import parse_onnx_device
 from splitlm.edge.prefill import PrefillCosts
@@ -45,6 +46,7 @@ from splitlm.edge.vocab import resolve_vocab
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
+    from splitlm.decoding.budget import StepBudget
     from splitlm.edge.conversation import Conversation
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,25 @@ class Edge:
             return SpecConfig("none")
         return spec or SpecConfig()
 
+    def _speculation(
+        self,
+        spec: SpecConfig,
+        sampling: SamplingConfig,
+        constrained: bool,
+        drafter: Drafter,
+        budget: StepBudget,
+        stats: SpecStats,
+        session: EdgeSession,
+    ) -> Speculation:
+        """How a request drafts: not at all (one token per round trip) in mode `none` when constrained or
+        sampled, pipelined where `spec` asks for it and the session allows it (not with a grammar), else
+        a tree per step."""
+        if spec.mode == "none" and (constrained or not sampling.plain_greedy):
+            return Speculation(stats=stats)
+        if spec.pipeline and spec.mode != "none" and session.pipelines and not constrained:
+            return Speculation(drafter, budget, stats, pipeline=True, bet_drafter=self._drafter(spec)[0])
+        return Speculation(drafter, budget, stats)
+
     def generate_ids(
         self,
         prompt_ids: list[int],
@@ -185,54 +206,23 @@ class Edge:
             produced: list[int] = []
             start = time.perf_counter()
             s.setup_s = start - called
-            if state is not None:
-                steps = constrained_steps(
-                    session,
-                    prompt_ids,
-                    max_new_tokens,
-                    eos,
-                    drafter,
-                    budget,
-                    spec,
-                    spec_stats,
-                    state,
-                    s,
-                    cached,
-                    sampling,
-                    logprobs,
-                )
-            elif spec.mode == "none" and not sampling.plain_greedy:
-                steps = sample_decode(
-                    session, prompt_ids, max_new_tokens, eos, sampling, cached=cached, logprobs=logprobs
-                )
-            elif spec.pipeline and spec.mode != "none" and session.pipelines:
-                steps = pipelined_decode(
-                    session,
-                    prompt_ids,
-                    max_new_tokens,
-                    eos,
-                    drafter,
-                    budget,
-                    spec_stats,
-                    cached,
-                    sampling,
-                    logprobs=logprobs,
-                    bet_drafter=self._drafter(spec)[0],
-                )
-            else:
-                steps = speculative_decode(
-                    session,
-                    prompt_ids,
-                    max_new_tokens,
-                    eos,
-                    drafter,
-                    budget,
-                    spec_stats,
-                    cached=cached,
-                    sampling=sampling,
-                    logprobs=logprobs,
-                )
+            gstats = None if state is None else GrammarStats()
+            speculation = self._speculation(spec, sampling, state is not None, drafter, budget, spec_stats, session)
+            request = DecodeRequest(
+                prompt_ids,
+                max_new_tokens,
+                eos,
+                cached,
+                sampling,
+                logprobs,
+                grammar=state,
+                grammar_stats=gstats,
+                speculation=speculation,
+            )
+            steps = decode(session, request)  # closed with this frame, as before: after the finally below
             for new in steps:
+                if gstats is not None:
+                    s.grammar = gstats.to_dict()
                 produced += new
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start

@@ -19,7 +19,7 @@ import torch
 import splitlm.edge.replay as replay
 import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.edge.backends import EdgeBackend
 from splitlm.edge.connections import CloudConnections
 from splitlm.edge.link import CloudLink, Flight, StepObserver
@@ -187,17 +187,7 @@ class EdgeSession:
         self.link.tighten(cache_policy)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        ids: list[int],
-        positions: list[int] | None = None,
-        mask: torch.Tensor | None = None,
-        keep: list[int] | None = None,
-        rows: list[int] | None = None,
-        argmax: bool = False,
-        extras: int = 0,
-        allowed: torch.Tensor | None = None,
-    ) -> StepResult:
+    def forward(self, step: StepInput) -> StepResult:
         """Run T new tokens through edge head -> cloud -> edge tail; the step's `out` holds logits
         [len(rows) or T, V] (with `argmax`: each row's greedy token, [len(rows) or T], through the
         screened LM head). With `extras` = k > 0 it also holds each row's k likeliest ids (`topk`,
@@ -211,8 +201,9 @@ class EdgeSession:
         """
         if self.link.flights:
             raise SplitLMError("a forward is still in flight on this session")
-        self.settle(keep)
-        want = list(range(len(ids))) if rows is None else rows
+        self.settle(step.keep)
+        ids, positions, mask, argmax = step.ids, step.positions, step.mask, step.argmax
+        want = list(range(len(ids))) if step.rows is None else step.rows
         limit = self.link.step_limit(len(ids), len(want), self.length)
         if mask is None and positions is None and self.pipelines and not self.link.context_rows(self.length):
             p = stream_prefill.plan_for(self, len(ids), limit or len(ids))
@@ -228,28 +219,19 @@ class EdgeSession:
                 f"({self.policy.window}) or the rows of logits one reply may hold "
                 f"({self.backend.max_logit_rows})"
             )
-        return self._finish(self.send_block(ids, positions, mask, rows, argmax, extras, allowed))
+        return self._finish(self.send_block(step))
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
-    def send(
-        self,
-        ids: list[int],
-        positions: list[int],
-        mask: torch.Tensor | None = None,
-        rows: list[int] | None = None,
-        keep: list[int] | None = None,
-        argmax: bool = False,
-        extras: int = 0,
-    ) -> Flight:
-        """Settle the last block with `keep` and send a step without waiting for its reply (take it with
-        `receive`, oldest first; `extras` as `forward`'s). Its tokens see the context once `keep` applies."""
+    def send(self, step: StepInput) -> Flight:
+        """Settle the last block with `step.keep` and send `step` without waiting for its reply (take it
+        with `receive`, oldest first; as `forward`'s). Its tokens see the context once `keep` applies."""
         if len(self.link.flights) >= 2:
             raise SplitLMError("at most two forwards may be in flight")
         if self.link.flights and not self.pipelines:
             raise SplitLMError(f"cache policy {self.policy} does not allow pipelined steps")
-        self.settle(keep)
-        return self.send_block(ids, positions, mask, rows, argmax, extras)
+        self.settle(step.keep)
+        return self.send_block(step)
 
     @torch.inference_mode()
     def receive(self, f: Flight) -> StepResult:
@@ -290,18 +272,11 @@ class EdgeSession:
             self.stats.edge_compute_s += time.perf_counter() - t0
         self.link.rewind(n, h, pos)  # the re-computed entries go up as context rows with the next request
 
-    def send_block(
-        self,
-        ids: list[int],
-        positions: list[int] | None,
-        mask: torch.Tensor | None,
-        rows: list[int] | None,
-        argmax: bool = False,
-        extras: int = 0,
-        allowed: torch.Tensor | None = None,
-    ) -> Flight:
-        """Run the head on a block of new tokens and send it now (no checks, nothing settled; failing
-        over if the cloud is gone); its reply is taken with `receive` or `discard`, oldest first."""
+    def send_block(self, step: StepInput) -> Flight:
+        """Run the head on a block of new tokens and send it now (no checks, nothing settled: `step.keep`
+        is not applied; failing over if the cloud is gone); its reply is taken with `receive` or
+        `discard`, oldest first."""
+        ids, positions, mask = step.ids, step.positions, step.mask
         if positions is None:
             positions = list(range(self.length, self.length + len(ids)))
         n, c = self.length, self.link.context_rows(self.length)
@@ -312,11 +287,11 @@ class EdgeSession:
             h,
             list(positions),
             mask,
-            rows,
+            step.rows,
             n,
-            argmax,
-            extras,
-            allowed=allowed,
+            step.argmax,
+            step.extras,
+            allowed=step.allowed,
             edge_s=time.perf_counter() - t0,
             overlapped=bool(self.link.flights),
         )

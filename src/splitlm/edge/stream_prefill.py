@@ -15,7 +15,7 @@ import torch
 
 import splitlm.edge.prefill as prefill
 from splitlm import SplitLMError
-from splitlm.decoding.step import StepResult
+from splitlm.decoding.step import StepInput, StepResult
 from splitlm.edge.backends import EdgeBackend
 from splitlm.edge.link import CloudLink, Flight
 from splitlm.edge.results import GenerationStats
@@ -38,15 +38,7 @@ class PrefillSession(Protocol):
 
     def settle(self, keep: list[int] | None = None) -> None: ...
 
-    def send_block(
-        self,
-        ids: list[int],
-        positions: list[int] | None,
-        mask: torch.Tensor | None,
-        rows: list[int] | None,
-        argmax: bool = False,
-        extras: int = 0,
-    ) -> Flight: ...
+    def send_block(self, step: StepInput) -> Flight: ...
 
     def receive(self, f: Flight) -> StepResult: ...
 
@@ -121,7 +113,7 @@ def stream(session: PrefillSession, ids: list[int], want: list[int], p: prefill.
         session.settle()  # the chunk before stays whole: this request commits it
         check_interrupt(session)  # the caller (abandoning the session) takes the replies in flight
         up0 = s.bytes_up
-        f = session.send_block(ids[a : a + p.chunk], None, None, part, argmax)
+        f = session.send_block(StepInput(ids[a : a + p.chunk], rows=part, argmax=argmax))
         flights.append((f, time.perf_counter() - start, s.bytes_up - up0))
         while flights and client.reply_waiting():  # tails of what already came back
             take()
@@ -141,7 +133,7 @@ def chunked(session: PrefillSession, ids: list[int], want: list[int], limit: int
     for a in range(0, len(ids), limit):
         check_interrupt(session)
         part = [r - a for r in want if a <= r < a + limit]
-        steps.append(session.receive(session.send_block(ids[a : a + limit], None, None, part, argmax)))
+        steps.append(session.receive(session.send_block(StepInput(ids[a : a + limit], rows=part, argmax=argmax))))
         session.settle()
     session.stats.prefill_round_trips = -(-len(ids) // limit)
     return replace(steps[-1], out=torch.cat([step.out for step in steps]))
