@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from splitlm.bench.capacity import behind_wan, model_facts, prompt_ids  # noqa: E402
 from splitlm.bench.cloud_probe import CloudProbe  # noqa: E402
 from splitlm.bench.loadtest import LoadConfig, shard_dirs  # noqa: E402
+from splitlm.edge.request import GenerationRequest
 from splitlm.result_files import begin_run, default_results_dir, write_result  # noqa: E402
 
 log = logging.getLogger("soak")
@@ -76,7 +77,9 @@ class Soak:
     def generate(self, edge, i: int, steps: int | None) -> list[int]:
         out: list[int] = []
         for n, (new, _) in enumerate(
-            edge.generate_ids(self.prompts[i], self.args.max_new_tokens, stop_at_eos=False, spec=self.spec)
+            edge.generate_ids(
+                GenerationRequest(self.prompts[i], self.args.max_new_tokens, stop_at_eos=False, spec=self.spec)
+            )
         ):
             out += new
             if steps is not None and n + 1 >= steps:
@@ -249,7 +252,7 @@ def references(edge, prompts: list[list[int]], args, spec) -> list[list[int]]:
     out = []
     for ids in prompts:
         tokens: list[int] = []
-        for new, _ in edge.generate_ids(ids, args.max_new_tokens, stop_at_eos=False, spec=spec):
+        for new, _ in edge.generate_ids(GenerationRequest(ids, args.max_new_tokens, stop_at_eos=False, spec=spec)):
             tokens += new
         out.append(tokens)
     return out

@@ -6,6 +6,7 @@ import torch
 from conftest import cloud_forward
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge, EdgeConfig
+from splitlm.edge.request import GenerationRequest
 from splitlm.transport.client import CloudError
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.messages import Control, Forward, PolicyChange, Result
@@ -24,7 +25,7 @@ def edge_for(split, server, policy="session", **kw):
 
 def run(edge, session, prompt, n=24, spec="ngram", cached=0):
     out = []
-    for new, _ in edge.generate_ids(prompt, n, False, SpecConfig(spec), session=session, cached=cached):
+    for new, _ in edge.generate_ids(GenerationRequest(prompt, n, False, SpecConfig(spec)), session, cached):
         out += new
     return out
 

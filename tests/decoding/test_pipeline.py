@@ -19,6 +19,7 @@ from splitlm.decoding.speculative import SpecStats
 from splitlm.decoding.step import StepInput
 from splitlm.decoding.tree import TokenTree
 from splitlm.edge import Edge, EdgeConfig
+from splitlm.edge.request import GenerationRequest
 from splitlm.model.shards import split_model
 
 VOCAB = 64
@@ -65,7 +66,9 @@ class Scripted(Drafter):
 
 def sequential(edge, prompt, n, sampling=None):
     out = []
-    for new, _ in edge.generate_ids(prompt, n, stop_at_eos=False, spec=SpecConfig("none"), sampling=sampling):
+    for new, _ in edge.generate_ids(
+        GenerationRequest(prompt, n, stop_at_eos=False, spec=SpecConfig("none"), sampling=sampling)
+    ):
         out.extend(new)
     return out
 
@@ -265,12 +268,14 @@ def test_generate_with_pipeline_equals_sequential(edge, mode):
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
     reference = sequential(edge, prompt, 24)
     out = []
-    for new, live in edge.generate_ids(prompt, 24, stop_at_eos=False, spec=SpecConfig(mode, pipeline=True)):
+    for new, live in edge.generate_ids(
+        GenerationRequest(prompt, 24, stop_at_eos=False, spec=SpecConfig(mode, pipeline=True))
+    ):
         out.extend(new)
         stats = live
     assert out == reference
     assert stats.spec_mode == f"{mode} pipelined"
-    assert "pipelined_steps" in stats.spec
+    assert "pipelined_steps" in stats.to_dict()["spec"]
 
 
 @pytest.mark.parametrize("stop_early", [None, 5, 9, 13, 17])
@@ -350,7 +355,7 @@ def test_window_policies_do_not_pipeline(edge):
         out = [
             t
             for new, _ in edge.generate_ids(
-                prompt, 12, stop_at_eos=False, session=session, spec=SpecConfig("ngram", pipeline=True)
+                GenerationRequest(prompt, 12, stop_at_eos=False, spec=SpecConfig("ngram", pipeline=True)), session
             )
             for t in new
         ]

@@ -91,7 +91,7 @@ def test_speculative_split_is_token_identical(bundled_split, bundled_server, bun
     assert result.token_ids == hf_greedy(hf, ids, 64)
     s = result.stats
     assert s.tokens_per_round_trip > 1, mode  # several tokens per round trip on repetitive code
-    assert s.spec["steps"] == s.round_trips - 1
+    assert s.spec.steps == s.round_trips - 1
 
 
 def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_server, bundled_hf):
@@ -110,7 +110,7 @@ def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_ser
         )
         result = edge.generate(prompt, max_new_tokens=24, spec=spec)
     assert result.token_ids == hf_greedy(hf, tok(prompt).input_ids, 24)
-    assert result.stats.spec["steps"] == result.stats.round_trips - 1
+    assert result.stats.spec.steps == result.stats.round_trips - 1
 
 
 def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split, bundled_server):

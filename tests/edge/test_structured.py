@@ -79,7 +79,7 @@ def test_response_format_speculates_exactly(served):
         jsonschema.validate(json.loads(auto.text), SCHEMA)
         assert seq.stats.round_trips == len(seq.token_ids)  # sequential: one token per round trip
         assert auto.stats.round_trips < len(auto.token_ids) / 2  # forced keys, quotes and braces ride free
-        assert auto.stats.grammar["forced_tokens"] > 10
+        assert auto.stats.grammar.forced_tokens > 10
         regex = edge.generate(
             GenerationRequest("Code: ", 24, spec="auto", response_format=GrammarSpec.regex(r"[A-Z]{3}-[0-9]{2,4}"))
         )

@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from splitlm.edge.request import GenerationRequest
+
 STEPS_BEFORE_PREFILL = 4
 
 
@@ -55,7 +57,7 @@ def decode(
     run.start = last = time.perf_counter()
     first, arrived = True, after_steps is None
     try:
-        for tokens, stats in edge.generate_ids(ids, max_new, stop_at_eos=False, spec=spec):
+        for tokens, stats in edge.generate_ids(GenerationRequest(ids, max_new, stop_at_eos=False, spec=spec)):
             run.cloud_compute_s = stats.cloud_compute_s
             now = time.perf_counter()
             if not first:

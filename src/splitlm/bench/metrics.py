@@ -25,6 +25,7 @@ from __future__ import annotations
 from splitlm.bench.modes import MODES, ModeRun
 from splitlm.bench.prompts import Prompt
 from splitlm.bench.stepmodel import fit_step_time
+from splitlm.decoding.request import GrammarStats
 
 BASELINE_MODE = "split-seq"
 PREDICT_RTTS_MS = (0, 10, 20, 50, 80, 100, 150, 200, 300, 500)
@@ -97,13 +98,14 @@ def schema_valid(schema: dict | None, text: str) -> bool | None:
     return True
 
 
-def grammar_fields(g: dict) -> dict:
-    """A constrained run's grammar figures (`splitlm.decoding.grammar_decode.GrammarStats`)."""
+def grammar_fields(g: GrammarStats | None) -> dict:
+    """A constrained run's grammar figures (zero for an unconstrained run)."""
+    g = g or GrammarStats()
     return {
-        "forced_tokens": g.get("forced_tokens", 0),
-        "rejected_drafts": g.get("rejected_drafts", 0),
-        "mask_steps": g.get("mask_steps", 0),
-        "mask_s": g.get("mask_s", 0.0),
+        "forced_tokens": g.forced_tokens,
+        "rejected_drafts": g.rejected_drafts,
+        "mask_steps": g.mask_steps,
+        "mask_s": g.mask_s,
     }
 
 

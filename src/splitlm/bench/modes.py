@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from splitlm import SplitLMError
+from splitlm.decoding.request import GrammarStats
 from splitlm.decoding.step import StepInput
+from splitlm.edge.request import GenerationRequest
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ModeRun:
     spec_steps: int = 0  # speculative modes: verification steps, and the tree nodes (root included) and
     tree_nodes: int = 0  # lookahead-window tokens they sent in all
     window_tokens: int = 0
-    grammar: dict = field(default_factory=dict)  # `+json` modes: `GrammarStats` (forced tokens, mask cost)
+    grammar: GrammarStats | None = None  # `+json` modes: forced tokens, mask cost
 
 
 @dataclass
@@ -366,23 +368,20 @@ def run_edge(ctx: BenchContext, prompt_ids: list[int], max_new_tokens: int, spec
     given) and time it."""
     from dataclasses import replace
 
-    kwargs = ({} if spec is None else {"spec": spec}) | ({} if grammar is None else {"grammar": grammar})
+    request = GenerationRequest(prompt_ids, max_new_tokens, stop_at_eos=True, spec=spec, response_format=grammar)
     ids: list[int] = []
     prefill = stats = None
-    for new, stats in ctx.edge.generate_ids(prompt_ids, max_new_tokens, stop_at_eos=True, **kwargs):
+    for new, stats in ctx.edge.generate_ids(request):
         ids.extend(new if isinstance(new, list) else [new])  # one step's tokens (older API: one id)
         if prefill is None:
             prefill = replace(stats)  # a snapshot: the stats after the prefill round trip only
             first_tokens = len(ids)
     run = decode_phase(ids, prefill, stats)
     run.first_tokens = first_tokens
-    run.pipelined = stats.spec.get("pipelined_steps", 0)
-    run.discarded = stats.spec.get("discarded_steps", 0)
-    run.missed = stats.spec.get("missed_bets", 0)
-    run.spec_steps = stats.spec.get("steps", 0)
-    run.tree_nodes = stats.spec.get("tree_nodes", 0)
-    run.window_tokens = stats.spec.get("window_tokens", 0)
-    run.grammar = dict(stats.grammar)
+    if (spec := stats.spec) is not None:
+        run.pipelined, run.discarded, run.missed = spec.pipelined, spec.discarded, spec.missed
+        run.spec_steps, run.tree_nodes, run.window_tokens = spec.steps, spec.tree_nodes, spec.window_tokens
+    run.grammar = stats.grammar
     return run
 
 

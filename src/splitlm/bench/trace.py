@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from splitlm import SplitLMError
+from splitlm.edge.request import GenerationRequest
 from splitlm.transport.frames import pack_mask, unpack_mask
 from splitlm.transport.messages import Forward, Result
 
@@ -213,7 +214,7 @@ def record_trace(edge, prompts: list[tuple[str, list[int]]], spec, max_new_token
     )
     try:
         for prompt_id, ids in track(prompts, "trace: recording", unit="prompt"):
-            for new, _ in edge.generate_ids(ids, max_new_tokens, stop_at_eos=False, spec=spec):
+            for new, _ in edge.generate_ids(GenerationRequest(ids, max_new_tokens, stop_at_eos=False, spec=spec)):
                 recorder.accepted(len(new))
             trace.prompts.append(PromptTrace(prompt_id, len(ids), recorder.take()))
     finally:

@@ -111,6 +111,17 @@ class Calibration:
         return self.hits[b] / self.total[b]
 
 
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What a step budget has measured of the link and the pass (`StepBudget.estimate`): the round
+    trip, the pass's fixed and per-token compute, and the edge's own overhead per step."""
+
+    rtt_s: float
+    compute_c0_s: float
+    compute_c1_s: float
+    overhead_s: float
+
+
 @dataclass
 class BudgetChoice:
     nodes: int  # tree nodes sent, root included
@@ -156,6 +167,11 @@ class StepBudget:
         self.compute.add(tokens, compute_s)
         self.observe_network(network_s)
         self.overhead_s += 0.2 * (overhead_s - self.overhead_s)
+
+    def estimate(self) -> LinkEstimate:
+        return LinkEstimate(
+            round(self.rtt_s, 4), round(self.compute.c0, 5), round(self.compute.c1, 6), round(self.overhead_s, 5)
+        )
 
     def observe_network(self, network_s: float) -> None:
         self.rtt_s = network_s if not self.rtt_seen else 0.8 * self.rtt_s + 0.2 * network_s

@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from splitlm.decoding.budget import LinkEstimate
     from splitlm.decoding.logprobs import TokenLogprob
+    from splitlm.decoding.request import GrammarStats
     from splitlm.decoding.speculative import SpecStats
 
 
@@ -34,13 +36,14 @@ class GenerationStats:
     preemptions: int = 0  # the cloud had freed the session (PREEMPTED): reopened and replayed (`replay.failover`)
     spec_mode: str = "none"
     drafter: str = ""  # the drafter's name: `auto(suffix+recycle+head)` says what `auto` merged (the head included)
-    spec: dict = field(default_factory=dict)  # speculative decoding: tree sizes chosen, acceptance, link model
+    spec: SpecStats | None = None  # speculative decoding: tree sizes chosen, acceptance (None under `none`)
+    link: LinkEstimate | None = None  # what the step budget measured of the link and the pass (None under `none`)
     # vLLM's speculative-decoding counters (`splitlm.decoding.speculative.SpecStats`; zero under `none`)
     drafts: int = 0  # verified steps that carried drafted tokens
     draft_tokens: int = 0  # drafted tokens verified (roots and lookahead windows excluded)
     accepted_tokens: int = 0  # of those, accepted (bonus tokens excluded)
     accepted_per_position: list[int] = field(default_factory=list)  # [depth - 1]: drafts accepted that deep
-    grammar: dict = field(default_factory=dict)  # constrained decoding (`GrammarStats`): rejected drafts, forced tokens
+    grammar: GrammarStats | None = None  # constrained decoding: rejected drafts, forced tokens (None: unconstrained)
 
     def count_drafts(self, spec: SpecStats) -> None:
         """Take the speculative-decoding counters of the request's loop (`spec`)."""
@@ -69,8 +72,12 @@ class GenerationStats:
         return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
+        """As JSON: `spec` holds the speculative counters and the link estimate, `grammar` the grammar's."""
+        spec = {} if self.spec is None else self.spec.to_dict()
         return {
             **asdict(self),
+            "spec": spec | ({} if self.link is None else asdict(self.link)),
+            "grammar": {} if self.grammar is None else self.grammar.to_dict(),
             "tokens_per_round_trip": round(self.tokens_per_round_trip, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
         }

@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitlm import SplitLMError
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.drafters import Drafter
-from splitlm.decoding.grammar import GrammarSpec
-from splitlm.decoding.logprobs import LogprobRecorder
 from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig
 from splitlm.decoding.request import DecodeRequest, GrammarStats, Speculation
@@ -161,19 +160,10 @@ class Edge:
         return Speculation(drafter, budget, stats)
 
     def generate_ids(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int = 128,
-        stop_at_eos: bool = True,
-        spec: SpecConfig | None = None,
-        sampling: SamplingConfig | None = None,
-        session: EdgeSession | None = None,
-        cached: int = 0,
-        *,
-        logprobs: LogprobRecorder | None = None,
-        grammar: GrammarSpec | None = None,
+        self, request: GenerationRequest, session: EdgeSession | None = None, cached: int = 0
     ) -> Iterator[tuple[list[int], GenerationStats]]:
-        """Decode; yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
+        """Decode `request` (its prompt as token ids, or text encoded as `chat` says; `stop` strings are
+        `run_ids`' business); yields (new tokens of one step, live stats). Greedy (the default `sampling`): with
         `spec` mode `none` every step is one round trip and one token, other modes verify a drafted
         tree per step. With a temperature > 0 (or a repetition penalty) trees are verified by exact
         speculative sampling: the output is distributed as plain sampling; the same seed gives the
@@ -183,11 +173,15 @@ class Edge:
         With `session` (kept open by the caller), the first `cached` prompt tokens are already in
         its caches; otherwise a session is opened and closed for this request. `logprobs` records
         each emitted token's log-probability (`splitlm.decoding.logprobs`; greedy steps then bring
-        logits back instead of the screened head's tokens). `grammar`: the output matches it (`edge.grammars`)."""
-        spec = self._request_spec(len(prompt_ids), max_new_tokens, spec)
+        logits back instead of the screened head's tokens). `response_format`: the output matches it
+        (`edge.grammars`)."""
+        prompt_ids = self.text.prompt_ids(request.prompt, request.chat)
+        max_new_tokens, logprobs = request.max_new_tokens, request.logprobs
+        spec = self._request_spec(len(prompt_ids), max_new_tokens, request.spec_config())
+        grammar = request.grammar()
         state = None if grammar is None else self.grammars.start(grammar)  # compiled before anything is sent
-        sampling = sampling or SamplingConfig()
-        eos = set(self.cfg.eos_token_ids) if stop_at_eos else set()
+        sampling = request.sampling or SamplingConfig()
+        eos = set(self.cfg.eos_token_ids) if request.stop_at_eos else set()
         # what a budget learns (link, compute cost, drafters' calibration) carries over between requests;
         # requests running at the same time each take their own
         budgets = self.drafting.budgets(spec, constrained=grammar is not None)
@@ -197,16 +191,17 @@ class Edge:
         if own:
             session = self.open_session()
         session.stats = s = GenerationStats()
+        spec_stats = SpecStats()
+        s.spec = None if spec.mode == "none" else spec_stats
         s.prompt_tokens, s.cached_tokens = len(prompt_ids), cached
         s.spec_mode = spec_label(spec, sampling)
-        spec_stats = SpecStats()
         try:
             drafter, memory = self._drafter(spec)  # built once, before the clock
             s.drafter = drafter.name
             produced: list[int] = []
             start = time.perf_counter()
             s.setup_s = start - called
-            gstats = None if state is None else GrammarStats()
+            gstats = s.grammar = None if state is None else GrammarStats()
             speculation = self._speculation(spec, sampling, state is not None, drafter, budget, spec_stats, session)
             request = DecodeRequest(
                 prompt_ids,
@@ -221,21 +216,13 @@ class Edge:
             )
             steps = decode(session, request)  # closed with this frame, as before: after the finally below
             for new in steps:
-                if gstats is not None:
-                    s.grammar = gstats.to_dict()
                 produced += new
                 if s.new_tokens == 0:
                     s.prefill_s = time.perf_counter() - start
                 s.new_tokens += len(new)
                 s.decode_s = time.perf_counter() - start - s.prefill_s
                 if spec.mode != "none":
-                    s.spec = {
-                        **spec_stats.to_dict(),
-                        "rtt_s": round(budget.rtt_s, 4),
-                        "compute_c0_s": round(budget.compute.c0, 5),
-                        "compute_c1_s": round(budget.compute.c1, 6),
-                        "overhead_s": round(budget.overhead_s, 5),
-                    }
+                    s.link = budget.estimate()
                     s.count_drafts(spec_stats)
                 yield new, s
             if memory is not None:
@@ -252,17 +239,7 @@ class Edge:
         start of a stop string is held back until it is not; at a stop string the text is cut
         (`splitlm.edge.text.text_pieces`). `session`, `cached`: see `generate_ids`."""
         prompt_ids = self.text.prompt_ids(request.prompt, request.chat)
-        steps = self.generate_ids(
-            prompt_ids,
-            request.max_new_tokens,
-            request.stop_at_eos,
-            request.spec_config(),
-            request.sampling,
-            session,
-            cached,
-            logprobs=request.logprobs,
-            grammar=request.grammar(),
-        )
+        steps = self.generate_ids(replace(request, prompt=prompt_ids, chat=False), session, cached)
         eos = set(self.cfg.eos_token_ids) if request.stop_at_eos else set()
         return text_pieces(steps, self.text.decode, prompt_ids, request.stop, eos, request.logprobs)
 
