@@ -94,7 +94,7 @@ def arm(split: Path, url: str, args, reuse: bool):
     spec = SpecConfig(args.spec)
     limits = PoolLimits() if reuse else PoolLimits(sessions=0)
     with Edge(split / "edge", url, EdgeConfig(wire_dtype=args.wire_dtype)) as edge:
-        edge.draft_memory(spec)  # built now, as serve-edge does, not in the first request
+        edge.drafting.draft_memory(spec)  # built now, as serve-edge does, not in the first request
         api = EdgeAPI(edge, APIConfig(model_name=MODEL, spec=spec, prefix_pool=limits))
         try:
             with serving(api.app) as base:

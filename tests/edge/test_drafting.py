@@ -6,11 +6,11 @@ def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_se
     """Past outputs never leak between configurations: `auto` and `auto` pipelined are two memories, so a
     bench's pipelined mode cannot retrieve the answer the plain mode gave to the same prompt."""
     with Edge(tiny_split / "edge", tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
-        plain = edge.draft_memory(SpecConfig("auto"))
-        assert edge.draft_memory(SpecConfig("auto")) is plain
-        assert edge.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
-        assert edge.draft_memory(SpecConfig("auto", warmup=False)) is not plain
-        assert edge.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain  # a bench mode of its own
+        plain = edge.drafting.draft_memory(SpecConfig("auto"))
+        assert edge.drafting.draft_memory(SpecConfig("auto")) is plain
+        assert edge.drafting.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
+        assert edge.drafting.draft_memory(SpecConfig("auto", warmup=False)) is not plain
+        assert edge.drafting.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain  # a bench mode of its own
 
 
 def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_server):

@@ -207,7 +207,7 @@ def test_bundled_int8_edge_agreement_has_a_lower_bound(bundled_onnx, bundled_ser
         Edge(bundled_onnx, bundled_server.url, EdgeConfig(device="onnx:int8", wire_dtype="fp32")) as int8,
     ):
         for p in prompts:
-            ids = ref.encode(p["prompt"], chat=p["chat"])
+            ids = ref.text.encode(p["prompt"], chat=p["chat"])
             want = ref.generate(ids, 32, spec="none", stop_at_eos=False).token_ids
             session = int8.open_session()
             try:
