@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from splitlm import SplitLMError
-from splitlm.decoding.step import StepInput, StepResult
+from splitlm.decoding.step import StepInput
 from splitlm.edge.backends import EdgeBackend, TailOut
-from splitlm.edge.link import Flight, Reply
+from splitlm.edge.link import Flight
 from splitlm.transport.messages import Result
 
 
@@ -134,16 +134,3 @@ class EdgeLayers:
         t0 = time.perf_counter()
         h = self.backend.head([f.ids[i] for i in redo], pos, None, self.head_cache)  # [R, D]
         return Redo(n, h, pos, time.perf_counter() - t0)
-
-
-def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepResult:
-    """Step `f`'s result: the tail's output of its reply, and what it cost (the tail `tail_s` seconds)."""
-    return StepResult(
-        tail.out,
-        len(f.ids),
-        reply.network_s,
-        f.edge_s + tail_s + reply.compute_s,
-        f.overlapped,
-        tail.topk,
-        tail.hidden,
-    )

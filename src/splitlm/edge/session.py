@@ -21,9 +21,9 @@ import splitlm.edge.replay as replay
 import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
 from splitlm.decoding.step import StepInput, StepResult
-from splitlm.edge.backends import EdgeBackend
+from splitlm.edge.backends import EdgeBackend, TailOut
 from splitlm.edge.connections import CloudConnections
-from splitlm.edge.layers import EdgeLayers, step_result
+from splitlm.edge.layers import EdgeLayers
 from splitlm.edge.link import CloudLink, Flight, Reply, StepObserver
 from splitlm.edge.prefill import Plan, PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
@@ -316,9 +316,36 @@ class EdgeSession:
         tail_s = time.perf_counter() - t2
         self.stats.edge_compute_s += f.edge_s + tail_s
         alone = not f.overlapped and not self.link.flights  # nothing else was on the link: its wait is the network's
-        stream_prefill.observe(self.prefill_costs, f, reply, tail_s, alone)
+        observe(self.prefill_costs, f, reply, tail_s, alone)
         return None if tail is None else step_result(f, reply, tail, tail_s)
 
     def close(self) -> None:
         """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""
         self.link.close()
+
+
+def observe(costs: PrefillCosts, f: Flight, reply: Reply, tail_s: float, alone: bool) -> None:
+    """What step `f` cost (its reply `reply`, the tail `tail_s` seconds), for the streamed prefill's
+    cost model; its network time only if it was `alone` on the link."""
+    costs.observe(
+        len(f.ids),
+        f.start,
+        f.edge_s + f.serialize_s,
+        tail_s + reply.serialize_s,
+        reply.compute_s,
+        f.bytes_up + reply.bytes_down,
+        reply.network_s if alone else None,
+    )
+
+
+def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepResult:
+    """Step `f`'s result: the tail's output of its reply, and what it cost (the tail `tail_s` seconds)."""
+    return StepResult(
+        tail.out,
+        len(f.ids),
+        reply.network_s,
+        f.edge_s + tail_s + reply.compute_s,
+        f.overlapped,
+        tail.topk,
+        tail.hidden,
+    )

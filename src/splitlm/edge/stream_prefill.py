@@ -16,7 +16,7 @@ import torch
 import splitlm.edge.prefill as prefill
 from splitlm import SplitLMError
 from splitlm.decoding.step import StepInput, StepResult
-from splitlm.edge.link import CloudLink, Flight, Reply
+from splitlm.edge.link import CloudLink, Flight
 from splitlm.edge.results import GenerationStats
 from splitlm.transport.codecs import wire_nbytes
 
@@ -29,20 +29,6 @@ def check_interrupt(interrupt: Callable[[], bool] | None) -> None:
     """Raise `Interrupted` if the caller's `interrupt` (asked between chunks) says to stop."""
     if interrupt is not None and interrupt():
         raise Interrupted("the request was interrupted during its prefill")
-
-
-def observe(costs: prefill.PrefillCosts, f: Flight, reply: Reply, tail_s: float, alone: bool) -> None:
-    """What step `f` cost (its reply `reply`, the tail `tail_s` seconds), for the streamed prefill's
-    cost model; its network time only if it was `alone` on the link."""
-    costs.observe(
-        len(f.ids),
-        f.start,
-        f.edge_s + f.serialize_s,
-        tail_s + reply.serialize_s,
-        reply.compute_s,
-        f.bytes_up + reply.bytes_down,
-        reply.network_s if alone else None,
-    )
 
 
 def bytes_per_token(link: CloudLink) -> tuple[float, float]:
