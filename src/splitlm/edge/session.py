@@ -5,15 +5,14 @@ through the edge's back end, `splitlm.edge.backends`), one request or two in fli
 (`splitlm.edge.link.CloudLink`) keeps track of what the cloud holds (committed entries, piggy-backed
 keep and crop, context rows re-sent under cache policies that keep nothing); when it reports the cloud
 lost, the session replays what the cloud held to another cloud (`splitlm.edge.replay`). Its head and
-tail caches and the blocks between them are `splitlm.edge.layers.EdgeLayers`; a long prompt may go up
+tail layers, their caches and the blocks between them are an `EdgeLayers`; a long prompt may go up
 in pipelined chunks (planned and recorded by `splitlm.edge.stream_prefill`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -22,57 +21,15 @@ import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
 from splitlm.decoding.step import StepInput, StepResult
 from splitlm.edge.backends import EdgeBackend, TailOut
-from splitlm.edge.connections import CloudConnections
-from splitlm.edge.layers import EdgeLayers
-from splitlm.edge.link import CloudLink, Flight, Reply, StepObserver
+from splitlm.edge.link import CloudLink, Flight, Reply
 from splitlm.edge.prefill import Plan, PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
-from splitlm.model.shards import EdgeModel
+from splitlm.edge.session_setup import SessionSetup
 from splitlm.transport.client import CloudError, lost
+from splitlm.transport.messages import Result
 from splitlm.transport.policy import CachePolicy
 
 SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
-
-
-class SessionParts(Protocol):
-    """What an edge lends its sessions (`splitlm.edge.Edge` has them)."""
-
-    backend: EdgeBackend
-    connections: CloudConnections
-    wire_dtype: str
-    cache_policy: CachePolicy
-    prefill_chunk: int | str
-    prefill_costs: PrefillCosts
-    observer: StepObserver | None
-    model: EdgeModel  # its manifest names the head layers (the control tuple's `split`)
-
-
-@dataclass
-class SessionSetup:
-    """What the sessions of one edge share (`splitlm.edge.Edge.open_session` gathers it)."""
-
-    backend: EdgeBackend
-    connections: CloudConnections
-    wire_dtype: str
-    cache_policy: CachePolicy  # the edge's default
-    split: int  # the edge's head layers (the control tuple's `split`)
-    prefill_chunk: int | str = "auto"  # how a prompt goes up (`splitlm.edge.stream_prefill.plan_for`)
-    prefill_costs: PrefillCosts = field(default_factory=PrefillCosts)  # the edge's, measured by every session
-    observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
-
-    @staticmethod
-    def of(edge: SessionParts) -> SessionSetup:
-        """What `edge`'s sessions share now (its prefill setting and observer may change between sessions)."""
-        return SessionSetup(
-            edge.backend,
-            edge.connections,
-            edge.wire_dtype,
-            edge.cache_policy,
-            edge.model.manifest.head,
-            edge.prefill_chunk,
-            edge.prefill_costs,
-            edge.observer,
-        )
 
 
 class EdgeSession:
@@ -349,3 +306,122 @@ def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepRe
         tail.topk,
         tail.hidden,
     )
+
+
+@dataclass
+class Settled:
+    """A settled block's kept entries, to commit on the cloud side."""
+
+    h: torch.Tensor  # [K, D] their head outputs
+    positions: list[int]
+    keep: list[int] | None  # None: the whole block
+
+
+@dataclass
+class Redo:
+    """A rewind: back to the first `n` committed entries, then the entries the guess dropped, recomputed
+    by the head (`h` [R, D] at `positions`; None when there are none), to go up as context rows."""
+
+    n: int
+    h: torch.Tensor | None
+    positions: list[int]
+    seconds: float  # the head's compute
+
+
+class EdgeLayers:
+    """The head and tail layers of one session (through the edge's back end) and their caches."""
+
+    def __init__(self, backend: EdgeBackend):
+        self.backend = backend
+        self.head_cache, self.tail_cache = backend.new_caches()
+        self.pending: Flight | None = None  # the last forward's block, not yet settled
+        self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
+
+    @property
+    def length(self) -> int:
+        return self.head_cache.length
+
+    def head(self, step: StepInput, overlapped: bool) -> Flight:
+        """Run the head on a block of new tokens (after the committed ones); it becomes the pending block."""
+        positions = step.positions
+        if positions is None:
+            positions = list(range(self.length, self.length + len(step.ids)))
+        n = self.length
+        t0 = time.perf_counter()
+        h = self.backend.head(step.ids, positions, step.mask, self.head_cache)  # [T, D]
+        self.pending = Flight(
+            list(step.ids),
+            h,
+            list(positions),
+            step.mask,
+            step.rows,
+            n,
+            step.argmax,
+            step.extras,
+            allowed=step.allowed,
+            edge_s=time.perf_counter() - t0,
+            overlapped=overlapped,
+        )
+        return self.pending
+
+    def tail(self, f: Flight, result: Result) -> TailOut:
+        """Run the tail and LM head on block `f`'s reply; its keep applies at the next tail pass (a
+        guessed keep may still be rewound)."""
+        if self.tail_block is not None:  # the block before this one, settled since
+            self.settle_tail()
+        out = self.backend.finish(result, f, self.tail_cache)
+        self.tail_block = f
+        return out
+
+    def settle(self, keep: list[int] | None) -> Settled | None:
+        """Resolve the pending block: keep only `keep` (all if None) in the head cache now, in the tail
+        cache once it has run the block (a pipelined block's reply may still be in flight); None when
+        nothing is pending."""
+        f = self.pending
+        if f is None:
+            return None
+        self.pending = None
+        f.settle(keep)
+        h, pos = f.h, f.positions
+        if keep is not None:
+            self.head_cache.keep(keep)
+            h, pos = h[keep], [pos[i] for i in keep]
+        if self.tail_block is f:
+            self.settle_tail()
+        return Settled(h, pos, keep)
+
+    def settle_tail(self) -> None:
+        """Apply the keep of the last block the tail ran, if it has one."""
+        f, self.tail_block = self.tail_block, None
+        if f is not None and f.keep is not None:
+            self.tail_cache.keep(f.keep)
+
+    def crop(self, n: int) -> None:
+        """Truncate both caches to their first n committed entries."""
+        if not 0 <= n <= self.length:
+            raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
+        self.head_cache.crop(n)
+        self.tail_cache.crop(n)
+
+    def rewind(self, f: Flight, keep: list[int]) -> Redo:
+        """Block `f` (received) was settled with a guess; really keep `keep` of it. The head cache goes
+        back to where guess and `keep` part, and the entries of `keep` past it are recomputed by the
+        head; the tail ran the whole block and keeps them."""
+        if self.tail_block is not f or not f.settled or self.pending is f:
+            raise SplitLMError("rewind needs the received, settled step before the in-flight ones")
+        guess = list(range(len(f.ids))) if f.keep is None else f.keep
+        common = 0
+        while common < min(len(guess), len(keep)) and guess[common] == keep[common]:
+            common += 1
+        f.settle(keep)
+        self.settle_tail()
+        self.pending = None
+        n = f.start + common
+        self.head_cache.crop(n)
+        redo = keep[common:]
+        pos = [f.positions[i] for i in redo]
+        if not redo:
+            return Redo(n, None, pos, 0.0)
+        t0 = time.perf_counter()
+        h = self.backend.head([f.ids[i] for i in redo], pos, None, self.head_cache)  # [R, D]
+        return Redo(n, h, pos, time.perf_counter() - t0)
