@@ -66,11 +66,9 @@ class Flight:
         """Rolled back before its reply came: the reply is to be dropped."""
         self.void = True
 
-    def owed(self) -> bool:
-        """Whether a new cloud session is to be sent it again (a void one's reply is dropped unread)."""
-        if self.void:
-            self.sent = None
-        return not self.void
+    def drop_reply(self) -> None:
+        """Its reply will not come (a new cloud session was not sent it): taking it gives none."""
+        self.sent = None
 
     def replayed_first(self) -> None:
         """A failover re-sent it first: its stall is counted when its reply comes."""
@@ -290,7 +288,10 @@ class CloudLink:
     def owed(self) -> list[Flight]:
         """The blocks in flight that a new cloud session is to be sent again (oldest first); the first
         is marked as replayed (its stall is counted)."""
-        owed = [f for f in self.flights if f.owed()]
+        for f in self.flights:
+            if f.void:
+                f.drop_reply()  # not re-sent: its reply is dropped unread
+        owed = [f for f in self.flights if not f.void]
         if owed:
             owed[0].replayed_first()
         return owed
