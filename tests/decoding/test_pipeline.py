@@ -218,7 +218,7 @@ def test_caches_after_a_run_equal_a_recomputation(edge):
         expected = fresh.forward(StepInput(context)).out[-1]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         for name in ("head_cache", "tail_cache"):
-            a, b = getattr(session, name), getattr(fresh, name)
+            a, b = getattr(session.layers, name), getattr(fresh.layers, name)
             assert a.length == b.length == len(context)
             assert a.positions.tolist() == b.positions.tolist()
             for layer in range(a.num_layers):  # (keys, values) of the entries in use

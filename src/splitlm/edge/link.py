@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +57,28 @@ class Flight:
     def n_rows(self) -> int:
         """R: the rows whose outputs the step asks for (every new token when no rows were named)."""
         return len(self.ids) if self.rows is None else len(self.rows)
+
+    def settle(self, keep: list[int] | None) -> None:
+        """Its entries `keep` stay (None: all)."""
+        self.keep, self.settled = (None if keep is None else list(keep)), True
+
+    def roll_back(self) -> None:
+        """Rolled back before its reply came: the reply is to be dropped."""
+        self.void = True
+
+    def drop_reply(self) -> None:
+        """Its reply will not come (a new cloud session was not sent it): taking it gives none."""
+        self.sent = None
+
+    def replayed_first(self) -> None:
+        """A failover re-sent it first: its stall is counted when its reply comes."""
+        self.replayed = True
+
+    def stall_s(self, now: float) -> float:
+        """Seconds from its first send to `now` (perf_counter()), once, if a failover re-sent it first; else 0."""
+        stall = now - self.first_sent if self.replayed else 0.0
+        self.replayed = False
+        return stall
 
 
 @dataclass
@@ -157,12 +178,10 @@ class StepObserver(Protocol):
     def received(self, result: Result | None) -> None: ...
 
 
-Recover = Callable[["CloudLink", CloudError], None]  # a lost cloud: reconnect and replay (`splitlm.edge.replay`)
-
-
 class CloudLink:
-    """One cloud session as an edge session drives it (`recover`: what to do when the cloud is lost;
-    the session passes `splitlm.edge.replay.failover`).
+    """One cloud session as an edge session drives it. A lost cloud surfaces as a recoverable
+    `CloudError` from `send`, `take`, `revoke` or `tighten`; the session then fails over
+    (`splitlm.edge.replay.failover`) and goes on.
 
     It keeps the head layers' outputs of every committed token (`history`, [L, D]), so that whatever
     the cloud does not hold under the cache policy (`none`, after `revoke`, a new session after a
@@ -175,11 +194,10 @@ class CloudLink:
         policy: CachePolicy,
         wire_dtype: str,
         split: int,
-        recover: Recover,
         observer: StepObserver | None = None,
     ):
         self.connections, self.backend, self.policy, self.wire_dtype = connections, backend, policy, wire_dtype
-        self.split, self.recover, self.observer = split, recover, observer
+        self.split, self.observer = split, observer
         self.key = AESGCM.generate_key(bit_length=256) if policy.sealed else None  # never leaves this session
         self.client, self.id = connections.open_session(self.open_request())
         self.history = torch.zeros(
@@ -221,6 +239,14 @@ class CloudLink:
         ]
         return min(exceeded) if exceeded else None
 
+    def too_long(self, n_ids: int, n_rows: int) -> SplitLMError:
+        """The error for a step of `n_ids` tokens (`n_rows` rows asked) over `step_limit` that cannot go in chunks."""
+        return SplitLMError(
+            f"a step of {n_ids} tokens ({n_rows} rows of logits) exceeds the cache window "
+            f"({self.policy.window}) or the rows of logits one reply may hold "
+            f"({self.backend.max_logit_rows})"
+        )
+
     def commit(self, h: torch.Tensor, positions: list[int], keep: list[int] | None) -> None:
         """The pending block is settled: its kept entries' head outputs `h` [K, D] join the history."""
         self.history = torch.cat([self.history, h])
@@ -236,7 +262,7 @@ class CloudLink:
         """Back to the first n committed tokens and every block in flight void; then `h` [R, D] (at
         `positions`) committed on the edge, to go up as context rows with the next request."""
         for later in self.flights:
-            later.void = True
+            later.roll_back()
         self.history, self.history_pos = self.history[:n], self.history_pos[:n]
         if h is not None:
             self.history = torch.cat([self.history, h])
@@ -244,15 +270,31 @@ class CloudLink:
         self.cloud.rewound(n)
 
     def send(self, f: Flight, c: int) -> None:
-        """Send block `f` after `c` context rows, failing over (which re-sends it) if the cloud is gone."""
+        """Send block `f` after `c` context rows. If the cloud is gone (a recoverable `CloudError`) `f`
+        stays in flight: the failover re-sends it."""
         self.flights.append(f)
         try:
             self.transmit(f, c)
         except CloudError as e:
             if not e.recoverable:
                 self.flights.pop()
-                raise
-            self.failover(e)
+            raise
+
+    def void_flights(self) -> None:
+        """Every block in flight is rolled back: its reply is to be dropped."""
+        for f in self.flights:
+            f.roll_back()
+
+    def owed(self) -> list[Flight]:
+        """The blocks in flight that a new cloud session is to be sent again (oldest first); the first
+        is marked as replayed (its stall is counted)."""
+        for f in self.flights:
+            if f.void:
+                f.drop_reply()  # not re-sent: its reply is dropped unread
+        owed = [f for f in self.flights if not f.void]
+        if owed:
+            owed[0].replayed_first()
+        return owed
 
     def transmit(self, f: Flight, c: int) -> None:
         """Send block `f` to the cloud after the last `c` committed rows before it (context rows), with
@@ -286,7 +328,9 @@ class CloudLink:
         self.cloud.sent(len(f.ids), c, self.policy.retention > 0)
 
     def take(self, f: Flight) -> Reply:
-        """Step `f`'s reply (the oldest in flight), its round trip counted in the stats (all but the edge's compute)."""
+        """Step `f`'s reply (the oldest in flight), its round trip counted in the stats (all but the edge's
+        compute). If the cloud is gone (a recoverable `CloudError`) `f` stays in flight: take it again
+        after the failover."""
         if not self.flights or self.flights[0] is not f:
             raise SplitLMError("replies are taken in the order the steps were sent")
         reply = Reply(*self._receive(f))
@@ -302,30 +346,23 @@ class CloudLink:
         return reply
 
     def _receive(self, f: Flight) -> tuple[Result | None, int, float]:
-        """Step `f`'s RESULT (None: a void block a failover did not re-send), failing over (and
-        re-sending `f` and the blocks after it) while the cloud is gone; with the bytes down and the
+        """Step `f`'s RESULT (None: a void block a failover did not re-send), with the bytes down and the
         seconds of decryption and decoding that taking it cost on the connection it came from."""
-        while True:
-            client = self.client
-            down, ser = client.bytes_down, client.serialize_s
-            if f.sent is None:
-                return None, 0, 0.0
-            try:
-                result = client.receive_forward(f.sent)
-            except CloudError as e:
-                if not e.recoverable:
-                    raise
-                self.failover(e)
-                continue
-            return result, client.bytes_down - down, client.serialize_s - ser
+        client = self.client
+        down, ser = client.bytes_down, client.serialize_s
+        if f.sent is None:
+            return None, 0, 0.0
+        result = client.receive_forward(f.sent)
+        return result, client.bytes_down - down, client.serialize_s - ser
 
     def revoke(self) -> None:
-        """Wipe the cloud's cache of this session now."""
+        """Wipe the cloud's cache of this session now (a recoverable `CloudError`: fail over, then again)."""
         self.request_policy(PolicyChange(revoke=True))
         self.cloud.forget()
 
     def tighten(self, cache_policy: str | CachePolicy) -> None:
-        """Switch to a tighter cache policy (see `EdgeSession.tighten`)."""
+        """Switch to a tighter cache policy (see `EdgeSession.tighten`; a recoverable `CloudError`: fail
+        over, then again)."""
         try:
             new = CachePolicy.parse(cache_policy)
         except ValueError as e:
@@ -343,20 +380,8 @@ class CloudLink:
             self.cloud.forget()
 
     def request_policy(self, change: PolicyChange) -> None:
-        """A POLICY request (the session is idle), failing over if the cloud is gone."""
-        try:
-            self.client.policy(self.id, change)
-        except CloudError as e:
-            if not e.recoverable:
-                raise
-            self.failover(e)
-            if change.key is not None:
-                change.key = self.key  # the new session's
-            self.client.policy(self.id, change)
-
-    def failover(self, error: CloudError) -> None:
-        """The cloud is lost (`error`): a new cloud session, rebuilt and replayed (`recover`)."""
-        self.recover(self, error)
+        """A POLICY request (the session is idle)."""
+        self.client.policy(self.id, change)
 
     def reopen(self, deadline: float) -> None:
         """Drop the failed connection and open a new, empty cloud session (the next cloud first, until

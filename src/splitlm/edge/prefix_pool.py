@@ -114,7 +114,11 @@ def reuse_allowed(policy: CachePolicy, context: int) -> bool:
 def edge_bytes(session: EdgeSession) -> int:
     """The edge memory a session holds: both caches as allocated, and the history of head outputs."""
     history = session.link.history
-    return session.head_cache.nbytes() + session.tail_cache.nbytes() + history.numel() * history.element_size()
+    return (
+        session.layers.head_cache.nbytes()
+        + session.layers.tail_cache.nbytes()
+        + history.numel() * history.element_size()
+    )
 
 
 def close_quietly(session: EdgeSession) -> None:

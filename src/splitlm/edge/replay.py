@@ -2,9 +2,9 @@
 what the edge holds, and the requests still owed a reply replayed into it (docs/failover.md); also
 after the cloud preempted the session (a replay onto the same cloud).
 
-`EdgeSession.failover` is the entry point; its cloud side (`splitlm.edge.link.CloudLink`) calls
-`failover` here whenever its cloud is lost, and `failover`, `replay` and `rebuild` work through the
-link's public methods."""
+`EdgeSession.failover` is the entry point: the session calls `failover` here whenever its cloud side
+(`splitlm.edge.link.CloudLink`) raises a recoverable `CloudError`, then goes on with what it was
+doing; `failover`, `replay` and `rebuild` work through the link's public methods."""
 
 from __future__ import annotations
 
@@ -75,14 +75,7 @@ def replay(link: CloudLink) -> None:
     link.cloud.forget()
     policy = link.policy
     retained = policy.retention > 0
-    owed = []
-    for f in link.flights:
-        if f.void:
-            f.sent = None  # its reply is dropped unread
-        else:
-            owed.append(f)
-    if owed:
-        owed[0].replayed = True
+    owed = link.owed()  # void blocks are not: their replies are dropped unread
     prev = None
     for f in owed:
         if prev is None:

@@ -3,16 +3,16 @@
 It runs the head layers, sends hidden states, runs the tail and LM head on what comes back (both
 through the edge's back end, `splitlm.edge.backends`), one request or two in flight. Its cloud side
 (`splitlm.edge.link.CloudLink`) keeps track of what the cloud holds (committed entries, piggy-backed
-keep and crop, context rows re-sent under cache policies that keep nothing) and replays it to another
-cloud when one is lost (`splitlm.edge.replay`); a long prompt may go up in pipelined chunks
-(`splitlm.edge.stream_prefill`)."""
+keep and crop, context rows re-sent under cache policies that keep nothing); when it reports the cloud
+lost, the session replays what the cloud held to another cloud (`splitlm.edge.replay`). Its head and
+tail layers, their caches and the blocks between them are an `EdgeLayers`; a long prompt may go up
+in pipelined chunks (planned and recorded by `splitlm.edge.stream_prefill`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -20,63 +20,22 @@ import splitlm.edge.replay as replay
 import splitlm.edge.stream_prefill as stream_prefill
 from splitlm import SplitLMError
 from splitlm.decoding.step import StepInput, StepResult
-from splitlm.edge.backends import EdgeBackend
-from splitlm.edge.connections import CloudConnections
-from splitlm.edge.link import CloudLink, Flight, StepObserver
-from splitlm.edge.prefill import PrefillCosts, PrefillRun
+from splitlm.edge.backends import EdgeBackend, TailOut
+from splitlm.edge.link import CloudLink, Flight, Reply
+from splitlm.edge.prefill import Plan, PrefillCosts, PrefillRun
 from splitlm.edge.results import GenerationStats
-from splitlm.model.shards import EdgeModel
+from splitlm.edge.session_setup import SessionSetup
 from splitlm.transport.client import CloudError, lost
+from splitlm.transport.messages import Result
 from splitlm.transport.policy import CachePolicy
 
 SPEC_HEADROOM = 128  # cache entries a verification pass may add beyond the committed tokens (tree + window)
 
 
-class SessionParts(Protocol):
-    """What an edge lends its sessions (`splitlm.edge.Edge` has them)."""
-
-    backend: EdgeBackend
-    connections: CloudConnections
-    wire_dtype: str
-    cache_policy: CachePolicy
-    prefill_chunk: int | str
-    prefill_costs: PrefillCosts
-    observer: StepObserver | None
-    model: EdgeModel  # its manifest names the head layers (the control tuple's `split`)
-
-
-@dataclass
-class SessionSetup:
-    """What the sessions of one edge share (`splitlm.edge.Edge.open_session` gathers it)."""
-
-    backend: EdgeBackend
-    connections: CloudConnections
-    wire_dtype: str
-    cache_policy: CachePolicy  # the edge's default
-    split: int  # the edge's head layers (the control tuple's `split`)
-    prefill_chunk: int | str = "auto"  # how a prompt goes up (`splitlm.edge.stream_prefill.plan_for`)
-    prefill_costs: PrefillCosts = field(default_factory=PrefillCosts)  # the edge's, measured by every session
-    observer: StepObserver | None = None  # sees every forward and result (`Edge.observer`)
-
-    @staticmethod
-    def of(edge: SessionParts) -> SessionSetup:
-        """What `edge`'s sessions share now (its prefill setting and observer may change between sessions)."""
-        return SessionSetup(
-            edge.backend,
-            edge.connections,
-            edge.wire_dtype,
-            edge.cache_policy,
-            edge.model.manifest.head,
-            edge.prefill_chunk,
-            edge.prefill_costs,
-            edge.observer,
-        )
-
-
 class EdgeSession:
     """One cloud session (`link`: a connection of its own for the session's lifetime, taken from the
-    edge's pool, so sessions in different threads never share one) together with the edge's own KV
-    caches for its head and tail layers."""
+    edge's pool, so sessions in different threads never share one) together with the edge's own layers
+    and KV caches for its head and tail (`layers`)."""
 
     def __init__(self, setup: SessionSetup, cache_policy: str | CachePolicy | None = None):
         try:
@@ -85,12 +44,8 @@ class EdgeSession:
             raise SplitLMError(str(e)) from None
         self.backend = setup.backend
         self.prefill_chunk, self.prefill_costs = setup.prefill_chunk, setup.prefill_costs
-        self.link = CloudLink(
-            setup.connections, setup.backend, policy, setup.wire_dtype, setup.split, replay.failover, setup.observer
-        )
-        self.head_cache, self.tail_cache = self.backend.new_caches()
-        self.pending: Flight | None = None  # the last forward's block, not yet settled
-        self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
+        self.link = CloudLink(setup.connections, setup.backend, policy, setup.wire_dtype, setup.split, setup.observer)
+        self.layers = EdgeLayers(setup.backend)
         self.last_prefill: PrefillRun | None = None  # the last streamed prefill
         self.interrupt: Callable[[], bool] | None = None  # asked between a prefill's chunks: True stops it
 
@@ -109,7 +64,7 @@ class EdgeSession:
 
     @property
     def length(self) -> int:
-        return self.head_cache.length
+        return self.layers.length
 
     @property
     def max_step_tokens(self) -> int | None:
@@ -127,47 +82,29 @@ class EdgeSession:
     def settle(self, keep: list[int] | None = None) -> None:
         """Resolve the last forward's tokens: keep only `keep` (all if None) in every cache. The tail
         cache applies it once it has run the block (a pipelined block's reply may still be in flight)."""
-        f = self.pending
-        if f is None:
-            return
-        self.pending = None
-        f.keep, f.settled = (None if keep is None else list(keep)), True
-        h, pos = f.h, f.positions
-        if keep is not None:
-            self.head_cache.keep(keep)
-            h, pos = h[keep], [pos[i] for i in keep]
-        if self.tail_block is f:
-            self._settle_tail()
-        self.link.commit(h, pos, keep)
-
-    def _settle_tail(self) -> None:
-        f, self.tail_block = self.tail_block, None
-        if f.keep is not None:
-            self.tail_cache.keep(f.keep)
+        settled = self.layers.settle(keep)
+        if settled is not None:
+            self.link.commit(settled.h, settled.positions, settled.keep)
 
     def _idle(self) -> None:
         """Require no step in flight, and settle the last one everywhere."""
         if self.link.flights:
             raise SplitLMError("a forward is still in flight on this session")
         self.settle()
-        if self.tail_block is not None:
-            self._settle_tail()
+        self.layers.settle_tail()
 
     def crop(self, n: int) -> None:
         """Truncate the conversation to its first n committed tokens (edge and cloud)."""
         self._idle()
-        if not 0 <= n <= self.length:
-            raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
-        self.link.crop(n, self.length)
-        self.head_cache.crop(n)
-        self.tail_cache.crop(n)
+        length = self.length
+        self.layers.crop(n)
+        self.link.crop(n, length)
 
     def abandon(self, n: int) -> None:
         """Stop where the session stands and go back to its first n committed tokens: the replies of
         the steps still in flight are taken and dropped, then edge and cloud are cropped to n (an
         interrupted conversation turn: the next one sees the session as if it never happened)."""
-        for f in self.link.flights:
-            f.void = True
+        self.link.void_flights()
         while self.link.flights:
             self._finish(self.link.flights[0])
         if self.link.client.in_flight:  # interrupted between sending a request and recording it: out of step
@@ -177,14 +114,14 @@ class EdgeSession:
     def revoke(self) -> None:
         """Wipe the cloud's cache of this session now; later requests re-send the history they need."""
         self._idle()
-        self.link.revoke()
+        self._twice(self.link.revoke)
 
     def tighten(self, cache_policy: str | CachePolicy) -> None:
         """Switch to a tighter cache policy for the rest of the session (the cloud refuses a looser one).
 
         `none` and `sealed` take effect on the cloud now; `window:N` with the next request's
         control tuple (after that request's keep, so the pending block stays intact)."""
-        self.link.tighten(cache_policy)
+        self._twice(lambda: self.link.tighten(cache_policy))
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> StepResult:
@@ -202,24 +139,51 @@ class EdgeSession:
         if self.link.flights:
             raise SplitLMError("a forward is still in flight on this session")
         self.settle(step.keep)
-        ids, positions, mask, argmax = step.ids, step.positions, step.mask, step.argmax
+        ids, positions, mask = step.ids, step.positions, step.mask
         want = list(range(len(ids))) if step.rows is None else step.rows
         limit = self.link.step_limit(len(ids), len(want), self.length)
         if mask is None and positions is None and self.pipelines and not self.link.context_rows(self.length):
-            p = stream_prefill.plan_for(self, len(ids), limit or len(ids))
+            p = stream_prefill.plan_for(
+                self.prefill_chunk, self.prefill_costs, self.link, len(ids), limit or len(ids), self.length
+            )
             if p is not None:
-                return stream_prefill.stream(self, ids, want, p, argmax)
+                return self._stream(ids, want, p, step.argmax)
         if limit is not None and mask is None:
             if positions is not None:
                 raise SplitLMError("a chunked forward takes default positions")
-            return stream_prefill.chunked(self, ids, want, limit, argmax)
+            return self._chunked(ids, want, limit, step.argmax)
         if limit is not None:
-            raise SplitLMError(
-                f"a step of {len(ids)} tokens ({len(want)} rows of logits) exceeds the cache window "
-                f"({self.policy.window}) or the rows of logits one reply may hold "
-                f"({self.backend.max_logit_rows})"
-            )
+            raise self.link.too_long(len(ids), len(want))
         return self._finish(self.send_block(step))
+
+    def _stream(self, ids: list[int], want: list[int], p: Plan, argmax: bool) -> StepResult:
+        """Run `ids` (causal, after the committed tokens) as pipelined chunks of `p.chunk`; the logits (or
+        greedy tokens, with `argmax`) of the rows `want`, as one forward's (the costs the last chunk's)."""
+        recorder = stream_prefill.StreamRecorder(len(ids), p, self.stats)
+        for chunk in stream_prefill.chunks(ids, want, p.chunk):
+            self.settle()  # the chunk before stays whole: this request commits it
+            # the caller (abandoning the session) takes the replies in flight
+            stream_prefill.check_interrupt(self.interrupt)
+            recorder.sent(recorder.mark(), self.send_block(chunk.step(argmax)))  # arguments: left to right
+            while recorder.oldest is not None and self.link.client.reply_waiting():  # tails of what came back
+                recorder.taken(recorder.mark(), self.receive(recorder.oldest))
+        while recorder.oldest is not None:
+            recorder.taken(recorder.mark(), self.receive(recorder.oldest))
+        step = recorder.finish(self.prefill_costs.link.rtt_s)  # the next step's budget gets the RTT estimate
+        self.stats.prefill_round_trips = len(recorder.run.chunks)
+        self.last_prefill = recorder.run
+        return step
+
+    def _chunked(self, ids: list[int], want: list[int], limit: int, argmax: bool) -> StepResult:
+        """Run `ids` (causal, after the committed tokens) in forwards of `limit` tokens, one after another;
+        the rows `want` of them all (the costs the last chunk's)."""
+        steps = []
+        for chunk in stream_prefill.chunks(ids, want, limit):
+            stream_prefill.check_interrupt(self.interrupt)
+            steps.append(self.receive(self.send_block(chunk.step(argmax))))
+            self.settle()
+        self.stats.prefill_round_trips = len(steps)
+        return stream_prefill.joined(steps)
 
     # -- pipelined steps: up to two forwards in flight ------------------------------------------
     @torch.inference_mode()
@@ -243,7 +207,7 @@ class EdgeSession:
 
     def discard(self, f: Flight) -> None:
         """Take the reply of a rolled-back step `f` (the oldest in flight) and drop it."""
-        f.void = True
+        f.roll_back()
         self._finish(f)
 
     @torch.inference_mode()
@@ -253,97 +217,211 @@ class EdgeSession:
 
         Entries of `keep` that the guess dropped are recomputed by the head and re-sent to the cloud
         as context rows with the next request; the tail ran the whole block and keeps them."""
-        if self.tail_block is not f or not f.settled or self.pending is f:
-            raise SplitLMError("rewind needs the received, settled step before the in-flight ones")
-        guess = list(range(len(f.ids))) if f.keep is None else f.keep
-        common = 0
-        while common < min(len(guess), len(keep)) and guess[common] == keep[common]:
-            common += 1
-        f.keep = list(keep)
-        self._settle_tail()
-        self.pending = None
-        n = f.start + common
-        self.head_cache.crop(n)
-        redo, h = keep[common:], None
-        pos = [f.positions[i] for i in redo]
-        if redo:
-            t0 = time.perf_counter()
-            h = self.backend.head([f.ids[i] for i in redo], pos, None, self.head_cache)  # [R, D]
-            self.stats.edge_compute_s += time.perf_counter() - t0
-        self.link.rewind(n, h, pos)  # the re-computed entries go up as context rows with the next request
+        redo = self.layers.rewind(f, keep)
+        self.stats.edge_compute_s += redo.seconds
+        self.link.rewind(redo.n, redo.h, redo.positions)  # the re-computed entries go up with the next request
 
     def send_block(self, step: StepInput) -> Flight:
         """Run the head on a block of new tokens and send it now (no checks, nothing settled: `step.keep`
         is not applied; failing over if the cloud is gone); its reply is taken with `receive` or
         `discard`, oldest first."""
-        ids, positions, mask = step.ids, step.positions, step.mask
+        c = self.link.context_rows(self.length)
+        f = self.layers.head(step, overlapped=bool(self.link.flights))
+        try:
+            self.link.send(f, c)
+        except CloudError as e:
+            self._recover(e)  # the replay re-sends `f`
+        return f
+
+    def failover(self, error: CloudError) -> None:
+        """Reconnect, open a new cloud session and replay into it every request still owed a reply
+        (`splitlm.edge.replay.failover`); the one call after a retryable `CloudError` of the session's client."""
+        replay.failover(self.link, error)
+
+    def _recover(self, error: CloudError) -> None:
+        """The cloud side raised `error`: fail over if it is recoverable, else raise it."""
+        if not error.recoverable:
+            raise error
+        self.failover(error)
+
+    def _twice(self, request: Callable[[], None]) -> None:
+        """Run a POLICY `request`, and once more after a failover if the cloud is gone."""
+        try:
+            request()
+        except CloudError as e:
+            self._recover(e)
+            request()
+
+    def _take(self, f: Flight) -> Reply:
+        """Step `f`'s reply (the oldest in flight), failing over (which re-sends `f` and the blocks after
+        it) while the cloud is gone."""
+        while True:
+            try:
+                return self.link.take(f)
+            except CloudError as e:
+                self._recover(e)
+
+    def _finish(self, f: Flight) -> StepResult | None:
+        """Take step `f`'s reply (the oldest in flight), run the tail on it and count its costs; None
+        for a rolled-back (void) step, whose reply is dropped."""
+        reply = self._take(f)
+        t2 = time.perf_counter()
+        self.stats.failover_stall_s += f.stall_s(t2)
+        if reply.result is not None and f is self.layers.pending and self.policy.retention > 0:
+            self.link.cloud.counted(reply.result.cache_len)
+        tail = None if f.void else self.layers.tail(f, reply.result)
+        tail_s = time.perf_counter() - t2
+        self.stats.edge_compute_s += f.edge_s + tail_s
+        alone = not f.overlapped and not self.link.flights  # nothing else was on the link: its wait is the network's
+        observe(self.prefill_costs, f, reply, tail_s, alone)
+        return None if tail is None else step_result(f, reply, tail, tail_s)
+
+    def close(self) -> None:
+        """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""
+        self.link.close()
+
+
+def observe(costs: PrefillCosts, f: Flight, reply: Reply, tail_s: float, alone: bool) -> None:
+    """What step `f` cost (its reply `reply`, the tail `tail_s` seconds), for the streamed prefill's
+    cost model; its network time only if it was `alone` on the link."""
+    costs.observe(
+        len(f.ids),
+        f.start,
+        f.edge_s + f.serialize_s,
+        tail_s + reply.serialize_s,
+        reply.compute_s,
+        f.bytes_up + reply.bytes_down,
+        reply.network_s if alone else None,
+    )
+
+
+def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepResult:
+    """Step `f`'s result: the tail's output of its reply, and what it cost (the tail `tail_s` seconds)."""
+    return StepResult(
+        tail.out,
+        len(f.ids),
+        reply.network_s,
+        f.edge_s + tail_s + reply.compute_s,
+        f.overlapped,
+        tail.topk,
+        tail.hidden,
+    )
+
+
+@dataclass
+class Settled:
+    """A settled block's kept entries, to commit on the cloud side."""
+
+    h: torch.Tensor  # [K, D] their head outputs
+    positions: list[int]
+    keep: list[int] | None  # None: the whole block
+
+
+@dataclass
+class Redo:
+    """A rewind: back to the first `n` committed entries, then the entries the guess dropped, recomputed
+    by the head (`h` [R, D] at `positions`; None when there are none), to go up as context rows."""
+
+    n: int
+    h: torch.Tensor | None
+    positions: list[int]
+    seconds: float  # the head's compute
+
+
+class EdgeLayers:
+    """The head and tail layers of one session (through the edge's back end) and their caches."""
+
+    def __init__(self, backend: EdgeBackend):
+        self.backend = backend
+        self.head_cache, self.tail_cache = backend.new_caches()
+        self.pending: Flight | None = None  # the last forward's block, not yet settled
+        self.tail_block: Flight | None = None  # the last block run through the tail whose keep is not applied there
+
+    @property
+    def length(self) -> int:
+        return self.head_cache.length
+
+    def head(self, step: StepInput, overlapped: bool) -> Flight:
+        """Run the head on a block of new tokens (after the committed ones); it becomes the pending block."""
+        positions = step.positions
         if positions is None:
-            positions = list(range(self.length, self.length + len(ids)))
-        n, c = self.length, self.link.context_rows(self.length)
+            positions = list(range(self.length, self.length + len(step.ids)))
+        n = self.length
         t0 = time.perf_counter()
-        h = self.backend.head(ids, positions, mask, self.head_cache)  # [T, D]
-        f = Flight(
-            list(ids),
+        h = self.backend.head(step.ids, positions, step.mask, self.head_cache)  # [T, D]
+        self.pending = Flight(
+            list(step.ids),
             h,
             list(positions),
-            mask,
+            step.mask,
             step.rows,
             n,
             step.argmax,
             step.extras,
             allowed=step.allowed,
             edge_s=time.perf_counter() - t0,
-            overlapped=bool(self.link.flights),
+            overlapped=overlapped,
         )
-        self.pending = f
-        self.link.send(f, c)
-        return f
+        return self.pending
 
-    def failover(self, error: CloudError) -> None:
-        """Reconnect, open a new cloud session and replay into it every request still owed a reply
-        (`splitlm.edge.replay.failover`); the one call after a retryable `CloudError` of the session's client."""
-        self.link.failover(error)
+    def tail(self, f: Flight, result: Result) -> TailOut:
+        """Run the tail and LM head on block `f`'s reply; its keep applies at the next tail pass (a
+        guessed keep may still be rewound)."""
+        if self.tail_block is not None:  # the block before this one, settled since
+            self.settle_tail()
+        out = self.backend.finish(result, f, self.tail_cache)
+        self.tail_block = f
+        return out
 
-    def _finish(self, f: Flight) -> StepResult | None:
-        """Take step `f`'s reply (the oldest in flight), run the tail on it and count its costs; None
-        for a rolled-back (void) step, whose reply is dropped."""
-        reply = self.link.take(f)
-        t2 = time.perf_counter()
-        if f.replayed:
-            f.replayed = False
-            self.stats.failover_stall_s += t2 - f.first_sent
-        if reply.result is not None and f is self.pending and self.policy.retention > 0:
-            self.link.cloud.counted(reply.result.cache_len)
-        tail = None
-        if not f.void:
-            if self.tail_block is not None:  # the block before this one, settled since
-                self._settle_tail()
-            tail = self.backend.finish(reply.result, f, self.tail_cache)
-            self.tail_block = f  # its keep applies at the next tail pass (a guessed keep may still be rewound)
-        tail_s = time.perf_counter() - t2
-        self.stats.edge_compute_s += f.edge_s + tail_s
-        alone = not f.overlapped and not self.link.flights  # nothing else was on the link: its wait is the network's
-        self.prefill_costs.observe(
-            len(f.ids),
-            f.start,
-            f.edge_s + f.serialize_s,
-            tail_s + reply.serialize_s,
-            reply.compute_s,
-            f.bytes_up + reply.bytes_down,
-            reply.network_s if alone else None,
-        )
-        if tail is None:
+    def settle(self, keep: list[int] | None) -> Settled | None:
+        """Resolve the pending block: keep only `keep` (all if None) in the head cache now, in the tail
+        cache once it has run the block (a pipelined block's reply may still be in flight); None when
+        nothing is pending."""
+        f = self.pending
+        if f is None:
             return None
-        return StepResult(
-            tail.out,
-            len(f.ids),
-            reply.network_s,
-            f.edge_s + tail_s + reply.compute_s,
-            f.overlapped,
-            tail.topk,
-            tail.hidden,
-        )
+        self.pending = None
+        f.settle(keep)
+        h, pos = f.h, f.positions
+        if keep is not None:
+            self.head_cache.keep(keep)
+            h, pos = h[keep], [pos[i] for i in keep]
+        if self.tail_block is f:
+            self.settle_tail()
+        return Settled(h, pos, keep)
 
-    def close(self) -> None:
-        """End the cloud session; its connection goes back to the pool (or is dropped if it failed)."""
-        self.link.close()
+    def settle_tail(self) -> None:
+        """Apply the keep of the last block the tail ran, if it has one."""
+        f, self.tail_block = self.tail_block, None
+        if f is not None and f.keep is not None:
+            self.tail_cache.keep(f.keep)
+
+    def crop(self, n: int) -> None:
+        """Truncate both caches to their first n committed entries."""
+        if not 0 <= n <= self.length:
+            raise SplitLMError(f"cannot crop to {n} tokens: the session holds {self.length}")
+        self.head_cache.crop(n)
+        self.tail_cache.crop(n)
+
+    def rewind(self, f: Flight, keep: list[int]) -> Redo:
+        """Block `f` (received) was settled with a guess; really keep `keep` of it. The head cache goes
+        back to where guess and `keep` part, and the entries of `keep` past it are recomputed by the
+        head; the tail ran the whole block and keeps them."""
+        if self.tail_block is not f or not f.settled or self.pending is f:
+            raise SplitLMError("rewind needs the received, settled step before the in-flight ones")
+        guess = list(range(len(f.ids))) if f.keep is None else f.keep
+        common = 0
+        while common < min(len(guess), len(keep)) and guess[common] == keep[common]:
+            common += 1
+        f.settle(keep)
+        self.settle_tail()
+        self.pending = None
+        n = f.start + common
+        self.head_cache.crop(n)
+        redo = keep[common:]
+        pos = [f.positions[i] for i in redo]
+        if not redo:
+            return Redo(n, None, pos, 0.0)
+        t0 = time.perf_counter()
+        h = self.backend.head([f.ids[i] for i in redo], pos, None, self.head_cache)  # [R, D]
+        return Redo(n, h, pos, time.perf_counter() - t0)
