@@ -10,7 +10,9 @@ def test_each_speculative_configuration_keeps_its_own_memory(tiny_split, tiny_se
         assert edge.drafting.draft_memory(SpecConfig("auto")) is plain
         assert edge.drafting.draft_memory(SpecConfig("auto", pipeline=True)) is not plain
         assert edge.drafting.draft_memory(SpecConfig("auto", warmup=False)) is not plain
-        assert edge.drafting.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain  # a bench mode of its own
+        assert (
+            edge.drafting.draft_memory(SpecConfig("auto", memory="auto+json")) is not plain
+        )  # a bench mode of its own
 
 
 def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_server):
