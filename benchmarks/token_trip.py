@@ -338,8 +338,10 @@ def auto_step(edge):
 
 
 def constrained_step(edge):
+    from splitlm.edge.request import GenerationRequest
+
     prompt = 'Ticket: {"id": 12, "state": "open"} Again: '
-    edge.generate(prompt, max_new_tokens=64, spec="auto", response_format=SCHEMA)
+    edge.generate(GenerationRequest(prompt, max_new_tokens=64, spec="auto", response_format=SCHEMA))
 
 
 def pipelined_step(edge):
