@@ -9,7 +9,8 @@
 
 - `text` is the quoted text as written; it must appear in `doc` (whitespace runs count as one space), and
   `number` in it as a whole number (not part of a longer one). With `table` ({"after": a heading or any
-  text before the table, "row": the first cell, "column": the header cell}) `text` must appear in that cell.
+  text before the table, "row": the first cell (or a list: the first cells), "column": the header cell})
+  `text` must appear in that cell.
 - `path` leads into the run's JSON: a key, a list index, or an object that picks the one list element
   whose fields have those values. With `over` (a second path) the figure is the ratio of the two values;
   with `tok_s_ratio_on_the_same_prompts` ({"mode", "category", "base"}; `path` leads to the bench's `runs`)
@@ -126,7 +127,8 @@ def table_cell(page: str, table: dict) -> str | None:
     if table["column"] not in header:
         return None
     for row in rows[2:]:
-        if row[0] == table["row"]:
+        label = table["row"] if isinstance(table["row"], list) else [table["row"]]
+        if row[: len(label)] == label:
             return row[header.index(table["column"])]
     return None
 
