@@ -311,3 +311,12 @@ def test_the_rules():
     assert at({"r": [{"m": "a", "v": 1}, {"m": "b", "v": 2}]}, ["r", {"m": "b"}, "v"]) == 2
     page = "## T\n\n| mode | all |\n|---|---|\n| `auto` | **2.65** (1.86×) |\n"
     assert table_cell(page, {"after": "## T", "row": "`auto`", "column": "all"}) == "**2.65** (1.86×)"
+
+
+def test_the_structured_row_reads_the_same_limit_first_and_calls_its_set_a_tuning_set():
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| structured outputs"))
+    assert row.index("same 256-token limit") < row.index("same lengths")
+    assert "`prompts-json-heldout.json`) are a tuning set" in row and "held-out" not in row
+    first = next(f for f in FIGURE_LIST if f["id"] == "readme.structured.same-limit.tau")
+    assert row.index(first["text"]) < row.index("1.395×")
