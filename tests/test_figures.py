@@ -15,7 +15,8 @@
   whose fields have those values. With `over` (a second path) the figure is the ratio of the two values;
   with `tok_s_ratio_on_the_same_prompts` ({"mode", "category", "base"}; `path` leads to the bench's `runs`)
   it is the mode's tok/s over the base mode's on the same prompts (a bench's per-category table when
-  modes ran on different numbers of questions).
+  modes ran on different numbers of questions); with `count_where` (an object, `path` leading to a list)
+  it is the number of the list's elements whose fields have those values.
 - `rule` says how the number was rounded: `round:N` (N decimals), `percent:N` (100 × the value) or
   `ms:N` (seconds quoted in milliseconds); the number must have N decimals and lie within half a unit
   of its last digit of the value.
@@ -88,6 +89,8 @@ def same_prompts_tok_s_ratio(runs: list[dict], mode: str, category: str, base: s
 def figure_value(entry: dict, root: Path) -> float:
     doc = run_json(root / entry["run"])
     value = at(doc, entry["path"])
+    if "count_where" in entry:
+        return sum(all(x.get(k) == v for k, v in entry["count_where"].items()) for x in value)
     if "tok_s_ratio_on_the_same_prompts" in entry:
         return same_prompts_tok_s_ratio(value, **entry["tok_s_ratio_on_the_same_prompts"])
     return value / at(doc, entry["over"]) if "over" in entry else value
@@ -309,6 +312,11 @@ def test_the_rules():
         and not has_number("2.215", "2.21")
     )
     assert at({"r": [{"m": "a", "v": 1}, {"m": "b", "v": 2}]}, ["r", {"m": "b"}, "v"]) == 2
+    counted = next(f for f in FIGURE_LIST if f["id"] == "readme.failover.fp16.seeded.identical")
+    assert (
+        figure_value(counted, ROOT) == 4
+        and figure_value({**counted, "count_where": {"case": "seeded auto"}}, ROOT) == 14
+    )
     page = "## T\n\n| mode | all |\n|---|---|\n| `auto` | **2.65** (1.86×) |\n"
     assert table_cell(page, {"after": "## T", "row": "`auto`", "column": "all"}) == "**2.65** (1.86×)"
 
