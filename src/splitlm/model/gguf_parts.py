@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from splitlm import SplitLMError
 from splitlm.progress import bar
 
 CHUNK = 1 << 22  # 4 MiB reads
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,9 @@ def assemble_parts(model: PartedGGUF, name: str, target: Path) -> Path:
     if target.is_file() and target.stat().st_size == model.size:
         return target
     paths = part_paths(model, name)
+    log.info(
+        f"splitlm: assembling {target.name} from its {len(paths)} part packages once ({model.size / 2**30:.1f} GiB)"
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".tmp-{target.name}-")
     tmp = Path(tmp_name)

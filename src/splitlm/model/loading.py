@@ -133,7 +133,9 @@ def convert_gguf(path: Path, sha256: str | None = None) -> Path:
 
 
 def _convert_gguf_into(path: Path, out: Path) -> None:
-    log.info(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
+    log.info(
+        f"splitlm: de-quantising {path.name} once (about 20 s for the bundled models, 2 min for 1.5 B); cached in {out}"
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = bar(3, f"de-quantising {path.name}", unit="step")
