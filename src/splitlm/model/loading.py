@@ -116,16 +116,17 @@ def gguf_architecture(path: Path) -> str:
 
 def convert_gguf(path: Path, sha256: str | None = None) -> Path:
     """De-quantise a GGUF file once; return the cached Hugging Face directory. `sha256`: the file's,
-    when known (an assembled built-in, checked as it was made): not hashed again on every use."""
+    when known (an assembled built-in, checked as it was made): not hashed again on every use. The
+    metadata is read only to convert (reading a 150 k-token vocabulary's takes 7 s)."""
+    digest = (sha256 or file_sha256([path]))[:16]
+    out = cache_root() / "models" / f"{path.stem}-{digest}"
+    if (out / "model.safetensors").is_file():
+        return out
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise SplitLMError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
         )
-    digest = (sha256 or file_sha256([path]))[:16]
-    out = cache_root() / "models" / f"{path.stem}-{digest}"
-    if (out / "model.safetensors").is_file():
-        return out
     with cache_lock(out):
         if not (out / "model.safetensors").is_file():  # another process may have made it while we waited
             _convert_gguf_into(path, out)
