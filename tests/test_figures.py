@@ -284,10 +284,10 @@ def test_a_value_changed_in_a_copy_of_the_run_fails(tmp_path: Path):
     root = copy_of(entry, tmp_path)
     doc = json.loads((root / entry["run"]).read_text())
     holder = at(doc, entry["path"][:-1])
-    holder[entry["path"][-1]] = 1.12  # was 1.090...: the README's 1.09× no longer its run's
+    holder[entry["path"][-1]] = 1.17  # was 1.140...: the README's 1.14× no longer its run's
     (root / entry["run"]).write_text(json.dumps(doc))
     found = problems(entry, root)
-    assert any("now holds 1.12" in p for p in found) and any("quotes 1.09" in p for p in found)
+    assert any("now holds 1.17" in p for p in found) and any("quotes 1.14" in p for p in found)
 
 
 def test_the_mismatch_the_audit_found_fails_and_its_fix_passes(tmp_path: Path):
@@ -323,10 +323,11 @@ def test_the_rules():
     assert table_cell(page, {"after": "## T", "row": "`auto`", "column": "all"}) == "**2.65** (1.86×)"
 
 
-def test_the_structured_row_reads_the_same_limit_first_and_calls_its_set_a_tuning_set():
+def test_the_structured_row_reads_the_frozen_sets_same_limit_first_and_calls_the_old_set_a_tuning_set():
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| structured outputs"))
-    assert row.index("same 256-token limit") < row.index("same lengths")
-    assert "`prompts-json-heldout.json`) are a tuning set" in row and "held-out" not in row
+    assert row.index("`prompts-json-headline.json`") < row.index("same 256-token limit") < row.index("same lengths")
+    assert "`prompts-json-heldout.json`) — a tuning set" in row and "held-out" not in row
     first = next(f for f in FIGURE_LIST if f["id"] == "readme.structured.same-limit.tau")
-    assert row.index(first["text"]) < row.index("1.395×")
+    assert first["run"].endswith("bench-20261205-115156.json")
+    assert row.index(first["text"]) < row.index("1.370×") < row.index("`prompts-json-heldout.json`")
