@@ -61,8 +61,10 @@ class FixedCostBudget(StepBudget):
 
     overhead_s = 0.02
 
-    def observe_step(self, tokens: int, compute_s: float, network_s: float, overhead_s: float = 0.0) -> None:
-        super().observe_step(tokens, compute_s, network_s, FixedCostBudget.overhead_s)
+    def observe_step(
+        self, tokens: int, compute_s: float, network_s: float, overhead_s: float = 0.0, edge_s: float = 0.0
+    ) -> None:
+        super().observe_step(tokens, compute_s, network_s, FixedCostBudget.overhead_s, edge_s)
 
 
 class TimedDrafter:

@@ -87,3 +87,48 @@ def test_lean_sends_the_largest_tree_within_its_share_of_the_best_rate():
     assert budget(0.01, 0.01, 0.02, lean=0.0).choose(TREE).nodes == 3
     assert budget(0.01, 0.01, 0.02, lean=0.05).choose(TREE).nodes == 3
     assert budget(0.01, 0.01, 0.02, lean=0.15).choose(TREE).nodes == 4
+
+
+def split_budget(edge_c0: float, edge_c1: float, cloud_c0: float = 0.01, cloud_c1: float = 0.002) -> StepBudget:
+    """A budget fed steps whose compute is a cloud part and an edge part, the edge's reported apart."""
+    b = StepBudget(explore_every=10**6)
+    for _ in range(3):
+        for t in (1, 2, 3, 4, 5):  # every bucket the tree's sizes fall in, measured (count >= 2)
+            edge = edge_c0 + edge_c1 * t
+            b.observe_step(t, cloud_c0 + cloud_c1 * t + edge, 0.05, 0.0, edge_s=edge)
+    return b
+
+
+def test_the_edge_and_the_cloud_are_learned_apart_from_the_steps():
+    b = split_budget(0.004, 0.03)
+    assert b.edge.c0 == pytest.approx(0.004) and b.edge.c1 == pytest.approx(0.03)
+    assert b.compute.c0 == pytest.approx(0.01) and b.compute.c1 == pytest.approx(0.002)
+    est = b.estimate()
+    assert (est.edge_c0_s, est.edge_c1_s, est.compute_c1_s) == pytest.approx((0.004, 0.03, 0.002))
+    assert b.step_time(4) == pytest.approx(0.05 + 0.004 + 0.03 * 4 + 0.01 + 0.002 * 4)
+
+
+def test_a_slow_edge_gets_smaller_trees():
+    # the same link (50 ms), cloud (10 ms + 2 ms per token) and drafts; only the edge's per-token cost
+    # differs: 0.1 ms (the whole tree pays) against 60 ms (an LM head of 128k rows on a laptop CPU)
+    fast, slow = split_budget(0.002, 0.0001), split_budget(0.002, 0.06)
+    assert fast.choose(TREE).nodes == 5
+    assert slow.choose(TREE).nodes < fast.choose(TREE).nodes
+
+
+def test_an_edge_measured_slower_online_shrinks_the_trees():
+    b = split_budget(0.002, 0.0001)
+    before = b.choose(TREE).nodes
+    for _ in range(40):  # the edge slows down (another process took its core): its term follows
+        for t in (1, 2, 3, 4, 5):
+            edge = 0.002 + 0.06 * t
+            b.observe_step(t, 0.01 + 0.002 * t + edge, 0.05, 0.0, edge_s=edge)
+    assert b.edge.predict(5) > 0.25
+    assert b.compute.predict(5) == pytest.approx(0.02, rel=0.05)  # the cloud's term did not move
+    assert b.choose(TREE).nodes < before
+
+
+def test_a_step_without_edge_timings_counts_all_its_compute_as_the_clouds():
+    b = budget(0.08, 0.002, 0.0001)
+    assert b.edge.predict(40) == 0.0
+    assert b.step_time(5) == pytest.approx(0.08 + 0.002 + 0.0001 * 5)

@@ -186,3 +186,15 @@ def test_pipelined_speculation_is_token_identical(bundled_split, bundled_server,
     )
     result = json.loads(capsys.readouterr().out)
     assert result["token_ids"] == expected and result["stats"]["spec_mode"] == "auto pipelined"
+
+
+def test_a_step_reports_the_edges_compute_apart_from_the_clouds(bundled_split, bundled_server):
+    with Edge(bundled_split / "edge", bundled_server.url) as edge:
+        session = edge.open_session()
+        try:
+            session.forward(StepInput(list(range(10, 40))))
+            step = session.forward(StepInput([50, 51, 52, 53], argmax=True))  # after the prompt, a 4-token step
+        finally:
+            session.close()
+    assert step.tokens == 4
+    assert 0.0 < step.edge_s < step.compute_s  # the head, tail and LM head here; the cloud's 26 layers there

@@ -1,7 +1,11 @@
 """How many candidates to send per step, from the measured link and compute.
 
-A step with T input tokens takes about `rtt + c0 + c1·T + d` (network, edge and cloud compute, and
-the edge's drafting and bookkeeping around the pass) and
+A step with T input tokens takes about `rtt + e(T) + c(T) + d`: the network's round trip, the
+edge's compute (its head and tail layers and LM head on T rows), the cloud's (its layers on T rows)
+and the edge's drafting and bookkeeping around the pass. Edge and cloud are fitted apart, each from
+what the step measured (the edge times its own layers; the cloud's share is the step's compute less
+the edge's), so a slow edge, whose LM head and layers grow with T, gets smaller trees than a fast one
+with the same link and cloud. The step
 yields `1 + Σ p(node)` tokens in expectation, p(node) being the calibrated chance that the
 target accepts the node. The budget finds the tree size that maximises tokens per second, then sends
 the largest tree whose predicted rate is within `lean` (5 %) of that best: near the optimum the rate
@@ -117,9 +121,11 @@ class LinkEstimate:
     trip, the pass's fixed and per-token compute, and the edge's own overhead per step."""
 
     rtt_s: float
-    compute_c0_s: float
+    compute_c0_s: float  # the cloud's pass
     compute_c1_s: float
     overhead_s: float
+    edge_c0_s: float = 0.0  # the edge's layers and LM head
+    edge_c1_s: float = 0.0
 
 
 @dataclass
@@ -157,20 +163,40 @@ class StepBudget:
         self.max_nodes, self.fixed_nodes, self.cost = max_nodes, fixed_nodes, cost
         self.explore_every, self.steps = explore_every, 0
         self.lean = lean  # the share of the best predicted rate given up for a bigger tree
-        self.compute = ComputeFit()
+        self.compute = ComputeFit()  # the cloud's pass (with no edge time reported: the whole step's compute)
+        self.edge = ComputeFit(c0=0.0, c1=0.0)  # the edge's layers and LM head; nothing until measured
         self.calibration = Calibration()
         self.rtt_s = rtt_prior_s
         self.rtt_seen = False
         self.overhead_s = 0.0  # drafting and bookkeeping per step, outside the pass (about constant in T)
 
-    def observe_step(self, tokens: int, compute_s: float, network_s: float, overhead_s: float = 0.0) -> None:
-        self.compute.add(tokens, compute_s)
+    def observe_step(
+        self, tokens: int, compute_s: float, network_s: float, overhead_s: float = 0.0, edge_s: float = 0.0
+    ) -> None:
+        """A verified step of `tokens` tokens: its compute (edge + cloud), of which `edge_s` the edge's
+        layers and LM head, its network time and the edge's overhead around it."""
+        self.observe_compute(tokens, compute_s, edge_s)
         self.observe_network(network_s)
         self.overhead_s += 0.2 * (overhead_s - self.overhead_s)
 
+    def observe_compute(self, tokens: int, compute_s: float, edge_s: float = 0.0) -> None:
+        edge_s = min(max(edge_s, 0.0), compute_s)
+        self.compute.add(tokens, compute_s - edge_s)
+        self.edge.add(tokens, edge_s)
+
+    def predict_compute(self, tokens: int) -> float:
+        """Predicted edge + cloud compute of a T-token step (measured, whatever the cost model)."""
+        return self.edge.predict(tokens) + self.compute.predict(tokens)
+
     def estimate(self) -> LinkEstimate:
+        c, e = self.compute, self.edge
         return LinkEstimate(
-            round(self.rtt_s, 4), round(self.compute.c0, 5), round(self.compute.c1, 6), round(self.overhead_s, 5)
+            round(self.rtt_s, 4),
+            round(c.c0, 5),
+            round(c.c1, 6),
+            round(self.overhead_s, 5),
+            round(e.c0, 5),
+            round(e.c1, 6),
         )
 
     def observe_network(self, network_s: float) -> None:
@@ -224,11 +250,12 @@ class StepBudget:
         pool proposed (`gain_tokens` per step) save more time than its `levels` tokens per column cost.
         It may shrink to nothing; switched off, it comes back only if what its pool still proposes
         pays for one column."""
-        if self.fixed_nodes is not None or self.compute.c1 <= 0:
+        c1 = self.compute.c1 + self.edge.c1
+        if self.fixed_nodes is not None or c1 <= 0:
             return max_width
         step = self.step_time(1 + current * levels)
         saved_s = gain_tokens * step / max(tokens_per_step, 1.0)
-        cost_s = max(current, 1) * levels * self.compute.c1
+        cost_s = max(current, 1) * levels * c1
         if saved_s > 1.1 * cost_s:
             return min(max_width, current + 1)
         if saved_s < 0.9 * cost_s:
@@ -236,4 +263,7 @@ class StepBudget:
         return current
 
     def step_time(self, tokens: int) -> float:
-        return max(1e-6, self.rtt_s + self.overhead_s + self.compute.predict(1 if self.cost == "zero" else tokens))
+        """Predicted seconds of a T-token step: round trip, overhead, the edge's and the cloud's compute
+        ("zero" prices both at T = 1: the trees' limit, for tokens per round trip)."""
+        t = 1 if self.cost == "zero" else tokens
+        return max(1e-6, self.rtt_s + self.overhead_s + self.edge.predict(t) + self.compute.predict(t))

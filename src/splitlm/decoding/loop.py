@@ -55,7 +55,7 @@ class DirectFlow:
             return
         self.budget.observe_acceptance(plan.tree, path)
         overhead = (reply.sent - reply.started) + (time.perf_counter() - reply.returned)
-        self.budget.observe_step(len(plan.step.ids), result.compute_s, result.network_s, overhead)
+        self.budget.observe_step(len(plan.step.ids), result.compute_s, result.network_s, overhead, result.edge_s)
         self.stats.verified(len(plan.tree), len(path) - 1)
         self.stats.window_tokens += 0 if plan.window is None else len(plan.window.tokens())
         self.stats.expected_tokens += plan.expected

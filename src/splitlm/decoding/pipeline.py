@@ -182,7 +182,7 @@ class PipelinedFlow:
         # a stale step delays only the retry sent on the miss: the cloud started it half a round
         # trip before the miss was seen and the retry arrives half a round trip after, so the
         # delay is its compute less a round trip (edge compute counted too: an upper bound)
-        wasted = max(0.0, self.budget.compute.predict(nodes) - self.budget.rtt_s)
+        wasted = max(0.0, self.budget.predict_compute(nodes) - self.budget.rtt_s)
         return self.always_bet or p * self.budget.rtt_s > (1 - p) * wasted
 
     def bet(self, prev: Step) -> None:
@@ -229,7 +229,7 @@ class PipelinedFlow:
         if reply.learns:  # the learning drafter's latest proposal, on the context it still holds
             self.shape.learn(reply.plan, path, new, ids, reply.result)
         info = reply.result
-        self.budget.compute.add(info.tokens, info.compute_s)
+        self.budget.observe_compute(info.tokens, info.compute_s, info.edge_s)
         if not info.overlapped:
             self.budget.observe_network(info.network_s)
         self.budget.observe_acceptance(reply.plan.tree, path)

@@ -25,6 +25,7 @@ class StepResult:
     topk: torch.Tensor | None = None  # [R, k] each row's k likeliest ids (asked for with `extras` = k), else None
     hidden: torch.Tensor | None = None  # [R, D] each row's final-normed hidden state (with `extras`; None in
     # the split-head topology and under ONNX Runtime, whose tail graph ends in the LM head)
+    edge_s: float = 0.0  # of compute_s, the edge's own layers and LM head (0: not measured apart)
 
     def rows_from(self, k: int) -> StepResult:
         """The same step with its rows from `k` on (out, topk, hidden): what a part of its tree sees."""

@@ -305,6 +305,7 @@ def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepRe
         f.overlapped,
         tail.topk,
         tail.hidden,
+        edge_s=f.edge_s + tail_s,
     )
 
 
