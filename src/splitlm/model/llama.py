@@ -21,8 +21,8 @@ from torch import nn
 from splitlm.model.config import ModelConfig
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.linear import Linear, project
-from splitlm.model.paged_kv import PagedKVCache, PagedPass, shared_pool
 from splitlm.model.padded import Padding, padding_pays
+from splitlm.model.paged_kv import PagedKVCache, PagedPass, shared_pool
 
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
