@@ -16,14 +16,10 @@ are dropped. Padded keys are zeros and masked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from splitlm.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from splitlm.model.paged_kv import PagedKVCache
 
 MAX_PAD = 4.0  # the padded scores may be at most this many times the real ones
 
@@ -58,7 +54,7 @@ class Padding:
     masks: dict[int | None, torch.Tensor]  # window -> [P, 1, T_max, S_max] bool
     starts: list[int]  # first packed row of each sequence
     lengths: list[int]  # T_i
-    caches: list[KVCache | PagedKVCache]
+    caches: list[KVCache]  # or `paged_kv.PagedKVCache`s (that module builds on this one: not imported here)
 
     @classmethod
     def of(cls, parts: list, device: torch.device) -> Padding:
