@@ -10,6 +10,7 @@ from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.edge.api_requests import cloud_failure
+from splitlm.model.paged_kv import BLOCK_SIZE
 from splitlm.model.shards import Manifest, load_cloud
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
@@ -19,12 +20,14 @@ from splitlm.transport.messages import Control, Open
 def test_bytes_per_entry_and_whole_blocks(tiny_split):
     budget = KVBudget.for_model(load_cloud(tiny_split / "cloud"), 10**6)
     assert budget.bytes_per_entry == 2 * 2 * 2 * 16 * 4  # k and v, 2 cloud layers, 2 KV heads, head dim 16, fp32
-    assert budget.need(0) == budget.need(1) == budget.need(256) == 256 * 512
-    assert budget.need(257) == 2 * 256 * 512 and budget.entries == 10**6 // 512
+    assert budget.need(0) == budget.need(1) == budget.need(BLOCK_SIZE) == BLOCK_SIZE * 512  # paged: blocks of 16
+    assert budget.need(BLOCK_SIZE + 1) == 2 * BLOCK_SIZE * 512 and budget.entries == 10**6 // 512
+    assert KVBudget.for_model(load_cloud(tiny_split / "cloud"), 10**6, 256).need(257) == 2 * 256 * 512  # contiguous
     assert KVBudget.for_model(load_cloud(tiny_split / "cloud")).budget_bytes > 0  # automatic
 
 
-BLOCK_BYTES = 256 * 512  # one block of the tiny cloud's cache
+BLOCK_BYTES = BLOCK_SIZE * 512  # one block of the tiny cloud's (paged) cache
+TWO_BLOCKS = BLOCK_SIZE + BLOCK_SIZE // 2  # rows that take two blocks
 
 
 def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_close(tiny_split):
@@ -36,7 +39,7 @@ def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_
         table, client = server.server.sessions, CloudClient(server.url, fp)
         try:
             a, b, c = [client.open(Open("fp32")).session for _ in range(3)]
-            h = torch.randn(300, 64)  # two blocks
+            h = torch.randn(TWO_BLOCKS, 64)
             with pytest.raises(CloudError) as e:  # sessions just opened are not preempted before their first step
                 client.open(Open("fp32"))
             assert e.value.code == ErrorCode.CAPACITY
@@ -47,8 +50,9 @@ def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_
             with pytest.raises(CloudError) as e:
                 cloud_forward(client, b, h[:4], list(range(4)), "fp32")
             assert e.value.code == ErrorCode.PREEMPTED and e.value.retryable
-            result = cloud_forward(client, a, h, list(range(10, 310)), "fp32")  # grows to two blocks: `c` goes
-            assert result.hidden.shape == (300, 64) and result.cache_len == 310
+            grow = 2 * BLOCK_SIZE - 10  # grows to two blocks: `c` goes
+            result = cloud_forward(client, a, h[:grow], list(range(10, 10 + grow)), "fp32")
+            assert result.hidden.shape == (grow, 64) and result.cache_len == 2 * BLOCK_SIZE
             assert set(table.sessions) == {a, d} and table.kv_reserved == 3 * BLOCK_BYTES
             assert server.server.stats.preemptions == 2 and server.server.stats.replays == 0
             cloud_forward(client, d, h[:10], list(range(10)), "fp32")
@@ -86,7 +90,7 @@ def test_capacity_when_a_session_does_not_fit_even_alone(tiny_split):
         try:
             a = client.open(Open("fp32")).session
             with pytest.raises(CloudError) as e:
-                cloud_forward(client, a, torch.randn(300, 64), list(range(300)), "fp32")  # two blocks
+                cloud_forward(client, a, torch.randn(TWO_BLOCKS, 64), list(range(TWO_BLOCKS)), "fp32")
             assert e.value.code == ErrorCode.CAPACITY and e.value.recoverable and not e.value.retryable
             assert list(server.server.sessions.sessions) == [a] and server.server.stats.preemptions == 0
             assert server.server.sessions.sessions[a].cache.length == 0

@@ -16,12 +16,14 @@ from splitlm.cloud.server import BackgroundServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.decoding.modes import SpecConfig
 from splitlm.edge import Edge, EdgeConfig
+from splitlm.model.paged_kv import BLOCK_SIZE
 from splitlm.model.shards import Manifest
 from splitlm.transport.client import CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.messages import Control, Forward, Open, PolicyChange
 
-BLOCK_BYTES = 256 * 512  # one block of the tiny cloud's cache (tests/cloud/test_budget.py)
+BLOCK_BYTES = BLOCK_SIZE * 512  # one block of the tiny cloud's (paged) cache (tests/cloud/test_budget.py)
+SESSION_BYTES = 2 * BLOCK_BYTES  # about what a session of `generate` holds at its end (8 prompt + 20 new tokens)
 
 
 def send(client: CloudClient, sid: int, rows: int = 4, start: int = 0):
@@ -137,7 +139,9 @@ def generate(split, url: str, prompt: list[int], start: threading.Barrier | None
 def test_twelve_edges_on_a_budget_for_four_sessions_all_match_their_solo_runs(tiny_split):
     """12 real edges (greedy, fp32 wire, real encrypted WebSockets) at once on a cloud whose KV budget
     holds 4 sessions: sessions are preempted and replayed, nobody fails, every output is its solo output."""
-    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(kv_budget_bytes=4 * BLOCK_BYTES)) as server:
+    # one client key for all 12 (8 sessions per client by default): the budget, not that limit, must bind
+    limits = ServerLimits(kv_budget_bytes=4 * SESSION_BYTES, max_sessions_per_client=len(PROMPTS))
+    with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
         cloud = server.server
         solo = [generate(tiny_split, server.url, p).token_ids for p in PROMPTS]
         assert cloud.stats.preemptions == 0

@@ -217,6 +217,8 @@ class RouteTable:
 class RayFrontDoor(CloudServer):
     """The WebSocket server in front of the Ray replicas (several may run, on any machines)."""
 
+    paged = False  # it holds no caches (the replicas do)
+
     def __init__(
         self,
         shard_dir: str | Path,

@@ -208,7 +208,10 @@ class ReplicaRequests(SessionRequests):
 
 class ReplicaCore(CloudServer):
     """The single-process cloud's session logic over a pipeline of stages (no sockets: `ReplicaHead`
-    hands it the frames the front doors decrypted)."""
+    hands it the frames the front doors decrypted). Its caches are contiguous `StageCache`s (each later
+    stage repeats stage 0's edits on its own `KVCache`s), not paged."""
+
+    paged = False
 
     def __init__(
         self, spec: StageSpec, downstream: list, limits: ServerLimits | None, batch: BatchConfig | None, lanes: int = 1

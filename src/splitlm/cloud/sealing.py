@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from splitlm.model.device import to_device
 from splitlm.model.kv_cache import KVCache
+from splitlm.model.paged_kv import PagedKVCache
 from splitlm.transport.errors import ErrorCode, ProtocolError
 
 KEY_BYTES = 32
@@ -35,7 +36,7 @@ def check_key(key) -> bytes:
     return key
 
 
-def serialize(cache: KVCache) -> bytes:
+def serialize(cache: KVCache | PagedKVCache) -> bytes:
     """The cache's entries in use as bytes: a msgpack header (shapes, dtype, positions), then raw k and v."""
     views = [cache.view(i) or (None, None) for i in range(cache.num_layers)]
     tensors = [t for pair in views for t in pair]
@@ -55,8 +56,10 @@ def serialize(cache: KVCache) -> bytes:
     return struct.pack("!I", len(head)) + head + raw
 
 
-def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu") -> KVCache:
-    """A fresh (preallocated) cache on `device` holding the serialized entries."""
+def deserialize(
+    data: bytes, into: KVCache | PagedKVCache | int, device: str | torch.device = "cpu"
+) -> KVCache | PagedKVCache:
+    """The serialized entries in `into`, an empty cache (or a layer count: a fresh `KVCache`), on `device`."""
     (n,) = struct.unpack_from("!I", data)
     header = msgpack.unpackb(data[4 : 4 + n])
     dtype = getattr(torch, header["dtype"])
@@ -70,7 +73,7 @@ def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu"
         chunk = torch.from_numpy(buf[offset : offset + nbytes].copy()).view(dtype).reshape(shape)
         tensors.append(chunk)
         offset += nbytes
-    cache = KVCache(num_layers)
+    cache = KVCache(into) if isinstance(into, int) else into
     device = torch.device(device)
     cache.begin(header["length"], torch.tensor(header["positions"], dtype=torch.long, device=device))
     for i, (k, v) in enumerate(zip(tensors[0::2], tensors[1::2], strict=True)):
@@ -80,15 +83,20 @@ def deserialize(data: bytes, num_layers: int, device: str | torch.device = "cpu"
     return cache
 
 
-def seal(cache: KVCache, key: bytes, session_id: int, counter: int) -> bytes:
+def seal(cache: KVCache | PagedKVCache, key: bytes, session_id: int, counter: int) -> bytes:
     return AESGCM(key).encrypt(_nonce(counter), serialize(cache), _aad(session_id, counter))
 
 
 def unseal(
-    blob: bytes, key: bytes, session_id: int, counter: int, num_layers: int, device: str | torch.device = "cpu"
-) -> KVCache:
+    blob: bytes,
+    key: bytes,
+    session_id: int,
+    counter: int,
+    into: KVCache | PagedKVCache | int,
+    device: str | torch.device = "cpu",
+) -> KVCache | PagedKVCache:
     try:
         data = AESGCM(key).decrypt(_nonce(counter), blob, _aad(session_id, counter))
     except InvalidTag:
         raise ProtocolError(ErrorCode.SEALED_KEY, "the sealed cache does not open with this key") from None
-    return deserialize(data, num_layers, device)
+    return deserialize(data, into, device)

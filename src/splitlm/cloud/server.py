@@ -27,6 +27,8 @@ from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.servicer import Caller, CodecPool, HandshakeConfig, RequestTable, Servicer, answer
 from splitlm.cloud.sessions import ServerLimits, SessionTable
 from splitlm.model.device import describe, dtype_name, resolve_device, resolve_dtype
+from splitlm.model.kv_cache import BLOCK
+from splitlm.model.paged_kv import BLOCK_SIZE, BlockPool
 from splitlm.model.shards import CloudModel, load_cloud
 from splitlm.transport.crypto import RekeyPolicy
 from splitlm.transport.frames import Frame
@@ -92,7 +94,8 @@ class CloudServer:
         self.model = self.load_model(shard_dir)
         self.manifest = self.model.manifest
         self.limits = limits or ServerLimits()
-        self.budget = KVBudget.for_model(self.model, self.limits.kv_budget_bytes)
+        kv_block = BLOCK_SIZE if self.paged else BLOCK  # the entries a session's cache takes at a time
+        self.budget = KVBudget.for_model(self.model, self.limits.kv_budget_bytes, kv_block)
         self.metrics = CloudMetrics()
         self.stats = self.metrics.stats
         self.sessions = self.make_sessions()
@@ -119,8 +122,11 @@ class CloudServer:
         """The layers this server runs."""
         return load_cloud(shard_dir, self.device, self.dtype)
 
+    paged = True  # the sessions' caches are paged in one pool (`splitlm.model.paged_kv`), else contiguous
+
     def make_sessions(self) -> SessionTable:
-        return SessionTable(self.limits, self.budget, self.metrics)
+        pool = BlockPool.for_stack(self.model.middle) if self.paged else None
+        return SessionTable(self.limits, self.budget, self.metrics, pool)
 
     def make_scheduler(self, batch: BatchConfig | None) -> Scheduler:
         return Scheduler(self.model, batch, self.metrics.on_pass)

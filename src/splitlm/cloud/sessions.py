@@ -18,6 +18,7 @@ from splitlm.cloud.metrics import CloudMetrics
 from splitlm.cloud.preemption import OPEN_GRACE_S, Tombstones, victims
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.kv_cache import KVCache
+from splitlm.model.paged_kv import BlockPool, PagedKVCache
 from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Forward
@@ -46,7 +47,7 @@ class Session:
     id: int
     owner: bytes  # the authenticated client key that opened it; no other client may use it
     wire_dtype: str
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     conn: int = 0  # the connection that opened it (the session ends with it)
     policy: CachePolicy = field(default_factory=CachePolicy)
     sealed: bytes | None = None  # the cache, encrypted (policy "sealed"); `cache` is then empty
@@ -86,7 +87,7 @@ class Session:
         it); nothing to do when the cache is not sealed."""
         if self.sealed is None:
             return
-        self.cache = unseal(self.sealed, key, self.id, self.seal_counter, self.cache.num_layers, device)
+        self.cache = unseal(self.sealed, key, self.id, self.seal_counter, self.cache, device)
         self.sealed, self.sealed_shape = None, (0, 0)
 
     def apply_policy(self, key: bytes | None) -> None:
@@ -102,15 +103,22 @@ class Session:
         self.seal_counter += 1
         self.sealed = seal(self.cache, key, self.id, self.seal_counter)
         self.sealed_shape = (self.cache.length, self.cache.pending_start)
-        self.cache = KVCache(self.cache.num_layers)
+        self.cache.clear()  # (a paged cache gives its blocks back)
 
 
 class SessionTable:
     """The open sessions; with a `budget`, what their KV caches reserve of it. When it is full, idle
-    sessions are preempted (least recently active first); CAPACITY only when none can make room."""
+    sessions are preempted (least recently active first); CAPACITY only when none can make room. With a
+    `pool`, the sessions' caches are paged in it (`splitlm.model.paged_kv`), else contiguous `KVCache`s."""
 
-    def __init__(self, limits: ServerLimits, budget: KVBudget | None = None, metrics: CloudMetrics | None = None):
-        self.limits, self.budget, self.metrics = limits, budget, metrics
+    def __init__(
+        self,
+        limits: ServerLimits,
+        budget: KVBudget | None = None,
+        metrics: CloudMetrics | None = None,
+        pool: BlockPool | None = None,
+    ):
+        self.limits, self.budget, self.metrics, self.pool = limits, budget, metrics, pool
         self.sessions: dict[int, Session] = {}
         self.tombstones = Tombstones()
 
@@ -192,7 +200,7 @@ class SessionTable:
             sid,
             owner,
             wire_dtype,
-            KVCache(num_layers),
+            KVCache(num_layers) if self.pool is None else self.pool.new_cache(),
             conn,
             policy or CachePolicy(),
             kv_reserved=first,

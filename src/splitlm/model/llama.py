@@ -22,6 +22,7 @@ from splitlm.model.config import ModelConfig
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.linear import Linear, project
 from splitlm.model.padded import Padding, padding_pays
+from splitlm.model.paged_kv import PagedKVCache, PagedPass, shared_pool
 
 SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -90,7 +91,7 @@ class Part:
     t: int
     rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # local (Gemma's sliding layers)? -> (cos, sin) [B, T, hd]
     masks: dict[int | None, torch.Tensor]  # sliding window (None = full attention) -> [1, 1, T, S+T] bool
-    cache: KVCache | None
+    cache: KVCache | PagedKVCache | None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,14 +121,17 @@ class Attention(nn.Module):
         layer: int,
         window: int | None = None,
         local: bool = False,
-        padding: Padding | None = None,
+        padding: Padding | PagedPass | None = None,
     ) -> torch.Tensor:
         """x [B, N, D]: the rows of one or more sequences packed along dim 1 (`parts`, in order).
         The projections run once over all N rows; rotary embedding, the cache and attention per part,
-        or, with `padding`, once for all of them (`splitlm.model.padded`).
+        or, with `padding`, once for all of them (`splitlm.model.padded`); with a `PagedPass` (paged
+        caches of one pool) the cache writes and reads go once for all parts (`splitlm.model.paged_kv`).
         `layer`: the index in the caches; `window`: the layer's sliding window; `local`: its own rotary base."""
         b = x.shape[0]
         q_all, k_all, v_all = project(x, self.q_proj, self.k_proj, self.v_proj)  # [B, N, H*hd], [B, N, Hkv*hd] x2
+        if isinstance(padding, PagedPass):
+            return self.o_proj(self.attend_paged(q_all, k_all, v_all, parts, padding, layer, window, local))
         if padding is not None:
             return self.o_proj(self.attend_padded(q_all, k_all, v_all, padding, layer, window, local))
         ys, start = [], 0
@@ -166,6 +170,33 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pad, v_pad = padding.write_and_gather(layer, k, v)  # [P, Hkv, S_max, hd] each
         return padding.unpad(self.sdpa(padding.pad_queries(q), k_pad, v_pad, padding.masks[window]))
+
+    def attend_paged(
+        self, q_all, k_all, v_all, parts: list[Part], paged: PagedPass, layer: int, window: int | None, local: bool
+    ) -> torch.Tensor:
+        """Every sequence of a pass, caches paged in one pool: one write and one gather of the layer's
+        keys and values, then attention per part on views of the gather (or one padded call).
+        q_all [1, N, H*hd], k_all and v_all [1, N, Hkv*hd] -> [1, N, H*hd]."""
+        n = q_all.shape[1]
+        q = q_all.view(1, n, self.n_heads, self.hd).transpose(1, 2)  # [1, H, N, hd]
+        k = k_all.view(1, n, self.n_kv, self.hd).transpose(1, 2)  # [1, Hkv, N, hd]
+        v = v_all.view(1, n, self.n_kv, self.hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = paged.rope[local]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = paged.write_and_gather(layer, k, v)  # [sum S_i, 2, Hkv, hd], or [P, S_max, 2, Hkv, hd] padded
+        pad = paged.padding
+        if pad is not None:
+            k_pad, v_pad = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [P, Hkv, S_max, hd]
+            return pad.unpad(self.sdpa(pad.pad_queries(q), k_pad, v_pad, pad.masks[window]))
+        ys, start = [], 0
+        for i, part in enumerate(parts):
+            k_i, v_i = paged.keys(kv, i)  # [1, Hkv, S_i, hd]
+            y = self.sdpa(q.narrow(2, start, part.t), k_i, v_i, part.masks[window])  # [1, H, T_i, hd]
+            ys.append(y.transpose(1, 2).reshape(1, part.t, -1))
+            start += part.t
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
     def sdpa(self, q, k, v, mask) -> torch.Tensor:
         """q [B, H, T, hd], k and v [B, Hkv, S, hd], mask [B or 1, 1, T, S] -> [B, H, T, hd]."""
@@ -217,7 +248,7 @@ class Block(nn.Module):
         layer: int,
         window: int | None = None,
         local: bool = False,
-        padding: Padding | None = None,
+        padding: Padding | PagedPass | None = None,
     ) -> torch.Tensor:
         x = x.float()  # [B, N, D]: every part's rows (norms and MLP are row-wise)
         attn = self.self_attn(self.input_layernorm(x), parts, layer, window, local, padding)
@@ -286,7 +317,7 @@ class LayerStack(nn.Module):
         xs: list[torch.Tensor],  # per sequence [B, T_i, D]
         positions: list[torch.Tensor],  # per sequence [B, T_i] or [T_i]
         new_masks: list[torch.Tensor | None],  # per sequence [T_i, T_i] bool, None = causal
-        caches: list[KVCache | None],
+        caches: list[KVCache | PagedKVCache | None],
     ) -> list[torch.Tensor]:
         """Several independent sequences in one pass: their rows are packed ([B, sum T_i, D]) for
         the norms, projections and MLP; rotary tables, masks, caches and attention stay per sequence.
@@ -298,10 +329,18 @@ class LayerStack(nn.Module):
             return list(xs)
         parts = [self.plan(x, p, m, c) for x, p, m, c in zip(xs, positions, new_masks, caches, strict=True)]
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # [B, N, D]
-        padding = Padding.of(parts, x.device) if self.pads(parts, x) else None
+        padding = self.layout(parts, x)
         for i, layer in enumerate(self.layers):
             x = layer(x, parts, i, self.windows[i], self.local_rope[i], padding)
         return [x] if len(xs) == 1 else list(x.split([p.t for p in parts], dim=1))
+
+    def layout(self, parts: list[Part], x: torch.Tensor) -> Padding | PagedPass | None:
+        """How the pass attends: per part on its own cache (None), padded to one call (`Padding`), or,
+        when every part's cache is paged in one pool, through one write and one gather per layer."""
+        padding = Padding.of(parts, x.device) if self.pads(parts, x) else None
+        if x.shape[0] == 1 and shared_pool([p.cache for p in parts]) is not None:
+            return PagedPass.of(parts, padding)
+        return padding
 
     def pads(self, parts: list[Part], x: torch.Tensor) -> bool:
         """Whether a pass attends for all its sequences in one padded call (`splitlm.model.padded`): for

@@ -32,6 +32,17 @@ def padding_pays(shapes: list[tuple[int, int]]) -> bool:
     return len(shapes) * t_max * s_max <= MAX_PAD * sum(t * s for t, s in shapes)
 
 
+def packed_rope(parts: list) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """The parts' rotary tables for their packed rows: local? -> (cos, sin) [1, N, hd]."""
+    return {
+        local: (
+            torch.cat([p.rope[local][0] for p in parts], dim=1),
+            torch.cat([p.rope[local][1] for p in parts], dim=1),
+        )
+        for local in parts[0].rope
+    }
+
+
 @dataclass
 class Padding:
     """How a pass's packed rows map to the padded problem (built once per pass, on the rows' device)."""
@@ -43,7 +54,7 @@ class Padding:
     masks: dict[int | None, torch.Tensor]  # window -> [P, 1, T_max, S_max] bool
     starts: list[int]  # first packed row of each sequence
     lengths: list[int]  # T_i
-    caches: list[KVCache]
+    caches: list[KVCache]  # or `paged_kv.PagedKVCache`s (that module builds on this one: not imported here)
 
     @classmethod
     def of(cls, parts: list, device: torch.device) -> Padding:
@@ -53,13 +64,7 @@ class Padding:
         t_max, s_max = max(lengths), max(s)
         starts = [sum(lengths[:i]) for i in range(len(parts))]
         dest = torch.cat([torch.arange(t, device=device) + i * t_max for i, t in enumerate(lengths)])
-        rope = {
-            local: (
-                torch.cat([p.rope[local][0] for p in parts], dim=1),
-                torch.cat([p.rope[local][1] for p in parts], dim=1),
-            )
-            for local in parts[0].rope
-        }
+        rope = packed_rope(parts)
         masks = {}
         for window in parts[0].masks:
             mask = torch.zeros(len(parts), 1, t_max, s_max, dtype=torch.bool, device=device)
