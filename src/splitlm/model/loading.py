@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -99,8 +100,37 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         return convert_gguf(path)
     if path.is_file():
         raise SplitLMError(f"{path}: not a model (expected a .gguf file or a Hugging Face model directory)")
+    if HUB_ID.fullmatch(spec_str):
+        return hub_snapshot(spec_str)
     names = ", ".join(BUILTIN_MODELS)
-    raise SplitLMError(f"model not found: {spec_str!r} (give a directory, a .gguf file, or one of: {names})")
+    raise SplitLMError(
+        f"model not found: {spec_str!r} (give a directory, a .gguf file, a Hugging Face id such as "
+        f"Qwen/Qwen2.5-0.5B-Instruct, or one of: {names})"
+    )
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells a model id
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # config, weights, tokenizer, template
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local directory of Hugging Face model `repo_id`: from huggingface_hub's cache (HF_HOME,
+    HF_HUB_CACHE), downloaded first when online; with HF_HUB_OFFLINE=1 the cache only. One line when
+    neither has it."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no network, gated: one line, not a traceback
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set" if offline else "it could not be downloaded"
+        raise SplitLMError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and {why} ({type(e).__name__}); "
+            f"download it where there is a network (`huggingface-cli download {repo_id}`) or give a local directory"
+        ) from e
+    if not (path / "config.json").is_file():
+        raise SplitLMError(f"model {repo_id!r}: its snapshot {path} has no config.json (not a transformers model)")
+    return path
 
 
 def gguf_architecture(path: Path) -> str:
