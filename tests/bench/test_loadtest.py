@@ -6,6 +6,7 @@ from splitlm.bench.load_sessions import percentile
 from splitlm.bench.loadtest import LoadConfig, markdown, run_loadtest
 from splitlm.cli import main
 from splitlm.cloud.server import BackgroundServer
+from splitlm.cloud.sessions import ServerLimits
 
 
 def test_percentile():
@@ -86,3 +87,25 @@ def test_loadtest_keeps_the_callers_thread_count(tiny_split):
     before = torch.get_num_threads()
     run_loadtest(LoadConfig(sessions=1, max_new_tokens=2, rtt_ms=0, prefill_tokens=0, edge=str(tiny_split / "edge")))
     assert torch.get_num_threads() == before
+
+
+def test_loadtest_spreads_sessions_over_client_keys_and_a_prompt_beyond_the_budget_is_refused_at_once(tiny_split):
+    """A cloud that allows 2 sessions per client and whose KV budget (320 entries) is below one full
+    context: 5 sessions all finish, each equal to its solo output; a 400-token prompt gets
+    EXCEEDS_BUDGET within a second."""
+    limits = ServerLimits(max_sessions_per_client=2, kv_budget_bytes=320 * 512)
+    with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
+        doc = run_loadtest(
+            LoadConfig(
+                sessions=5,
+                max_new_tokens=6,
+                rtt_ms=10,
+                prefill_tokens=400,
+                prefill_chunk=64,
+                edge=str(tiny_split / "edge"),
+                cloud=server.url,
+            )
+        )
+    assert doc["errors"] == 0 and doc["identical_outputs"] == 5 and doc["client_keys"] == 3
+    p = doc["prefill_interference"]
+    assert "EXCEEDS_BUDGET" in p["prefill_error"] and p["prefill_error_after_s"] < 1.0 and p["errors"] == 0

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+import splitlm.cloud.preemption as preemption
 from conftest import cloud_forward, scrape_metrics
 from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.server import BackgroundServer
@@ -30,9 +31,10 @@ BLOCK_BYTES = BLOCK_SIZE * 512  # one block of the tiny cloud's (paged) cache
 TWO_BLOCKS = BLOCK_SIZE + BLOCK_SIZE // 2  # rows that take two blocks
 
 
-def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_close(tiny_split):
+def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_close(tiny_split, monkeypatch):
     """A new session, or a step that grows one, frees the least recently active idle session(s) instead
     of being refused; their edges are told PREEMPTED (only they: others learn nothing)."""
+    monkeypatch.setattr(preemption, "RUNNING_S", 0.0)  # a session is idle once its reply is out (the LRU order)
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     limits = ServerLimits(kv_budget_bytes=3 * BLOCK_BYTES)
     with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
@@ -82,23 +84,29 @@ def test_a_full_budget_preempts_the_least_recently_active_sessions_and_frees_on_
         assert table.kv_reserved == 0 and not table.sessions and not len(table.tombstones)
 
 
-def test_capacity_when_a_session_does_not_fit_even_alone(tiny_split):
-    """A step larger than the whole budget: CAPACITY, nothing preempted, the session unchanged."""
+def test_a_step_larger_than_the_whole_budget_is_refused_for_good_at_once(tiny_split):
+    """A step larger than the whole budget: EXCEEDS_BUDGET (permanent: no retry, no failover), nothing
+    preempted, the session unchanged."""
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(kv_budget_bytes=BLOCK_BYTES)) as server:
         client = CloudClient(server.url, fp)
         try:
             a = client.open(Open("fp32")).session
+            t0 = time.monotonic()
             with pytest.raises(CloudError) as e:
                 cloud_forward(client, a, torch.randn(TWO_BLOCKS, 64), list(range(TWO_BLOCKS)), "fp32")
-            assert e.value.code == ErrorCode.CAPACITY and e.value.recoverable and not e.value.retryable
+            assert time.monotonic() - t0 < 1.0
+            assert e.value.code == ErrorCode.EXCEEDS_BUDGET and not e.value.recoverable and not e.value.retryable
+            assert "it can never fit here" in str(e.value) and f"needs {TWO_BLOCKS} cache entries" in str(e.value)
             assert list(server.server.sessions.sessions) == [a] and server.server.stats.preemptions == 0
             assert server.server.sessions.sessions[a].cache.length == 0
         finally:
             client.close()
 
 
-def test_the_local_api_answers_503_with_retry_after_at_capacity():
+def test_the_local_api_answers_503_with_retry_after_at_capacity_and_400_beyond_the_budget():
     full = cloud_failure(CloudError("full", ErrorCode.CAPACITY))
     assert full.status == 503 and full.code == "cloud_capacity" and int(full.headers["Retry-After"]) > 0
+    never = cloud_failure(CloudError("too large", ErrorCode.EXCEEDS_BUDGET))
+    assert never.status == 400 and never.code == "cloud_budget_exceeded" and not never.headers
     assert cloud_failure(CloudError("gone")).status == 502

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import splitlm.cloud.preemption as preemption
 import splitlm.cloud.runner as runner_module
 from conftest import scrape_metrics
 from splitlm.cloud.server import BackgroundServer
@@ -55,7 +56,8 @@ def gate(monkeypatch):
     release.set()
 
 
-def test_a_session_with_a_forward_in_flight_is_never_preempted_and_capacity_when_all_are(tiny_split, gate):
+def test_a_session_with_a_forward_in_flight_is_never_preempted_and_capacity_when_all_are(tiny_split, gate, monkeypatch):
+    monkeypatch.setattr(preemption, "RUNNING_S", 0.0)  # idle once its reply is out: only mid-request protects
     fp = Manifest.read(tiny_split / "edge", "edge").fingerprint
     with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(kv_budget_bytes=2 * BLOCK_BYTES)) as server:
         cloud = server.server
@@ -143,6 +145,7 @@ def test_twelve_edges_on_a_budget_for_four_sessions_all_match_their_solo_runs(ti
     limits = ServerLimits(kv_budget_bytes=4 * SESSION_BYTES, max_sessions_per_client=len(PROMPTS))
     with BackgroundServer(tiny_split / "cloud", limits=limits) as server:
         cloud = server.server
+        assert cloud.budget.entries < cloud.model.cfg.max_position_embeddings  # below one full context
         solo = [generate(tiny_split, server.url, p).token_ids for p in PROMPTS]
         assert cloud.stats.preemptions == 0
         start, results, errors = threading.Barrier(len(PROMPTS)), [None] * len(PROMPTS), []

@@ -77,12 +77,13 @@ def decode(
     run.end = time.perf_counter()
 
 
-def concurrently(edge, prompts: list[list[int]], max_new: int, spec) -> list[SessionRun]:
+def concurrently(edges: list, prompts: list[list[int]], max_new: int, spec) -> list[SessionRun]:
+    """The prompts' generations at once, session i on `edges[i]`."""
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
     threads = [
         threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier), daemon=True)
-        for p, r in zip(prompts, runs, strict=True)
+        for edge, p, r in zip(edges, prompts, runs, strict=True)
     ]
     for t in threads:
         t.start()
@@ -121,17 +122,20 @@ def ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 1)
 
 
-def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec, chunk: int) -> dict:
-    """N-1 sessions decode; after each made a few steps, one session prefills `long_prompt`. First, on
-    the idle cloud, the compute of one prefill chunk (`chunk` tokens alone: the RESULT's compute_s)."""
+def interference(
+    edges: list, edge, prompts: list[list[int]], long_prompt: list[int], max_new: int, spec, chunk: int
+) -> dict:
+    """N-1 sessions decode (session i on `edges[i]`); after each made a few steps, one session prefills
+    `long_prompt` on `edge`. First, on the idle cloud, the compute of one prefill chunk (`chunk` tokens
+    alone: the RESULT's compute_s)."""
     alone = SessionRun()
     decode(edge, long_prompt[:chunk], 1, spec, alone)
     runs = [SessionRun() for _ in prompts]
     barrier = threading.Barrier(len(prompts))
     ready = Countdown(len(prompts))
     threads = [
-        threading.Thread(target=decode, args=(edge, p, max_new, spec, r, barrier, ready), daemon=True)
-        for p, r in zip(prompts, runs, strict=True)
+        threading.Thread(target=decode, args=(e, p, max_new, spec, r, barrier, ready), daemon=True)
+        for e, p, r in zip(edges[: len(prompts)], prompts, runs, strict=True)
     ]
     for t in threads:
         t.start()
@@ -140,6 +144,7 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
         decode(edge, long_prompt, 1, spec, prefill)
     else:
         prefill.error = "the decoders did not reach the prefill point"
+    prefill_error_s = prefill.end - prefill.start if prefill.error else None  # a refusal: how soon it came
     for t in threads:
         t.join()
     p0, p1 = prefill.start, prefill.end
@@ -151,6 +156,7 @@ def interference(edge, prompts: list[list[int]], long_prompt: list[int], max_new
         "prefill_tokens": len(long_prompt),
         "prefill_s": round(p1 - p0, 3),
         "prefill_error": prefill.error,
+        "prefill_error_after_s": None if prefill_error_s is None else round(prefill_error_s, 3),
         "chunk_tokens": min(chunk, len(long_prompt)),
         "chunk_compute_ms": round(chunk_ms, 1) if chunk_ms else None,
         "decode_p50_before_ms": ms(typical),

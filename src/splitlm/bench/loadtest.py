@@ -97,6 +97,25 @@ def cloud_url(cloud_dir: Path, extra: list[str] | None, url: str):
         yield f"ws://127.0.0.1:{port}"
 
 
+def session_edges(stack: contextlib.ExitStack, edge_dir: Path, url: str, config: LoadConfig) -> list:
+    """An `Edge` for each of the sessions: one shared by all while the cloud's per-client session limit
+    (HELLO_OK) allows `config.sessions`, else as many as it takes, each with an identity generated here
+    (a cloud with an allow-list of clients refuses those: raise its limit instead)."""
+    from splitlm.edge import Edge, EdgeConfig
+    from splitlm.transport.keys import generate_identity
+
+    def edge(identity=None):
+        cfg = EdgeConfig(wire_dtype=config.wire_dtype, device="cpu", dtype="fp32", identity=identity)
+        return stack.enter_context(Edge(edge_dir, url, cfg))
+
+    first = edge()
+    per_key = first.client.info.limits.max_sessions_per_client or config.sessions
+    keys = [first] + [edge(generate_identity()) for _ in range(1, -(-config.sessions // per_key))]
+    if len(keys) > 1:
+        log.info(f"[loadtest] the cloud allows {per_key} sessions per client: {len(keys)} client keys")
+    return [keys[i % len(keys)] for i in range(config.sessions)]
+
+
 def run_config(
     name: str,
     cloud: str,
@@ -107,7 +126,6 @@ def run_config(
     spec,
 ) -> dict:
     from splitlm.bench.wan import WanConfig, WanEmulator
-    from splitlm.edge import Edge, EdgeConfig
 
     log.info(f"[loadtest] {name}: {config.sessions} sessions at {config.rtt_ms:g} ms RTT")
     with contextlib.ExitStack() as stack:
@@ -118,15 +136,16 @@ def run_config(
                 WanEmulator(upstream=(host.strip("[]"), int(port)), config=WanConfig(config.rtt_ms, seed=0))
             )
             url = wan.url_for("ws")
-        edge = stack.enter_context(
-            Edge(edge_dir, url, EdgeConfig(wire_dtype=config.wire_dtype, device="cpu", dtype="fp32"))
-        )
-        concurrently(edge, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
-        result = {"name": name, **steady(concurrently(edge, prompts, config.max_new_tokens, spec), reference)}
+        edges = session_edges(stack, edge_dir, url, config)
+        concurrently(edges, prompts, WARMUP_TOKENS, spec)  # connections opened, caches warm (not counted)
+        result = {"name": name, **steady(concurrently(edges, prompts, config.max_new_tokens, spec), reference)}
+        result["client_keys"] = len({id(e) for e in edges})
         if config.prefill_tokens:
+            edge = edges[-1]
             long = long_prompt_ids(edge.tokenizer, config.prefill_tokens, edge.cfg.vocab_size)
+            decoders = prompts[:-1] or prompts
             result["prefill_interference"] = interference(
-                edge, prompts[:-1] or prompts, long, config.max_new_tokens, spec, config.prefill_chunk
+                edges, edge, decoders, long, config.max_new_tokens, spec, config.prefill_chunk
             )
     lat = result["step_latency_ms"]
     log.info(

@@ -39,6 +39,11 @@ def auto_budget(device: torch.device) -> int:
         return 4 * 2**30
 
 
+def size_text(n: int) -> str:
+    """Bytes for a person: "40.0 MB", "8.0 KB"."""
+    return f"{n / 2**20:.1f} MB" if abs(n) >= 2**20 else f"{n / 2**10:.1f} KB"
+
+
 class KVBudget:
     def __init__(self, budget_bytes: int, bytes_per_entry: int, block: int = BLOCK_SIZE):
         self.budget_bytes, self.bytes_per_entry, self.block = budget_bytes, bytes_per_entry, block

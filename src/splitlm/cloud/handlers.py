@@ -4,6 +4,7 @@ every answer is the one the single-process cloud gives."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import torch
@@ -28,6 +29,10 @@ from splitlm.transport.messages import (
     Result,
 )
 
+# the longest a step of an older session waits for younger ones mid-request to finish their pass and
+# give way (`cloud.preemption`); then CAPACITY
+ROOM_WAIT_S = 30.0
+
 
 class StepRunner(Protocol):
     """What computes a checked request: a `Scheduler`, or a Ray replica's `Lanes`."""
@@ -50,6 +55,7 @@ class SessionRequests:
     ):
         self.model, self.device, self.sessions, self.scheduler = model, device, sessions, scheduler
         self.limits, self.metrics, self.codec = limits, metrics, codec
+        self.request_ended: asyncio.Event | None = None  # set whenever a FORWARD ends (made on the event loop)
 
     def table(self) -> RequestTable:
         return request_table(self.open, self.forward, self.policy, self.close)
@@ -85,15 +91,36 @@ class SessionRequests:
         """Check the request, reserve its KV memory, queue it for a pass; its RESULT. The session is
         mid-request (never preempted) from here until its reply is built."""
         session = self.sessions.get(frame.session, conn.client_key, conn.id)
-        with self.sessions.active(session):
-            return await self.compute(session, frame)
+        try:
+            with self.sessions.active(session):
+                return await self.compute(session, frame)
+        finally:
+            self.ended().set()  # a waiting older step may now free this session
+
+    def ended(self) -> asyncio.Event:
+        if self.request_ended is None:
+            self.request_ended = asyncio.Event()
+        return self.request_ended
+
+    async def reserve(self, session: Session, entries: int) -> None:
+        """Reserve the step's KV memory (`SessionTable.reserve`); while younger sessions mid-request hold
+        the room, wait for their FORWARDs to end (at most `ROOM_WAIT_S`, then CAPACITY)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROOM_WAIT_S
+        ended = self.ended()
+        while not self.sessions.reserve(session, entries, wait=loop.time() < deadline):
+            ended.clear()
+            try:
+                await asyncio.wait_for(ended.wait(), max(0.001, deadline - loop.time()))
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
 
     async def compute(self, session: Session, frame: Frame) -> Frame:
         req, entries = await self.codec.run(len(frame.payload), self.parse_forward, session, frame)
         t = req.new_tokens
         if self.model.split_head:
             self.check_reply_size(session, t if req.rows is None else len(req.rows), req.control.dtype)
-        self.sessions.reserve(session, entries)  # preempts idle sessions, or CAPACITY when none can make room
+        await self.reserve(session, entries)  # preempts, waits for younger passes, or CAPACITY / EXCEEDS_BUDGET
         try:
             done = await self.scheduler.run(session, req)
         finally:

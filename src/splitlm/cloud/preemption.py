@@ -1,11 +1,21 @@
 """Preemption: which sessions the cloud frees when its KV budget is full, and what it remembers of them.
 
-A session is freed (its cache dropped) rather than a new session or a growing step refused: the least
-recently active sessions first, never one that is mid-request (a FORWARD of it queued, computing or
-being answered: `Session.active`). Its id becomes a *tombstone*: the next request on it is answered
-`PREEMPTED` (docs/protocol.md §7), and the edge opens a new session and replays its context into it,
-as after a failover (docs/failover.md). Sessions idle for `ServerLimits.idle_timeout_s` are freed the
-same way (`SessionTable.expire`).
+A session is freed (its cache dropped) rather than a new session or a growing step refused, with one
+rule that guarantees progress: **a younger session never takes memory from an older one that is
+running**. Running: mid-request (a FORWARD of it queued, computing or being answered: `Session.active`),
+used in the last `RUNNING_S` (between the steps of a generation: its edge is drafting or its reply
+is on the wire), or just opened and not yet used (`OPEN_GRACE_S`). An OPEN is the youngest of all, so
+it may free only sessions that sit idle; a step of an older session may free any younger one, least
+recently active first, and waits for the pass of a younger one that is mid-request rather than be
+refused (`Room.wait`). So the oldest running request always gets the memory it needs (if the whole
+budget holds it: else `EXCEEDS_BUDGET`), finishes, and the next oldest goes on: every request
+finishes at any budget that fits one, and the cloud cannot livelock. A younger session that finds
+no room is told `CAPACITY` (its edge retries with backoff).
+
+A freed session's id becomes a *tombstone*: the next request on it is answered `PREEMPTED`
+(docs/protocol.md §7), and the edge opens a new session and replays its context into it, as after a
+failover (docs/failover.md). Sessions idle for `ServerLimits.idle_timeout_s` are freed the same way
+(`SessionTable.expire`).
 
 Tombstones are bounded (`MAX_TOMBSTONES`, oldest forgotten first: a request on a forgotten one gets
 `UNKNOWN_SESSION`) and end with their connection, like sessions.
@@ -16,13 +26,16 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 MAX_TOMBSTONES = 4096
-# a session just opened is not preempted before its first FORWARD for this long: under churn, a replaying
-# edge's new session would otherwise be freed before its replay arrives, and the edges would thrash
+# a session just opened is spared this long before its first FORWARD: under churn, a replaying edge's
+# new session would otherwise be freed before its replay arrives, and the edges would thrash
 OPEN_GRACE_S = 2.0
+# a session used this recently is running a generation (between two of its steps): a younger one may
+# not free it (at 80 ms RTT a step's gap is ~0.1-0.3 s; an edge of a large model may take ~1 s)
+RUNNING_S = 2.0
 
 
 class Preemptible(Protocol):
@@ -31,25 +44,60 @@ class Preemptible(Protocol):
     active: int  # requests being handled
     grace_until: float  # time.monotonic() before which a just-opened, unused session is spared
     last_used: float  # time.monotonic() of its last request's arrival or reply
+    opened: float  # time.monotonic() of its OPEN: its age, which decides who may free whom
     kv_reserved: int  # bytes of the budget it holds
 
 
 S = TypeVar("S", bound=Preemptible)
 
 
-def victims(sessions: Iterable[S], need: int) -> list[S] | None:
-    """The least recently active idle sessions whose reservations add up to at least `need` bytes
-    (None: even all of them would not free enough, so none is freed). Sessions mid-request, and those
-    opened less than `OPEN_GRACE_S` ago that have not sent their first FORWARD yet, are never chosen."""
+def running(s: Preemptible, now: float) -> bool:
+    """Mid-request, used in the last `RUNNING_S`, or opened and not yet used."""
+    return bool(s.active) or now - s.last_used < RUNNING_S or s.grace_until > now
+
+
+@dataclass
+class Room(Generic[S]):
+    """How `need` bytes could be freed for a requester.
+
+    victims: the sessions to free now (None: not enough can be freed now). wait: enough could be
+    freed once younger sessions that are mid-request finish their pass (only an older requester's
+    step waits; an OPEN never does). held: bytes of the other sessions by why they may not be freed."""
+
+    victims: list[S] | None
+    wait: bool = False
+    held: dict[str, int] = field(default_factory=dict)
+
+
+def room(sessions: Iterable[S], need: int, requester: Preemptible | None = None) -> Room[S]:
+    """Which sessions to free for `need` bytes: those that sit idle, least recently active first, then
+    (for a `requester` step) the running sessions younger than it, least recently active first.
+    `requester` None: an OPEN (younger than every session). Never the requester itself."""
     now = time.monotonic()
-    idle = (s for s in sessions if not s.active and s.grace_until <= now)
+    born = requester.opened if requester is not None else float("inf")
+    free_now, later, held = [], [], Counter()
+    for s in sessions:
+        if s is requester:
+            continue
+        if not running(s, now):
+            free_now.append(s)
+        elif s.opened >= born:  # younger than the requester (an OPEN has no younger sessions)
+            (later if s.active else free_now).append(s)
+            if s.active:
+                held["mid-request (younger)"] += s.kv_reserved
+        else:
+            held["mid-request" if s.active else "running"] += s.kv_reserved
+    free_now.sort(key=lambda s: (running(s, now), s.last_used))
     chosen, freed = [], 0
-    for s in sorted(idle, key=lambda s: s.last_used):
+    for s in free_now:
         if freed >= need:
             break
         chosen.append(s)
         freed += s.kv_reserved
-    return chosen if freed >= need else None
+    if freed >= need:
+        return Room(chosen, held=dict(held))
+    waiting = freed + sum(s.kv_reserved for s in later) >= need
+    return Room(None, wait=waiting, held=dict(held))
 
 
 @dataclass

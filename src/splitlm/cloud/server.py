@@ -146,7 +146,13 @@ class CloudServer:
         return ServerInfo(
             f"splitlm/{__version__}",
             self.manifest.fingerprint,
-            Limits(lim.max_tokens_per_session, lim.max_tokens_per_forward, lim.max_frame_bytes, batch.prefill_chunk),
+            Limits(
+                lim.max_tokens_per_session,
+                lim.max_tokens_per_forward,
+                lim.max_frame_bytes,
+                batch.prefill_chunk,
+                lim.max_sessions_per_client,
+            ),
         )
 
     @property

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitlm.cloud.budget import KVBudget
+from splitlm.cloud.budget import KVBudget, size_text
 from splitlm.cloud.metrics import CloudMetrics
-from splitlm.cloud.preemption import OPEN_GRACE_S, Tombstones, victims
+from splitlm.cloud.preemption import OPEN_GRACE_S, Room, Tombstones, room
 from splitlm.cloud.sealing import check_key, seal, unseal
 from splitlm.model.kv_cache import KVCache
 from splitlm.model.paged_kv import BlockPool, PagedKVCache
@@ -56,6 +56,7 @@ class Session:
     vocab: torch.Tensor | None = None  # split-head: the authorised token ids [S], ascending, on the model's device
     tokens_processed: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    opened: float = field(default_factory=time.monotonic)  # its age: a younger session never frees an older running one
     kv_reserved: int = 0  # bytes of the KV budget this session holds (`cloud.budget`)
     closed: bool = False  # closed, dropped with its connection or preempted: queued requests are not computed
     active: int = 0  # its FORWARDs between arrival and reply (queued, computing, answered): never preempted then
@@ -107,8 +108,9 @@ class Session:
 
 
 class SessionTable:
-    """The open sessions; with a `budget`, what their KV caches reserve of it. When it is full, idle
-    sessions are preempted (least recently active first); CAPACITY only when none can make room. With a
+    """The open sessions; with a `budget`, what their KV caches reserve of it. When it is full, sessions
+    are preempted by the rule of `cloud.preemption` (idle ones first; never an older running one for a
+    younger); CAPACITY only when none may make room. With a
     `pool`, the sessions' caches are paged in it (`splitlm.model.paged_kv`), else contiguous `KVCache`s."""
 
     def __init__(
@@ -126,23 +128,43 @@ class SessionTable:
     def kv_reserved(self) -> int:
         return sum(s.kv_reserved for s in self.sessions.values())
 
-    def make_room(self, more: int, what: str) -> None:
-        """Room for `more` bytes of reservations: preempt idle sessions if needed, or answer CAPACITY
-        (nothing changes) when every session that could make room is mid-request."""
+    def make_room(self, more: int, what: str, requester: Session | None = None, wait: bool = False) -> bool:
+        """Room for `more` bytes of reservations (`requester`: the session whose step needs them; None:
+        an OPEN): idle sessions, or running ones younger than the requester, are preempted if needed
+        (`cloud.preemption`). False when `wait` and enough is held by younger sessions mid-request
+        (try again after their pass); else CAPACITY when nothing can make room now (nothing changes)."""
         if self.budget is None:
-            return
+            return True
         over = self.kv_reserved + more - self.budget.budget_bytes
         if over <= 0:
-            return
-        chosen = victims(self.sessions.values(), over)
-        if chosen is None:
-            raise ProtocolError(
-                ErrorCode.CAPACITY,
-                f"the cloud's KV memory is fully used ({what}) by sessions that "
-                "are all mid-request; retry later or use another cloud",
-            )
-        for victim in chosen:
+            return True
+        plan = room(self.sessions.values(), over, requester)
+        if plan.victims is None:
+            if wait and plan.wait:
+                return False
+            raise ProtocolError(ErrorCode.CAPACITY, self.capacity_text(over, what, plan))
+        for victim in plan.victims:
             self.preempt(victim.id, idle=False)
+        return True
+
+    def capacity_text(self, over: int, what: str, plan: Room) -> str:
+        """What a CAPACITY refusal says: how much is missing and what holds the budget."""
+        held = ", ".join(f"{size_text(n)} {why}" for why, n in sorted(plan.held.items()) if n) or "nothing"
+        return (
+            f"the cloud's KV memory ({size_text(self.budget.budget_bytes)}) is full: {what}, "
+            f"{size_text(over)} short; {len(self.sessions)} sessions hold it ({held}) and may not be "
+            "freed for this request; retry later or use another cloud"
+        )
+
+    def check_fits_budget(self, entries: int) -> None:
+        """A cache of `entries` entries larger than the whole budget never fits: EXCEEDS_BUDGET (permanent)."""
+        if self.budget is not None and self.budget.need(entries) > self.budget.budget_bytes:
+            raise ProtocolError(
+                ErrorCode.EXCEEDS_BUDGET,
+                f"this request needs {entries} cache entries ({size_text(self.budget.need(entries))}); "
+                f"this cloud's whole KV budget holds {self.budget.entries} "
+                f"({size_text(self.budget.budget_bytes)}): it can never fit here",
+            )
 
     def preempt(self, sid: int, idle: bool) -> None:
         """Free session `sid`'s cache; its edge is told PREEMPTED on its next request (`idle`: it sat
@@ -154,14 +176,19 @@ class SessionTable:
         if self.metrics is not None:
             self.metrics.count_preemption(idle)
 
-    def reserve(self, session: Session, entries: int) -> None:
+    def reserve(self, session: Session, entries: int, wait: bool = False) -> bool:
         """Reserve what `session`'s cache holds while a pass appends to it (`entries` during the pass),
-        preempting idle sessions for it, or answer CAPACITY (nothing changes)."""
+        preempting sessions for it (`make_room`); EXCEEDS_BUDGET when the whole budget could not hold
+        it. False (`wait`): the room is held by younger sessions mid-request, try again after their
+        pass; else CAPACITY when there is no room now (nothing changes either way)."""
         if self.budget is None:
-            return
+            return True
+        self.check_fits_budget(entries)
         need = max(session.cache.nbytes(), self.budget.need(entries))
-        self.make_room(need - session.kv_reserved, f"{entries} entries do not fit")
+        if not self.make_room(need - session.kv_reserved, f"{entries} entries do not fit", session, wait):
+            return False
         session.kv_reserved = need
+        return True
 
     def settle(self, session: Session) -> None:
         """After a pass: the session keeps what its cache still allocates (at least one block)."""
@@ -192,6 +219,7 @@ class SessionTable:
                 ErrorCode.LIMIT_EXCEEDED, f"at most {self.limits.max_sessions_per_client} sessions per client"
             )
         first = self.budget.need(1) if self.budget is not None else 0
+        self.check_fits_budget(1)
         self.make_room(first, "no room for a new session")
         sid = secrets.randbits(63) or 1
         while sid in self.sessions or sid in self.tombstones.stones:

@@ -32,7 +32,10 @@ class APIError(Exception):
 
 
 def cloud_failure(e: Exception) -> APIError:
-    """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, else 502."""
+    """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, 400 when the
+    request needs more KV memory than the cloud's whole budget (it never fits there), else 502."""
+    if getattr(e, "code", None) == ErrorCode.EXCEEDS_BUDGET:
+        return APIError(400, f"the request is too large for the cloud's memory: {e}", code="cloud_budget_exceeded")
     if getattr(e, "code", None) == ErrorCode.CAPACITY:
         return APIError(
             503,

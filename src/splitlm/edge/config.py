@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitlm import SplitLMError
-from splitlm.edge.connections import FAILOVER_TIMEOUT_S, ClientSettings
+from splitlm.edge.connections import CAPACITY_TIMEOUT_S, FAILOVER_TIMEOUT_S, ClientSettings
 from splitlm.edge.vocab import VocabSubset
 from splitlm.transport.client import PING_INTERVAL_S
 from splitlm.transport.codecs import check_wire_dtype
@@ -36,6 +36,8 @@ class EdgeConfig:
     `splitlm export-onnx` in ONNX Runtime on the CPU (`splitlm.edge.onnx_runtime`).
     failover_timeout_s: how long a session that lost its cloud keeps reconnecting (the same URL or
     the next one, with backoff) before it gives up (`splitlm.edge.replay`).
+    capacity_timeout_s: as long, for clouds that are up but answer CAPACITY (their KV memory is full
+    and older requests go first, docs/protocol.md §8.1).
     ping_interval_s: keepalive pings both ways (a link that answers none for as long is dead); None = off.
     prefill_chunk: how a prompt goes up (`splitlm.edge.prefill`): `auto` streams it in pipelined
     chunks when the measured link and compute say that is sooner; N: in chunks of N tokens;
@@ -55,6 +57,7 @@ class EdgeConfig:
     device: str = "auto"
     dtype: str = "auto"
     failover_timeout_s: float = FAILOVER_TIMEOUT_S
+    capacity_timeout_s: float = CAPACITY_TIMEOUT_S
     ping_interval_s: float | None = PING_INTERVAL_S
     prefill_chunk: int | str = "auto"
     edge_adapter: str | Path | None = None

@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 from splitlm import SplitLMError
 from splitlm.transport.client import PING_INTERVAL_S, ClientOptions, CloudClient, CloudError
 from splitlm.transport.crypto import RekeyPolicy
+from splitlm.transport.errors import ErrorCode
 from splitlm.transport.keys import Identity
 from splitlm.transport.messages import Open
 
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 FAILOVER_TIMEOUT_S = 30.0  # how long a session keeps trying to reach a cloud after losing its own
 FAILOVER_BACKOFF_S = 0.05  # the first wait between rounds of the cloud list; doubles up to the max
 FAILOVER_BACKOFF_MAX_S = 2.0
+# how long a session keeps retrying a cloud that answers CAPACITY (it is up, its KV memory is full):
+# the cloud lets the oldest requests finish first, so a younger one may wait several generations
+CAPACITY_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
 
@@ -103,10 +107,16 @@ class CloudConnections:
     takes a connection of its own (`open_session`) and gives it back when done (`give`), or drops it
     when it failed (`drop`); after a lost cloud, `reconnect` tries the next one, with backoff."""
 
-    def __init__(self, urls: str | list[str], settings: ClientSettings, failover_timeout_s: float = FAILOVER_TIMEOUT_S):
+    def __init__(
+        self,
+        urls: str | list[str],
+        settings: ClientSettings,
+        failover_timeout_s: float = FAILOVER_TIMEOUT_S,
+        capacity_timeout_s: float = CAPACITY_TIMEOUT_S,
+    ):
         self.urls = parse_cloud_urls(urls)
         self.settings = settings
-        self.failover_timeout_s = failover_timeout_s
+        self.failover_timeout_s, self.capacity_timeout_s = failover_timeout_s, capacity_timeout_s
         self._first = 0  # the URL new connections try first (the last one that worked)
         self._open: set[CloudClient] = set()  # every connection not yet closed, idle or in use
         self._lock = threading.Lock()
@@ -192,7 +202,7 @@ class CloudConnections:
     def reconnect(self, request: Open, after: str | None, deadline: float) -> tuple[CloudClient, int]:
         """A new connection and session after `after` failed: the next cloud first, then round the list
         again, with exponential backoff and jitter between rounds, until `deadline` (time.monotonic())."""
-        delay = FAILOVER_BACKOFF_S
+        delay, started = FAILOVER_BACKOFF_S, time.monotonic()
         while True:
             client = None
             try:
@@ -204,12 +214,20 @@ class CloudConnections:
                     after = client.url
                 if not e.recoverable:  # a full cloud (CAPACITY): try the next
                     raise
-                left = deadline - time.monotonic()
+                left = self.give_up_at(e, deadline, started) - time.monotonic()
                 if left <= 0:
-                    raise CloudError(f"failover gave up after {self.failover_timeout_s:g} s: {e}", e.code) from None
+                    waited = time.monotonic() - started
+                    raise CloudError(f"failover gave up after {waited:.0f} s: {e}", e.code) from None
                 log.info("no cloud yet (%s); retrying in %.2f s", e, delay)
                 time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
                 delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
+
+    def give_up_at(self, error: CloudError, deadline: float, started: float) -> float:
+        """When retrying after `error` stops (time.monotonic()): `deadline`, or for a cloud that is up
+        but full (CAPACITY) `capacity_timeout_s` after `started`, if that is later."""
+        if error.code == ErrorCode.CAPACITY:
+            return max(deadline, started + self.capacity_timeout_s)
+        return deadline
 
     def close(self) -> None:
         """Close every connection (idle or in use)."""

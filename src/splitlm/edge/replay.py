@@ -35,8 +35,8 @@ def failover(link: CloudLink, error: CloudError) -> None:
     context longer than the cloud's tokens per forward is rebuilt in chunks first. Rolled-back
     (void) blocks are not re-sent: their replies are dropped unread. A sealed session gets a new
     cache key (the new session's seal counter starts again)."""
-    t0 = time.perf_counter()
-    deadline = time.monotonic() + link.connections.failover_timeout_s
+    t0, started = time.perf_counter(), time.monotonic()
+    deadline = started + link.connections.failover_timeout_s
     preempted = error.code == ErrorCode.PREEMPTED
     log_fault(link, error, preempted)
     while True:
@@ -48,7 +48,7 @@ def failover(link: CloudLink, error: CloudError) -> None:
             replay(link)
             break
         except CloudError as e:
-            if not e.recoverable or time.monotonic() > deadline:
+            if not e.recoverable or time.monotonic() > link.connections.give_up_at(e, deadline, started):
                 raise
             preempted = e.code == ErrorCode.PREEMPTED
             log.warning("the new cloud session failed too (%s): failing over again", e)

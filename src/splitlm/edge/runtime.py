@@ -81,7 +81,7 @@ class Edge:
         self.dtype = self.backend.dtype
         self.drafting = DraftState(self.edge_dir, self.model, self.device, self.text, self.backend.final_hidden)
         settings = config.client_settings(self.model.manifest.fingerprint)
-        self.connections = CloudConnections(cloud_url, settings, config.failover_timeout_s)
+        self.connections = CloudConnections(cloud_url, settings, config.failover_timeout_s, config.capacity_timeout_s)
         self.cloud_urls = self.connections.urls
         self.client = self.connections.connect()  # the first connection: fail early if the cloud cannot be reached
         self.connections.give(self.client)

@@ -26,6 +26,7 @@ class ErrorCode(IntEnum):
     SEALED_KEY = 18  # a sealed session's request without its cache key, or with a key that does not open it
     CAPACITY = 19  # the cloud's KV memory budget cannot hold a new session or this step now (retry later)
     PREEMPTED = 20  # the session's cache was freed to make room (or it sat idle): open a new one and replay
+    EXCEEDS_BUDGET = 21  # the request needs more KV memory than the cloud's whole budget: it never fits (permanent)
 
 
 class ProtocolError(Exception):

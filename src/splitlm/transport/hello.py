@@ -21,6 +21,7 @@ class Limits:
     max_tokens_per_forward: int | None = None
     max_frame_bytes: int | None = None
     pass_rows: int | None = None  # rows of one causal request per pass of the cloud's layers (longer: several passes)
+    max_sessions_per_client: int | None = None  # open sessions one client key may hold at once
 
 
 @dataclass
