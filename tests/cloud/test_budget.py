@@ -110,3 +110,40 @@ def test_the_local_api_answers_503_with_retry_after_at_capacity_and_400_beyond_t
     never = cloud_failure(CloudError("too large", ErrorCode.EXCEEDS_BUDGET))
     assert never.status == 400 and never.code == "cloud_budget_exceeded" and not never.headers
     assert cloud_failure(CloudError("gone")).status == 502
+
+
+def test_a_prompt_beyond_the_whole_budget_fails_at_once_as_a_400_and_growing_past_it_mid_answer(tiny_split):
+    """HELLO_OK announces what the whole budget holds: the edge refuses a prompt beyond it before sending
+    anything (serve-edge: 400 cloud_budget_exceeded); an answer that grows past it gets the cloud's
+    EXCEEDS_BUDGET at once, never a retry loop."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from conftest import serving
+    from splitlm.edge import Edge, EdgeConfig, GenerationRequest
+    from splitlm.edge.api import APIConfig, EdgeAPI
+
+    with BackgroundServer(tiny_split / "cloud", limits=ServerLimits(kv_budget_bytes=3 * BLOCK_BYTES)) as server:
+        edge = Edge(tiny_split / "edge", server.url, EdgeConfig(wire_dtype="fp32", cloud_key=server.fingerprint))
+        try:
+            assert edge.client.info.limits.kv_budget_entries == 3 * BLOCK_SIZE
+            t0 = time.monotonic()
+            with pytest.raises(CloudError) as e:
+                edge.generate(list(range(3, 3 + 3 * BLOCK_SIZE)), max_new_tokens=2)
+            assert e.value.code == ErrorCode.EXCEEDS_BUDGET and time.monotonic() - t0 < 1.0
+            with pytest.raises(CloudError) as e:  # the prompt fits, prompt + answer does not
+                edge.generate(GenerationRequest(list(range(3, 3 + 2 * BLOCK_SIZE)), 3 * BLOCK_SIZE, stop_at_eos=False))
+            assert e.value.code == ErrorCode.EXCEEDS_BUDGET and server.server.stats.preemptions == 0
+            api = EdgeAPI(edge, APIConfig(model_name="tiny", spec="none"))
+            body = {"model": "tiny", "prompt": list(range(3, 3 + 3 * BLOCK_SIZE)), "max_tokens": 2}
+            with serving(api.app) as url:
+                req = urllib.request.Request(
+                    url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                )
+                with pytest.raises(urllib.error.HTTPError) as http:
+                    urllib.request.urlopen(req, timeout=30)
+                err = json.loads(http.value.read())["error"]
+                assert http.value.code == 400 and err["code"] == "cloud_budget_exceeded"
+        finally:
+            edge.close()

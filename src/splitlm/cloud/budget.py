@@ -63,6 +63,11 @@ class KVBudget:
         return blocks * self.block * self.bytes_per_entry
 
     @property
+    def max_entries(self) -> int:
+        """The largest cache the whole budget holds (whole blocks): a request needing more never fits."""
+        return self.budget_bytes // max(1, self.block * self.bytes_per_entry) * self.block
+
+    @property
     def entries(self) -> int:
         """How many cache entries the whole budget holds."""
         return self.budget_bytes // max(1, self.bytes_per_entry)

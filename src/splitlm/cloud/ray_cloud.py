@@ -241,6 +241,9 @@ class RayFrontDoor(CloudServer):
         self.placed: Counter[int] = Counter()  # sessions placed per replica (tests, logs)
         self.lost = 0  # sessions whose replica was lost (their connections were closed)
 
+    def kv_budget_entries(self) -> int | None:
+        return None  # each replica has its own budget (a session must fit one); not announced
+
     def load_model(self, shard_dir):
         """The shard's config and manifest only (on `meta`: no weights here)."""
         cfg, manifest = read_cloud_shard(shard_dir)

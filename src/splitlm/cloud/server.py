@@ -152,8 +152,13 @@ class CloudServer:
                 lim.max_frame_bytes,
                 batch.prefill_chunk,
                 lim.max_sessions_per_client,
+                self.kv_budget_entries(),
             ),
         )
+
+    def kv_budget_entries(self) -> int | None:
+        """What HELLO_OK says one session's cache may hold at most (the whole KV budget, in entries)."""
+        return self.budget.max_entries
 
     @property
     def public_key(self) -> bytes:

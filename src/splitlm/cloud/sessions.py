@@ -162,7 +162,7 @@ class SessionTable:
             raise ProtocolError(
                 ErrorCode.EXCEEDS_BUDGET,
                 f"this request needs {entries} cache entries ({size_text(self.budget.need(entries))}); "
-                f"this cloud's whole KV budget holds {self.budget.entries} "
+                f"this cloud's whole KV budget holds {self.budget.max_entries} "
                 f"({size_text(self.budget.budget_bytes)}): it can never fit here",
             )
 

@@ -63,9 +63,11 @@ def failover(link: CloudLink, error: CloudError) -> None:
 
 
 def log_fault(link: CloudLink, error: CloudError, preempted: bool) -> None:
-    """A preemption is the cloud's routine (INFO); a lost cloud is worth a WARNING."""
+    """A preemption, or a full cloud (CAPACITY), is the cloud's routine (INFO); a lost cloud is worth a WARNING."""
     if preempted:
         log.info("cloud session %d preempted (%s): reopening and replaying", link.id, error)
+    elif error.code == ErrorCode.CAPACITY:
+        log.info("cloud session %d refused for now (%s): reopening when there is room", link.id, error)
     else:
         log.warning("cloud session %d lost (%s): failing over", link.id, error)
 

@@ -42,6 +42,8 @@ from splitlm.edge.results import GenerationResult, GenerationStats, Stream, form
 from splitlm.edge.session import SPEC_HEADROOM, EdgeSession, SessionSetup
 from splitlm.edge.text import TextCodec, text_pieces
 from splitlm.edge.vocab import resolve_vocab
+from splitlm.transport.client import CloudError
+from splitlm.transport.errors import ErrorCode
 from splitlm.transport.policy import CachePolicy
 
 if TYPE_CHECKING:
@@ -103,11 +105,19 @@ class Edge:
         return min(self.cfg.max_position_embeddings, cloud or self.cfg.max_position_embeddings)
 
     def check_fits(self, prompt_tokens: int) -> None:
-        """Refuse, before anything is sent, a prompt that leaves no room for one new token."""
+        """Refuse, before anything is sent, a prompt that leaves no room for one new token, or one that
+        the cloud's whole KV budget (HELLO_OK) could never hold (`EXCEEDS_BUDGET`, as the cloud would)."""
         if prompt_tokens >= self.context_length:
             raise SplitLMError(
                 f"the prompt has {prompt_tokens} tokens, but this model's context holds "
                 f"{self.context_length} (prompt and answer together); shorten the prompt"
+            )
+        budget = self.client.info.limits.kv_budget_entries
+        if budget is not None and prompt_tokens + 1 > budget:
+            raise CloudError(
+                f"cloud error EXCEEDS_BUDGET: the prompt needs {prompt_tokens + 1} cache entries on the cloud, "
+                f"but its whole KV budget holds {budget}: it can never fit there",
+                ErrorCode.EXCEEDS_BUDGET,
             )
 
     def open_session(self, cache_policy: str | CachePolicy | None = None) -> EdgeSession:

@@ -22,6 +22,7 @@ class Limits:
     max_frame_bytes: int | None = None
     pass_rows: int | None = None  # rows of one causal request per pass of the cloud's layers (longer: several passes)
     max_sessions_per_client: int | None = None  # open sessions one client key may hold at once
+    kv_budget_entries: int | None = None  # the largest cache the cloud's whole KV budget holds (one session alone)
 
 
 @dataclass
