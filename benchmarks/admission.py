@@ -9,9 +9,10 @@ session counts as running for the whole run (`preemption.RUNNING_S` raised), so 
 for a newcomer and the count is what the budget holds at once. Two workloads:
 
 - `uniform`: conversations of L tokens, L uniform in [32, 512] (seeded);
-- `step-512`: conversations of 512 tokens, each then making one decoding step of 8 rows.
+- `step-512`: conversations of 512 tokens, each then making one decoding step of 8 rows;
+- `short` (beside the issue's reading): conversations of L tokens, L uniform in [16, 128].
 
-    PYTHONPATH=src python benchmarks/admission.py --split SPLIT_DIR [--budget-mb 256] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/admission.py --split SPLIT_DIR [--budget-mb 1024] [--out benchmarks/results]
 
 Writes `admission-<stamp>.json` (with provenance) and prints a table.
 """
@@ -30,11 +31,11 @@ from splitlm.cloud.server import BackgroundServer, CloudServer
 from splitlm.cloud.sessions import ServerLimits
 from splitlm.model.shards import Manifest
 from splitlm.result_files import begin_run, write_result
-from splitlm.transport.client import CloudClient, CloudError
+from splitlm.transport.client import ClientOptions, CloudClient, CloudError
 from splitlm.transport.errors import ErrorCode
 from splitlm.transport.messages import Control, Forward, Open
 
-MAX_SESSIONS = 400
+MAX_SESSIONS = 600
 
 
 class ContiguousCloud(CloudServer):
@@ -53,7 +54,7 @@ def admitted(split: Path, server_cls, budget: int, conversations: list[list[int]
     limits = ServerLimits(kv_budget_bytes=budget, max_sessions=MAX_SESSIONS, max_sessions_per_client=MAX_SESSIONS)
     with BackgroundServer(split / "cloud", limits=limits, server_cls=server_cls) as server:
         cloud, d = server.server, server.server.model.cfg.hidden_size
-        client = CloudClient(server.url, fp, timeout=600)
+        client = CloudClient(server.url, fp, ClientOptions(timeout_s=600))
         held, refusal, t0 = 0, None, time.perf_counter()
         try:
             for steps in conversations:
@@ -89,7 +90,7 @@ def admitted(split: Path, server_cls, budget: int, conversations: list[list[int]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", type=Path, required=True, help="a split of the bundled model (edge/ and cloud/)")
-    ap.add_argument("--budget-mb", type=float, default=256.0)
+    ap.add_argument("--budget-mb", type=float, default=1024.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
@@ -100,6 +101,7 @@ def main() -> None:
     workloads = {
         "uniform": [[rng.randint(32, 512)] for _ in range(MAX_SESSIONS)],
         "step-512": [[512, 8] for _ in range(MAX_SESSIONS)],
+        "short": [[rng.randint(16, 128)] for _ in range(MAX_SESSIONS)],
     }
     budget = int(args.budget_mb * 2**20)
     results = {}
@@ -120,7 +122,11 @@ def main() -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "budget_mb": args.budget_mb,
         "seed": args.seed,
-        "workloads": {"uniform": "one FORWARD of L rows, L uniform in [32, 512]", "step-512": "512 rows, then 8"},
+        "workloads": {
+            "uniform": "one FORWARD of L rows, L uniform in [32, 512]",
+            "step-512": "512 rows, then 8",
+            "short": "one FORWARD of L rows, L uniform in [16, 128]",
+        },
         "results": results,
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")

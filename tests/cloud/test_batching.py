@@ -205,25 +205,42 @@ def test_take_is_fifo_within_the_limits(cloud):
 
 
 def test_a_long_causal_request_is_chunked_and_shares_passes(cloud):
-    sched = Scheduler(cloud, BatchConfig(max_batch=8, max_batch_tokens=64, prefill_chunk=16))
+    sched = Scheduler(cloud, BatchConfig(max_batch=8, max_batch_tokens=64, prefill_chunk=24))
     try:
         prefill, decode = job(1, 40), job(2, 1)
         closed = job(3, 1)
         closed.session.closed = True
         sched._queue.extend([prefill, decode, closed])
-        with sched._cv:
-            assert sched.take() == plan((prefill, 16), (decode, 1))
+        with sched._cv:  # decode first; the prompt (the oldest request) gets its chunk
+            assert sched.take() == plan((decode, 1), (prefill, 24))
         assert closed.future.exception().code == ErrorCode.UNKNOWN_SESSION  # dropped, never computed
         cancelled = job(5, 1)
         cancelled.future.cancel()  # its waiter went away (shutdown): dropped too
         sched._queue.append(cancelled)
-        sched._queue.append(job(4, 60))  # another long causal request: its first chunk joins the pass
+        sched._queue.append(job(4, 60))  # another long causal request: it shares the prompt rows
         with sched._cv:
             after_a_chunk = sched.take()  # other steps wait: this pass runs them, no chunk
             pieces = sched.take()
         assert after_a_chunk == plan((decode, 1))
-        assert [(p.job.session.id, p.rows) for p in pieces] == [(1, 16), (2, 1), (4, 16)]
+        assert [(p.job.session.id, p.rows) for p in pieces] == [(2, 1), (1, 24)]  # 24 prompt rows in all: none left
         assert cancelled not in sched._queue and closed not in sched._queue
+    finally:
+        sched.close()
+
+
+def test_decode_steps_get_the_row_budget_first_and_the_oldest_prompt_always_progresses(cloud):
+    sched = Scheduler(cloud, BatchConfig(max_batch=8, max_batch_tokens=40, prefill_chunk=32))
+    try:
+        old_prompt, young_prompt = job(1, 100), job(2, 100)
+        steps = [job(10 + i, 9, tree=True) for i in range(4)]  # 36 rows of trees
+        sched._queue.extend([steps[0], old_prompt, *steps[1:], young_prompt])
+        with sched._cv:  # the steps take 36 of 40 rows; the prompts share the 4 left
+            assert sched.take() == plan(*[(s, 9) for s in steps], (old_prompt, 4))
+        with sched._cv:
+            sched._ran_prompt = False
+            sched._queue.remove(steps[0])  # done: the prompt is now the oldest request
+            # the oldest request is a prompt: its chunk runs whatever the steps take
+            assert sched.take() == plan(*[(s, 9) for s in steps[1:]], (old_prompt, 32))
     finally:
         sched.close()
 

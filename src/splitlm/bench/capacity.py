@@ -62,7 +62,7 @@ class CapacityConfig:
     trace_edge: str = ""  # the edge shard whose trace is recorded ("" = the target's; the bundled model's with --shape)
     cloud_device: str = "cpu"
     cloud_dtype: str = "fp32"
-    prefill_chunk: int = 256
+    prefill_chunk: int = 64
     prompts: str = ""
     out: str = str(DEFAULT_OUT)
     json: bool = False

@@ -59,7 +59,7 @@ class LoadConfig:
     max_batch: int = 16  # the batched configuration's --max-batch (the baseline is 1)
     spec: str = "none"  # the sessions' decoding mode (none = one token per round trip)
     prefill_tokens: int = 2048  # the interfering prompt's length (0 = skip phase 2)
-    prefill_chunk: int = 256  # the clouds' --prefill-chunk (clouds started here)
+    prefill_chunk: int = 64  # the clouds' --prefill-chunk (clouds started here)
     wire_dtype: str = "fp32"  # fp32: outputs comparable bit for bit with the single-session run
     model: str = "default"
     head: int = 2

@@ -173,22 +173,23 @@ def add_serve_cloud(sub) -> None:
         "--max-batch-tokens",
         type=positive_int,
         default=2048,
-        help="token rows per pass (a larger token tree runs alone)",
+        help="token rows per pass: decoding steps first, prompt chunks fill the rest (a larger token tree runs alone)",
     )
     p.add_argument(
         "--prefill-chunk",
         type=positive_int,
-        default=256,
-        help="rows of one causal request (a prefill) per pass; longer ones run in chunks, "
-        "interleaved with other sessions' steps",
+        default=64,
+        help="prompt rows per pass (all prompts together); longer prompts run in chunks, after the "
+        "other sessions' decoding steps (default 64: measured on a 2-core CPU, docs/devices.md)",
     )
     p.add_argument(
         "--kv-budget-mb",
         type=non_negative_int,
         default=0,
         metavar="MB",
-        help="KV cache memory of all sessions in MiB; when full, idle sessions are preempted (least "
-        "recently active first), and OPEN/FORWARD get CAPACITY only when every session is mid-request "
+        help="KV cache memory of all sessions in MiB; when full, sessions are preempted (idle ones "
+        "first; never an older running one for a younger), else CAPACITY; a request larger than the whole "
+        "budget gets EXCEEDS_BUDGET (docs/protocol.md 8.1) "
         "(default 0 = automatic: 90%% of the free device memory on CUDA, a quarter of the RAM on a CPU)",
     )
     p.add_argument(

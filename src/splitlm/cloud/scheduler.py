@@ -1,15 +1,18 @@
 """The batching scheduler: one compute thread runs the ready steps of all sessions in shared passes.
 
 Requests arrive from the event loop (`submit`, thread-safe) and queue in arrival order. Each pass
-takes, in that order, as much as fits (`BatchConfig`): at most `max_batch` sessions and
-`max_batch_tokens` rows, at most one request per session (a session's requests stay in order),
-and at most `prefill_chunk` rows of any one causal request. A longer causal request (a prefill,
-context rows) therefore runs in chunks over several passes, keeping its place in the queue, and
-the steps of other sessions that arrive meanwhile join the passes: after a pass with a chunk, the
-next pass runs only the other waiting steps (when there are any), so a step that arrives during a
-chunk's pass waits for that pass but not also for the next chunk, and a 2,048-token prefill delays
-the other sessions' steps by about one chunk's compute, not by the whole prefill. A request with a
-mask (a token tree, a lookahead window) runs whole; one larger than `max_batch_tokens` runs alone.
+takes each waiting session's first request, in that order, up to `max_batch` sessions (a session's
+requests stay in order), and gives out its row budget (`max_batch_tokens`) **decode first**: the
+decoding steps (trees, lookahead windows, short causal steps) get their rows, then prompt chunks
+(causal requests of more than `DECODE_ROWS` rows: prompts, replayed context) share what is left, at
+most `prefill_chunk` rows in all. A longer prompt therefore runs in chunks over several passes,
+keeping its place in the queue, and after a pass with prompt rows the next pass runs only the
+decoding steps that wait (when there are any): a step that arrives during a chunk's pass waits for
+that pass but not also for the next chunk, so a 2,048-token prefill delays the other sessions' steps
+by about one chunk's compute, not by the whole prefill. The oldest request of the queue always
+progresses (a prompt at its head gets its chunk whatever the steps take). A tree larger than the
+budget runs alone. The defaults (docs/devices.md) are measured on this project's CPU: a chunk of 64
+rows costs about as much as a 16-session decoding pass of the bundled model.
 `take` decides a pass (a `PassPlan` of `Piece`s); the runner executes it on the middle layers
 (`cloud.runner`: rows packed for the dense layers, attention per session on its own cache); the
 scheduler answers the requests it finished or failed. Requests of a session that was closed
@@ -34,12 +37,14 @@ from splitlm.model.shards import CloudModel
 from splitlm.transport.errors import ErrorCode, ProtocolError
 from splitlm.transport.messages import Forward
 
+DECODE_ROWS = 16  # a causal request of more rows is a prompt (chunked, after the decode steps); fewer: a step
+
 
 @dataclass
 class BatchConfig:
     max_batch: int = 16  # sessions per pass (1 = no batching)
     max_batch_tokens: int = 2048  # rows per pass (context rows included); an unchunkable larger request runs alone
-    prefill_chunk: int = 256  # rows of one causal request per pass (longer ones are chunked)
+    prefill_chunk: int = 64  # prompt rows per pass, all prompts together (longer prompts are chunked)
 
     def __post_init__(self):
         if min(self.max_batch, self.max_batch_tokens, self.prefill_chunk) < 1:
@@ -65,7 +70,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopped = False
-        self._ran_long = False  # the last pass ran a chunk of a long request
+        self._ran_prompt = False  # the last pass ran prompt rows
         self.passes = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="splitlm-compute")
         self._thread.start()
@@ -101,30 +106,57 @@ class Scheduler:
         return await asyncio.wrap_future(self.submit(session, req))
 
     def take(self) -> PassPlan:
-        """The next pass: its pieces (job, rows to run) in queue order (call with the lock held).
-        Requests of closed sessions leave the queue here, failed, never computed."""
-        cfg, batch, rows, sessions = self.config, PassPlan(), 0, set()
-        # after a pass that ran a chunk of a long request, the next one runs only the other steps (if
-        # any wait): a step that arrived during a chunk's pass waits for that pass, not also for the next chunk
-        defer_long = self._ran_long and any(not self.long(j) for j in self._queue)
-        for job in list(self._queue):
-            if self._drop_if_gone(job):
-                continue
-            if len(batch) == cfg.max_batch:
+        """The next pass (call with the lock held): each waiting session's first request, in queue order,
+        up to `max_batch` sessions; decode steps (every request but a prompt, `prompt`) get their rows
+        first, within `max_batch_tokens`; prompt chunks then share what is left, at most `prefill_chunk`
+        rows in all (the oldest request of the queue, if a prompt, always gets its chunk, so prompts
+        never starve behind decoding). Requests of closed sessions leave the queue here, failed, never
+        computed."""
+        cfg, heads = self.config, self.heads()
+        # after a pass that ran prompt rows, the next one runs only the decode steps (if any wait): a step
+        # that arrived during a chunk's pass waits for that pass, not also for the next chunk
+        defer_prompts = self._ran_prompt and any(not self.prompt(j) for j in heads)
+        plan, rows, taken = PassPlan(), 0, []
+        for job in heads:
+            if len(taken) == cfg.max_batch:
                 break
-            sid = job.session.id
-            if sid in sessions:  # one piece per session and pass; its later requests wait behind it
+            if self.prompt(job):
+                if not defer_prompts:
+                    taken.append(job)
                 continue
-            sessions.add(sid)
-            if defer_long and self.long(job):
+            n = self._piece(job, cfg.max_batch_tokens - rows, alone=not plan)
+            if n is not None and self._start(job):
+                taken.append(job)
+                plan.pieces.append(Piece(job, n))
+                rows += n
+        self.add_prompt_chunks(plan, [j for j in taken if self.prompt(j)], heads[0] if heads else None, rows)
+        self._ran_prompt = any(self.prompt(p.job) for p in plan)
+        return plan
+
+    def heads(self) -> list[Job]:
+        """Each waiting session's first request, in queue order (a session's later requests wait behind
+        it); requests of closed sessions leave the queue, failed."""
+        heads, seen = [], set()
+        for job in list(self._queue):
+            if self._drop_if_gone(job) or job.session.id in seen:
                 continue
-            n = self._piece(job, cfg.max_batch_tokens - rows, alone=not batch)
-            if n is None or not self._start(job):
-                continue
-            batch.pieces.append(Piece(job, n))
-            rows += n
-        self._ran_long = any(self.long(p.job) for p in batch)
-        return batch
+            seen.add(job.session.id)
+            heads.append(job)
+        return heads
+
+    def add_prompt_chunks(self, plan: PassPlan, prompts: list[Job], oldest: Job | None, rows: int) -> None:
+        """Chunks of `prompts` into what the decode steps (`rows`) left of the pass, `prefill_chunk` rows in
+        all; the `oldest` request of the queue gets its chunk whatever is left."""
+        share = min(self.config.prefill_chunk, self.config.max_batch_tokens - rows)
+        for job in prompts:
+            n = min(job.remaining, self.config.prefill_chunk if job is oldest else share)
+            if n > 0 and self._start(job):
+                plan.pieces.append(Piece(job, n))
+                share -= n
+
+    def prompt(self, job: Job) -> bool:
+        """A prompt (or replayed context): a causal request of more rows than a decoding step sends."""
+        return job.chunkable and job.rows > DECODE_ROWS
 
     def _drop_if_gone(self, job: Job) -> bool:
         """A request whose session was closed (or whose waiter went away) leaves the queue, failed."""
@@ -157,10 +189,6 @@ class Scheduler:
             return False
         job.running = True
         return True
-
-    def long(self, job: Job) -> bool:
-        """A causal request that runs in chunks (longer than one)."""
-        return job.chunkable and job.rows > self.config.prefill_chunk
 
     def _loop(self) -> None:
         while True:
