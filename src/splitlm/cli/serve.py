@@ -40,6 +40,7 @@ def cmd_serve_cloud(args) -> int:
         max_frame_bytes=args.max_frame_mb * 2**20,
         kv_budget_bytes=args.kv_budget_mb * 2**20,
         ping_interval_s=args.ping_interval or None,
+        malloc_trim_s=args.malloc_trim_s,
     )
     settings = ServerSettings(
         device=args.device,
@@ -154,6 +155,14 @@ def add_serve_cloud(sub) -> None:
         metavar="S",
         help="free a session unused this many seconds (its edge is told PREEMPTED and replays its "
         "context when it comes back; default 300, 0 = never)",
+    )
+    p.add_argument(
+        "--malloc-trim-s",
+        type=non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="give the host memory the cloud freed back to the system this often (glibc malloc_trim; "
+        "default 30, 0 = never)",
     )
     p.add_argument(
         "--ping-interval",

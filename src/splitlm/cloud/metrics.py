@@ -41,6 +41,7 @@ class ServerStats:
     preemptions: int = 0  # sessions freed to make room for others
     idle_evictions: int = 0  # sessions freed after the idle timeout
     replays: int = 0  # OPENs by a client key that was told PREEMPTED (its edge replaying a context)
+    malloc_trims: int = 0  # times the freed host memory was given back to the system (`cloud.memory`)
 
 
 @dataclass
@@ -129,6 +130,11 @@ class CloudMetrics:
             "Sessions freed after the idle timeout (their edges replay if they come back).",
             registry=r,
         )
+        self.malloc_trims = Counter(
+            "splitlm_cloud_malloc_trims_total",
+            "Times the allocator's free host memory was given back to the system (malloc_trim).",
+            registry=r,
+        )
         self.replays = Counter(
             "splitlm_cloud_replays_total",
             "OPENs by a client that was told PREEMPTED (an edge re-opening to replay its context).",
@@ -193,6 +199,10 @@ class CloudMetrics:
         self.tokens_per_round_trip.observe(tokens)
         self.compute_seconds.observe(compute_s)
         self.queue_seconds.observe(queue_s)
+
+    def count_trim(self) -> None:
+        self.stats.malloc_trims += 1
+        self.malloc_trims.inc()
 
     def count_preemption(self, idle: bool) -> None:
         """A session freed: after the idle timeout (`idle`), else to make room for another."""

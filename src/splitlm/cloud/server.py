@@ -22,6 +22,7 @@ from websockets.http11 import Request, Response
 from splitlm import SplitLMError, __version__
 from splitlm.cloud.budget import KVBudget
 from splitlm.cloud.handlers import SessionRequests
+from splitlm.cloud.memory import malloc_trim, trim_available
 from splitlm.cloud.metrics import CloudMetrics, http_response
 from splitlm.cloud.scheduler import BatchConfig, Scheduler
 from splitlm.cloud.servicer import Caller, CodecPool, HandshakeConfig, RequestTable, Servicer, answer
@@ -213,6 +214,17 @@ class CloudServer:
             if n := self.sessions.expire():
                 log.info("freed %d idle session(s)", n)
 
+    async def trim_loop(self) -> None:
+        """Every `ServerLimits.malloc_trim_s`: the allocator's free memory back to the system
+        (`cloud.memory`), on the codec pool (it takes the allocator's locks for a few ms)."""
+        if not self.limits.malloc_trim_s or not trim_available():
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.limits.malloc_trim_s)
+            await loop.run_in_executor(self.codec.pool, malloc_trim)
+            self.metrics.count_trim()
+
     async def serve(
         self, host: str, port: int, started: threading.Event | None = None, stop: asyncio.Event | None = None
     ) -> None:
@@ -237,6 +249,7 @@ class CloudServer:
             self.listener = server
             self.port = server.sockets[0].getsockname()[1]
             expiry = asyncio.create_task(self.expire_loop())
+            trimming = asyncio.create_task(self.trim_loop())
             self.log_serving(host)
             if started is not None:
                 started.set()
@@ -244,6 +257,7 @@ class CloudServer:
                 await stop.wait()
             finally:
                 expiry.cancel()
+                trimming.cancel()
                 self.scheduler.close()
                 self.codec.shutdown()
 

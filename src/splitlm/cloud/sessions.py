@@ -40,6 +40,7 @@ class ServerLimits:
     kv_budget_bytes: int = 0  # what all sessions' KV caches may take on the device (`cloud.budget`); 0 = automatic
     ping_interval_s: float | None = 20.0  # keepalive pings (a connection silent to them as long again is closed)
     drain_timeout_s: float = 30.0  # SIGTERM: the most time in-flight steps get to finish before the server stops
+    malloc_trim_s: float = 30.0  # give freed host memory back to the system this often (`cloud.memory`); 0 = never
 
 
 @dataclass
