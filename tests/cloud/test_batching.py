@@ -268,3 +268,13 @@ def test_chunked_prefill_equals_one_pass(cloud):
         assert all(t.seconds == t.begin_s + t.layers_s + t.finish_s for t in timings)
     finally:
         sched.close()
+
+
+def test_the_row_budget_of_a_pass_follows_the_device_unless_given():
+    from splitlm.cloud.scheduler import ACCELERATOR_PASS_TOKENS, CPU_PASS_TOKENS
+
+    assert BatchConfig().for_device(torch.device("cpu")).max_batch_tokens == CPU_PASS_TOKENS == 64
+    assert BatchConfig().for_device(torch.device("meta")).max_batch_tokens == ACCELERATOR_PASS_TOKENS
+    assert BatchConfig(max_batch_tokens=300).for_device(torch.device("cpu")).max_batch_tokens == 300
+    with pytest.raises(ValueError):
+        BatchConfig(max_batch_tokens=-1)
