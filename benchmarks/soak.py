@@ -19,7 +19,9 @@ refuses answers CAPACITY (counted as errors of that kind).
 Every `--sample-s` seconds the cloud's `/metrics` (sessions, KV bytes, every counter whose name
 says preempt/replay/error) and its RSS go into a time series. After the run, once the cloud's
 sessions are closed: sessions and KV bytes must be 0, the RSS within 5 % of the first sample
-after `--warmup-minutes`, and every complete generation equal to its solo output.
+after `--warmup-minutes`, its anonymous part too (RSS less the file-backed pages, which are the
+mapped weights: the kernel drops and re-reads those under memory pressure, a leak grows the
+other part), and every complete generation equal to its solo output.
 Writes `OUT/soak-<stamp>.json`, `.md` and `.png` (`--out`, default as `splitlm bench`'s:
 `$SPLITLM_RESULTS` or ~/.local/share/splitlm/results); exit 1 if a check fails.
 """
@@ -64,6 +66,7 @@ class Sample:
     sessions: float | None
     kv_bytes: float | None
     rss_mb: float
+    anon_rss_mb: float  # RSS less its file-backed pages: the heap, where a leak would grow
     counters: dict[str, float]
 
 
@@ -127,6 +130,7 @@ def sample(probe: CloudProbe, t0: float) -> Sample:
         snap.value("splitlm_cloud_sessions"),
         snap.value("splitlm_cloud_kv_reserved_bytes"),
         round(snap.rss / MB, 1),
+        round((snap.rss - snap.rss_file) / MB, 1),
         counters,
     )
 
@@ -150,6 +154,7 @@ def settle(probe: CloudProbe, t0: float, timeout_s: float = 60.0) -> Sample:
 def checks(counts: dict[str, Counts], baseline: Sample, end: Sample) -> dict:
     done = counts["complete"]
     rss_drift = (end.rss_mb - baseline.rss_mb) / baseline.rss_mb
+    anon_drift = (end.anon_rss_mb - baseline.anon_rss_mb) / baseline.anon_rss_mb
     return {
         "sessions_back_to_zero": {"value": end.sessions, "ok": end.sessions == 0},
         "kv_bytes_back_to_zero": {"value": end.kv_bytes, "ok": end.kv_bytes == 0},
@@ -158,6 +163,12 @@ def checks(counts: dict[str, Counts], baseline: Sample, end: Sample) -> dict:
             "baseline_mb": baseline.rss_mb,
             "end_mb": end.rss_mb,
             "ok": abs(rss_drift) <= RSS_TOLERANCE,
+        },
+        "anon_rss_within_5_percent": {
+            "value": round(anon_drift, 4),
+            "baseline_mb": baseline.anon_rss_mb,
+            "end_mb": end.anon_rss_mb,
+            "ok": abs(anon_drift) <= RSS_TOLERANCE,
         },
         "complete_outputs_identical": {
             "value": f"{done.identical}/{done.runs}",
@@ -191,7 +202,10 @@ def plot(doc: dict, base: Path) -> list[Path]:
         [("sessions", "open sessions", 1), ("kv_bytes", "KV MB", 1 / MB), ("rss_mb", "cloud RSS MB", 1)],
         strict=True,
     ):
-        ax.plot(t, [(x[key] or 0) * scale for x in s], "-", color="#4c78a8")
+        ax.plot(t, [(x[key] or 0) * scale for x in s], "-", color="#4c78a8", label=label)
+        if key == "rss_mb":
+            ax.plot(t, [x.get("anon_rss_mb") or 0 for x in s], "-", color="#f58518", label="anonymous (heap)")
+            ax.legend(fontsize=8)
         ax.axvline(doc["config"]["warmup_minutes"], color="#999", ls="--", lw=1)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

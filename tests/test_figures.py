@@ -105,7 +105,7 @@ def matches(number: str, value: float, rule: str) -> bool:
     if scale is None or len(written) != n:
         return False
     shown = value * scale
-    return abs(float(number.replace(",", "")) - shown) <= 0.5 * 10**-n + 1e-9
+    return abs(float(number.replace(",", "").replace("−", "-")) - shown) <= 0.5 * 10**-n + 1e-9
 
 
 def has_number(text: str, number: str) -> bool:
@@ -305,6 +305,7 @@ def test_the_rules():
     assert matches("1.350", 1.3502770285, "round:3") and not matches("1.348", 1.3502770285, "round:3")
     assert not matches("1.35", 1.3502770285, "round:3")  # the decimals must be the rule's
     assert matches("96", 0.961, "percent:0") and not matches("95", 0.961, "percent:0")
+    assert matches("−5.1", -0.0507, "percent:1") and not matches("5.1", -0.0507, "percent:1")
     assert (
         matches("5,601", 5601.2, "round:0") and matches("1.83", 1.835, "round:2") and matches("1.84", 1.835, "round:2")
     )

@@ -56,6 +56,7 @@ class Snapshot:
     metrics: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0  # user + system, the process and its children
     rss: int = 0  # bytes
+    rss_file: int = 0  # bytes of `rss` that map files (the weights; the kernel may drop and re-read them)
 
     def delta(self, before: Snapshot, name: str) -> float:
         return self.metrics.get(name, 0.0) - before.metrics.get(name, 0.0)
@@ -95,13 +96,19 @@ class CloudProbe:
         raise SplitLMError(f"no serve-cloud child process on port {port}")
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(time.perf_counter(), scrape(self.port), cpu_seconds(self.proc), self.rss())
+        rss, rss_file = self.memory()
+        return Snapshot(time.perf_counter(), scrape(self.port), cpu_seconds(self.proc), rss, rss_file)
 
     def rss(self) -> int:
+        return self.memory()[0]
+
+    def memory(self) -> tuple[int, int]:
+        """(RSS, its file-backed part) in bytes; psutil's `shared` on Linux is RssFile + RssShmem."""
         try:
-            return self.proc.memory_info().rss
+            info = self.proc.memory_info()
         except psutil.Error:
-            return 0
+            return 0, 0
+        return info.rss, getattr(info, "shared", 0)
 
 
 def process_cpu_seconds(pid: int) -> float:
