@@ -13,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_DIRS = ("benchmarks/results", "benchmarks/prefill", "benchmarks/edge-profiles")
-RUN_DIRS = ("benchmarks/audit", "benchmarks/audit/harden-k2")  # runs of fixed file names, one per directory
+# runs of fixed file names, one per directory
+RUN_DIRS = ("benchmarks/audit", "benchmarks/audit/harden-k2", "benchmarks/audit-qwen")
 STAMPED = r"[a-z][a-z0-9-]*?-(?:\d{8}-\d{4,6}|\d{4}-\d{2}-\d{2}T\d{6})(?:-\d)?"
 
 
