@@ -8,7 +8,7 @@ changing shapes, so its resident size creeps up with nothing counted growing (th
 `ServerLimits.malloc_trim_s` seconds (`serve-cloud --malloc-trim-s`, 0 = never). Only glibc has it
 (elsewhere this does nothing); it is the C library's own call, through `ctypes`: no package wraps it.
 Measured since the paged KV cache (docs/results.md, the 60-minute soaks of 12-06): with or without
-the trim the RSS stays within 2 % of its warm-up level, so the trim is a cheap guard, not the fix.
+the trim the RSS stays within 2.5 % of its warm-up level, so the trim is a cheap guard, not the fix.
 """
 
 from __future__ import annotations
