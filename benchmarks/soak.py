@@ -151,25 +151,18 @@ def settle(probe: CloudProbe, t0: float, timeout_s: float = 60.0) -> Sample:
     return s
 
 
+def drift_check(baseline_mb: float, end_mb: float) -> dict:
+    drift = (end_mb - baseline_mb) / baseline_mb
+    return {"value": round(drift, 4), "baseline_mb": baseline_mb, "end_mb": end_mb, "ok": abs(drift) <= RSS_TOLERANCE}
+
+
 def checks(counts: dict[str, Counts], baseline: Sample, end: Sample) -> dict:
     done = counts["complete"]
-    rss_drift = (end.rss_mb - baseline.rss_mb) / baseline.rss_mb
-    anon_drift = (end.anon_rss_mb - baseline.anon_rss_mb) / baseline.anon_rss_mb
     return {
         "sessions_back_to_zero": {"value": end.sessions, "ok": end.sessions == 0},
         "kv_bytes_back_to_zero": {"value": end.kv_bytes, "ok": end.kv_bytes == 0},
-        "rss_within_5_percent": {
-            "value": round(rss_drift, 4),
-            "baseline_mb": baseline.rss_mb,
-            "end_mb": end.rss_mb,
-            "ok": abs(rss_drift) <= RSS_TOLERANCE,
-        },
-        "anon_rss_within_5_percent": {
-            "value": round(anon_drift, 4),
-            "baseline_mb": baseline.anon_rss_mb,
-            "end_mb": end.anon_rss_mb,
-            "ok": abs(anon_drift) <= RSS_TOLERANCE,
-        },
+        "rss_within_5_percent": drift_check(baseline.rss_mb, end.rss_mb),
+        "anon_rss_within_5_percent": drift_check(baseline.anon_rss_mb, end.anon_rss_mb),
         "complete_outputs_identical": {
             "value": f"{done.identical}/{done.runs}",
             "ok": done.runs > 0 and done.identical == done.runs,

@@ -99,9 +99,6 @@ class CloudProbe:
         rss, rss_file = self.memory()
         return Snapshot(time.perf_counter(), scrape(self.port), cpu_seconds(self.proc), rss, rss_file)
 
-    def rss(self) -> int:
-        return self.memory()[0]
-
     def memory(self) -> tuple[int, int]:
         """(RSS, its file-backed part) in bytes; psutil's `shared` on Linux is RssFile + RssShmem."""
         try:
