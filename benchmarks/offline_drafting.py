@@ -24,7 +24,9 @@ from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import default_corpus_documents
 from splitlm.decoding.grammar import GrammarTokenizer
-from splitlm.decoding.head import HeadRunner, load_head
+from splitlm.decoding.head import HeadRunner, load_head, read_head
+from splitlm.decoding.layer_drafter import LayerHeadRunner
+from splitlm.decoding.layer_head import LayerHead
 from splitlm.decoding.local import LocalSession
 from splitlm.decoding.loop import decode
 from splitlm.decoding.modes import SpecConfig, make_drafter
@@ -38,6 +40,7 @@ from splitlm.model.loading import file_sha256, load_model, safetensors_files
 from splitlm.model.shards import cached_split
 
 ROOT = Path(__file__).resolve().parent
+LAYERS = (2, 28)  # the bundled model split K = 2, M = 2: the layers a head that reads the edge's layers reads
 
 
 def compute_s(tokens: int) -> float:
@@ -97,6 +100,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--no-copy", action="store_true", help="auto without its copies of prompt text")
+    ap.add_argument("--head", default=None, help="a draft head file (default: the split's, as the edge finds it)")
     ap.add_argument("--profile", action="store_true", help="print where drafting spends its time (cProfile)")
     args = ap.parse_args()
     if args.profile:
@@ -112,7 +116,7 @@ def main() -> None:
         run(args)
 
 
-def bundled():
+def bundled(head_file: str | None = None):
     """The bundled model, its tokenizer, the warm-up corpus's suffix index and the draft head's runner
     (None without a trained head): what the edge's `auto` drafts with."""
     model, model_dir = load_model("default")
@@ -124,14 +128,15 @@ def bundled():
     docs = default_corpus_documents()
     if (w := find_warmup(edge_dir, model_hash)) is not None:
         docs += read_warmup(w)
-    head = load_head(edge_dir, model_hash)
-    runner = None if head is None else HeadRunner(head, model.embed_tokens.weight, model.embed_tokens.weight)
+    head = read_head(head_file) if head_file else load_head(edge_dir, model_hash, LAYERS)
+    kind = LayerHeadRunner if isinstance(head, LayerHead) else HeadRunner
+    runner = None if head is None else kind(head, model.embed_tokens.weight, model.embed_tokens.weight)
     return model, tok, SuffixIndex(tok(docs, add_special_tokens=False).input_ids), runner
 
 
 def run(args) -> None:
     torch.set_num_threads(1)
-    model, tok, corpus, runner = bundled()
+    model, tok, corpus, runner = bundled(args.head)
     memory = DraftMemory.seeded(corpus, runner)
     text = None if args.no_copy else GrammarTokenizer.from_hf(tok, model.cfg.vocab_size, model.cfg.eos_token_ids).ll
     spec = SpecConfig(mode=args.mode, cost=args.cost)
@@ -145,13 +150,13 @@ def run(args) -> None:
         stats = SpecStats()
         out = []
         for new in decode(
-            FixedCostSession(model),
+            FixedCostSession(model, LAYERS),
             DecodeRequest(ids, args.max_new_tokens, eos, speculation=Speculation(drafter, budget, stats)),
         ):
             out += new
         ref = []
         for new in decode(
-            FixedCostSession(model),
+            FixedCostSession(model, LAYERS),
             DecodeRequest(
                 ids,
                 args.max_new_tokens,

@@ -289,3 +289,17 @@ def save_merge_tokenizer(path) -> int:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=JSON_EOS)
     fast.save_pretrained(path)
     return len(fast)
+
+
+def write_code_warmup(path: Path, answers: int = 30) -> Path:
+    """A small warm-up file of code-like answers (random tokens of a few words) to train heads on."""
+    import gzip
+    import json
+    import random
+
+    rng = random.Random(0)
+    with gzip.open(path, "wt") as f:
+        for i in range(answers):
+            words = " ".join(rng.choice(["def", "return", "x", "=", "(", ")", ":"]) for _ in range(40))
+            f.write(json.dumps({"prompt": f"q{i}: ", "text": words}) + "\n")
+    return path

@@ -430,7 +430,7 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
         "train_head",
         lambda model, edge, log, out=None: trained.append(edge) or {"seconds": 1.0, "heldout": {"conditional": [0.5]}},
     )
-    manifest = SimpleNamespace(model_hash="ab" * 16)
+    manifest = SimpleNamespace(model_hash="ab" * 16, cloud_layers=(2, 6))
     edge = tmp_path / "edge"
     edge.mkdir()
     ensure_head(BenchConfig(), tmp_path, edge, manifest, ["split-seq"])  # no mode drafts with the head
@@ -441,9 +441,18 @@ def test_head_modes_train_the_head_only_when_missing_and_allowed(tmp_path, monke
     assert trained == []
     ensure_head(BenchConfig(), tmp_path, edge, manifest, ["split-seq", "auto"])
     assert trained == [edge]
-    (edge / "draft_head.safetensors").write_bytes(b"")  # a head is there: nothing to train
+    import torch
+
+    from splitlm.decoding.head import DraftHead, save_head
+    from splitlm.decoding.layer_head import LayerHead, LayerHeadShape
+
+    layer_head = LayerHead(LayerHeadShape(8, 2, 1, 4, 16), torch.arange(4), (1, 6))
+    save_head(layer_head, edge / "draft_head.safetensors")  # a head for another split: trained again
     ensure_head(BenchConfig(), tmp_path, edge, manifest, ["head"])
-    assert trained == [edge]
+    assert trained == [edge, edge]
+    save_head(DraftHead(8, 4, torch.arange(4)), edge / "draft_head.safetensors")  # a head is there: nothing to train
+    ensure_head(BenchConfig(), tmp_path, edge, manifest, ["head"])
+    assert trained == [edge, edge]
 
 
 @pytest.mark.slow

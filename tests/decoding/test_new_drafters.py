@@ -1,7 +1,6 @@
 """Recycled, retrieval (suffix) and head drafts, and `auto` merging them: sequential greedy output
 exactly, on random models; the index structures against brute force."""
 
-import gzip
 import json
 import random
 from pathlib import Path
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, write_code_warmup
 from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import ComputeFit, StepBudget
 from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
@@ -198,12 +197,7 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
 
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
-    rng = random.Random(0)
-    warm = tmp_path / "w.jsonl.gz"
-    with gzip.open(warm, "wt") as f:
-        for i in range(30):
-            words = " ".join(rng.choice(["def", "return", "x", "=", "(", ")", ":"]) for _ in range(40))
-            f.write(json.dumps({"prompt": f"q{i}: ", "text": words}) + "\n")
+    warm = write_code_warmup(tmp_path / "w.jsonl.gz")
     report = train_head(
         str(audit_model_dir),
         split / "edge",

@@ -54,7 +54,13 @@ def test_bench_needs_no_training_for_the_bundled_model(tmp_path, monkeypatch):
     monkeypatch.setattr(train_head_module, "train_head", lambda *a, **k: pytest.fail("trained a head"))
     edge = tmp_path / "edge"
     edge.mkdir()
-    ensure_head(BenchConfig(), tmp_path, edge, SimpleNamespace(model_hash=BUNDLED_HASH), ["split-seq", "auto", "head"])
+    ensure_head(
+        BenchConfig(),
+        tmp_path,
+        edge,
+        SimpleNamespace(model_hash=BUNDLED_HASH, cloud_layers=(2, 28)),
+        ["split-seq", "auto", "head"],
+    )
 
 
 @pytest.mark.slow

@@ -113,6 +113,34 @@ def test_a_draft_head_keeps_the_split_token_identical(bundled_split, bundled_ser
     assert result.stats.spec.steps == result.stats.round_trips - 1
 
 
+def test_a_layer_head_reads_the_edge_s_features_and_keeps_the_split_token_identical(
+    bundled_split, bundled_server, bundled_hf
+):
+    """The head that reads the edge's layers gets every verified row's three features from the edge's back
+    end (the prefill's last rows too) and, untrained, must not change a token."""
+    from splitlm.decoding.layer_drafter import LayerHeadRunner
+    from splitlm.decoding.layer_head import LayerHead, LayerHeadShape
+    from splitlm.decoding.modes import SpecConfig
+
+    hf, tok = bundled_hf
+    prompt = "The three primary colours are"
+    with Edge(bundled_split / "edge", bundled_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
+        torch.manual_seed(0)
+        cfg, spec = edge.cfg, SpecConfig("head")
+        shape = LayerHeadShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 64)
+        head = LayerHead(shape, torch.arange(0, 4096), edge.model.manifest.cloud_layers)
+        runner = LayerHeadRunner(head, edge.model.embed_tokens.weight, edge.model.head_weight)
+        edge.drafting.draft_memory(spec).head = runner
+        seen = []
+        append = runner.append
+        runner.append = lambda ring, feats, *a: seen.append(feats.shape) or append(ring, feats, *a)
+        result = edge.generate(prompt, max_new_tokens=24, spec=spec)
+    ids = tok(prompt).input_ids
+    assert result.token_ids == hf_greedy(hf, ids, 24)
+    assert seen[0] == (len(ids), 3, cfg.hidden_size)  # the prefill's rows
+    assert len(seen) == result.stats.round_trips and max(s[0] for s in seen[1:]) >= 1
+
+
 def test_the_bundled_model_drafts_from_its_bundled_warmup_answers(bundled_split, bundled_server):
     from splitlm.decoding.corpus import default_corpus_documents
     from splitlm.decoding.warmup import BUNDLED_DIR

@@ -77,8 +77,21 @@ def test_bf16_goes_blocked_at_every_row_count_where_the_layer_allows_it(rows):
         assert lin.packed is None  # a model's bf16 layers: no second copy
         lin.bf16_blocked = True
         got = lin(x)
-    assert lin.packed is not None and got.dtype == torch.bfloat16
+    # an AVX2-only CPU has no blocked bf16 weights in oneDNN: the plain product there
+    assert (lin.packed is not None) == linear.bf16_blocked_supported() and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_a_frozen_bf16_product_falls_back_where_onednn_refuses_bf16(supported, monkeypatch):
+    if supported and not linear.bf16_blocked_supported():
+        pytest.skip("this CPU has no blocked bf16 weights")
+    monkeypatch.setattr(linear, "bf16_blocked_supported", lambda: supported)
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        got = linear.frozen_product(w)(x)
+    torch.testing.assert_close(got, F.linear(x.to(torch.bfloat16), w), rtol=2e-2, atol=2e-2)
 
 
 def test_other_dtypes_use_the_plain_product():

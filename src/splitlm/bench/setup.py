@@ -88,10 +88,10 @@ def ensure_head(config: BenchConfig, model_dir: Path, edge_dir: Path, manifest, 
     and neither the edge shard nor this machine has one; --no-train-head runs those modes without it."""
     import torch
 
-    from splitlm.decoding.head import find_head
+    from splitlm.decoding.head import fitting_head
     from splitlm.decoding.train_head import train_head
 
-    if not HEAD_MODES & set(modes) or find_head(edge_dir, manifest.model_hash) is not None:
+    if not HEAD_MODES & set(modes) or fitting_head(edge_dir, manifest.model_hash, manifest.cloud_layers) is not None:
         return
     if not config.train_head:
         if "head" in modes:

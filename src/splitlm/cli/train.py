@@ -34,17 +34,18 @@ def cmd_train_adapter(args) -> int:
 
 
 def cmd_train_head(args) -> int:
-    from splitlm.decoding.train_head import HeadSettings, train_head
-
     need_edge_shard(args)
-    report = train_head(
-        args.model,
-        args.edge,
-        warmup=args.warmup,
-        settings=HeadSettings(max_tokens=args.max_tokens, minutes=args.minutes),
-        log=lambda msg: log.info("[train-head] %s", msg),
-        out=args.out,
-    )
+    say = lambda msg: log.info("[train-head] %s", msg)  # noqa: E731
+    if args.kind == "layers":
+        from splitlm.decoding.train_layer_head import LayerHeadSettings, train_layer_head
+
+        settings = LayerHeadSettings(max_tokens=args.max_tokens or 300_000, minutes=args.minutes or 40.0)
+        report = train_layer_head(args.model, args.edge, warmup=args.warmup, settings=settings, log=say, out=args.out)
+    else:
+        from splitlm.decoding.train_head import HeadSettings, train_head
+
+        settings = HeadSettings(max_tokens=args.max_tokens or 1_000_000, minutes=args.minutes or 25.0)
+        report = train_head(args.model, args.edge, warmup=args.warmup, settings=settings, log=say, out=args.out)
     log.info(
         "[train-head] the report is next to the head (%s) and in %s",
         Path(report["head"]).with_suffix(".json"),
@@ -95,16 +96,25 @@ def add_train_head(sub) -> None:
     p.add_argument("--edge", required=True, help="the edge shard directory; the head is written into it")
     p.add_argument("--warmup", default=None, help="warm-up answers (default: the shard's, else the bundled ones)")
     p.add_argument(
+        "--kind",
+        choices=("mlp", "layers"),
+        default="mlp",
+        help="mlp (default): the MLP over the final state (any split of the model); layers: a decoder layer "
+        "over the edge's low, middle and final features that attends over the context (for this split's K "
+        "and M only; measured below the MLP so far: docs/drafters.md)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=positive_int,
-        default=1_000_000,
-        help="answer tokens to train on (default 1000000: every bundled answer)",
+        default=None,
+        help="answer tokens to train on (default: 300000 for layers, whose features take about 10 minutes "
+        "on 2 cores; 1000000, every bundled answer, for mlp)",
     )
     p.add_argument(
         "--minutes",
         type=positive_float,
-        default=25.0,
-        help="training time limit (default 25; three epochs of the bundled answers take about 11 on 2 cores)",
+        default=None,
+        help="training time limit (default 40 for layers, 25 for mlp)",
     )
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.add_argument(

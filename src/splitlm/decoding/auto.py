@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from splitlm.decoding.drafters import Drafter, DrafterGroup, KeyedCalibration, either
 from splitlm.decoding.head import HeadRunner
+from splitlm.decoding.layer_drafter import LayerHeadRunner
 from splitlm.decoding.recycle import RecycleTable
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.suffix import PastOutputs, SuffixIndex
@@ -29,12 +30,12 @@ class DraftMemory:
     recycle: RecycleTable = field(default_factory=RecycleTable)
     corpus: SuffixIndex | None = None
     past: PastOutputs = field(default_factory=PastOutputs)
-    head: HeadRunner | None = None
+    head: HeadRunner | LayerHeadRunner | None = None
     suffix_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
     copy_calibration: KeyedCalibration = field(default_factory=KeyedCalibration)
 
     @classmethod
-    def seeded(cls, corpus: SuffixIndex, head: HeadRunner | None = None) -> DraftMemory:
+    def seeded(cls, corpus: SuffixIndex, head: HeadRunner | LayerHeadRunner | None = None) -> DraftMemory:
         """A fresh memory over `corpus` (the warm-up corpus's suffix index), its recycled table seeded
         from the corpus's successor pairs."""
         memory = cls(corpus=corpus, head=head)
@@ -50,6 +51,7 @@ class AutoDrafter(DrafterGroup):
         self.drafters = drafters
         self.name = "auto(" + "+".join(d.name for d in drafters) + ")"
         self.extras = max((d.extras for d in drafters), default=0)
+        self.features = any(d.features for d in drafters)
         self.drafts_after = any(d.drafts_after for d in drafters)
 
     def propose(self) -> TokenTree:

@@ -28,6 +28,7 @@ class Drafter:
 
     name = "none"
     extras = 0  # > 0: verification passes should return each row's top-`extras` ids and hidden state
+    features = False  # verification passes (and the prefill's last rows) return the rows' three features
     guided = False  # `propose(guide=tree)` takes the tree the drafters before it proposed (`auto` merges)
     lookahead: LookaheadDrafter | None = None  # the Jacobi window riding along each pass, if it runs one
     window_gain = 0.0  # tokens per step that only the lookahead window's pool proposed (an average)

@@ -178,6 +178,7 @@ class GrammarShape:
             argmax=run.argmax,
             extras=self.drafter.extras,
             allowed=allowed if run.argmax else None,  # else logits come back and the mask applies here
+            feature_rows=list(range(len(tree.tree))) if self.drafter.features else None,
         )
         return Plan(tree.tree, step, allowed=allowed, expected=expected, chain=len(chain))
 

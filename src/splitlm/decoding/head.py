@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import logging
 from pathlib import Path
 
 import torch
@@ -33,10 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlm.decoding.drafters import Drafter, KeyedCalibration, either
+from splitlm.decoding.layer_head import LayerHead, LayerHeadShape
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
 from splitlm.model.linear import Linear
 from splitlm.result_files import note_head
+
+log = logging.getLogger(__name__)
 
 HEAD_FILE = "draft_head.safetensors"
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "heads"  # heads shipped with the package
@@ -56,10 +60,15 @@ class DraftHead(nn.Module):
         return h + self.fc2(F.silu(self.fc1(torch.cat([h, e], -1))))
 
 
-def save_head(head: DraftHead, path: str | Path) -> None:
+def save_head(head: DraftHead | LayerHead, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write a head's weights (its parameters in `dtype` when given; its buffers as they are)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
+    params = {name for name, _ in head.named_parameters()}
+    state = {
+        k: (v.to(dtype) if dtype is not None and k in params else v).contiguous() for k, v in head.state_dict().items()
+    }
+    save_file(state, str(path))
 
 
 def cached_head_path(model_hash: str) -> Path:
@@ -70,8 +79,13 @@ def cached_head_path(model_hash: str) -> Path:
 
 
 def shipped_head_path(model_hash: str) -> Path:
-    """Where the package keeps the head it ships for a model (the bundled one's)."""
+    """Where the package keeps the MLP head it ships for a model (the bundled one's): any split."""
     return SHIPPED_DIR / f"{model_hash}.safetensors"
+
+
+def shipped_layer_head_path(model_hash: str) -> Path:
+    """Where the package keeps the head that reads the edge's layers, for one split of a model."""
+    return SHIPPED_DIR / f"{model_hash}.layers.safetensors"
 
 
 def head_report_path(head_path: str | Path) -> Path:
@@ -79,17 +93,21 @@ def head_report_path(head_path: str | Path) -> Path:
     return Path(head_path).with_suffix(".json")
 
 
+def head_paths(edge_dir: str | Path, model_hash: str | None = None) -> list[Path]:
+    """The heads an edge may draft with, in order: the shard's own (`train-head --edge`), the one trained
+    for its model on this machine (the cache), the ones shipped with the package for its model (the one
+    that reads the edge's layers, for the split it was trained on, then the MLP, for any). Every one is
+    keyed by the model's weights (`model_hash`), so a head is never used with another model."""
+    paths = [Path(edge_dir) / HEAD_FILE]
+    if model_hash:
+        paths += [cached_head_path(model_hash), shipped_layer_head_path(model_hash), shipped_head_path(model_hash)]
+    return [p for p in paths if p.is_file()]
+
+
 def find_head(edge_dir: str | Path, model_hash: str | None = None) -> Path | None:
-    """The head an edge drafts with: the shard's own (`train-head --edge`), else the one trained for its
-    model on this machine (the cache), else the one shipped with the package for its model, else None.
-    Every one is keyed by the model's weights (`model_hash`), so a head is never used with another model."""
-    own = Path(edge_dir) / HEAD_FILE
-    if own.is_file():
-        return own
-    for path in (cached_head_path(model_hash), shipped_head_path(model_hash)) if model_hash else ():
-        if path.is_file():
-            return path
-    return None
+    """The first of `head_paths`, or None."""
+    found = head_paths(edge_dir, model_hash)
+    return found[0] if found else None
 
 
 def head_origin(path: Path) -> str:
@@ -101,20 +119,46 @@ def head_origin(path: Path) -> str:
     return "trained for this model on this machine (splitlm train-head)"
 
 
-def load_head(edge_dir: str | Path, model_hash: str | None = None) -> DraftHead | None:
-    """The trained draft head for this edge shard (`find_head`), or None."""
-    path = find_head(edge_dir, model_hash)
-    if path is None:
-        return None
+def read_head(path: str | Path) -> DraftHead | LayerHead:
+    """A head file: the MLP over the final state (`DraftHead`) or the one that reads the edge's layers."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))
-    inner, hidden = state["fc2.weight"].shape[1], state["fc2.weight"].shape[0]
-    head = DraftHead(hidden, inner, state["vocab_ids"])
+    if "fuse.weight" in state:
+        shape = LayerHeadShape.from_tensor(state["dims"], state["rope_theta"], state["norm_eps"])
+        head = LayerHead(shape, state["vocab_ids"], tuple(state["layers"].tolist()))
+    else:
+        head = DraftHead(state["fc2.weight"].shape[0], state["fc2.weight"].shape[1], state["vocab_ids"])
     head.load_state_dict(state)
-    head.path = path  # where it came from: the result files record it
-    note_head(path)
+    head.path = Path(path)  # where it came from: the result files record it
     return head.eval()
+
+
+def load_head(
+    edge_dir: str | Path, model_hash: str | None = None, layers: tuple[int, int] | None = None
+) -> DraftHead | LayerHead | None:
+    """The trained draft head for this edge shard (the first of `head_paths` that fits it), or None. A head
+    that reads the edge's layers fits only a split with the same K and L − M (`layers`; None: any). The
+    run's result files name it (`note_head`)."""
+    head = fitting_head(edge_dir, model_hash, layers)
+    if head is not None:
+        note_head(head.path)
+    return head
+
+
+def fitting_head(
+    edge_dir: str | Path, model_hash: str | None = None, layers: tuple[int, int] | None = None
+) -> DraftHead | LayerHead | None:
+    """`load_head`'s head, not noted as used."""
+    for path in head_paths(edge_dir, model_hash):
+        head = read_head(path)
+        if isinstance(head, LayerHead) and layers is not None and not head.fits(*layers):
+            log.info(
+                "draft head %s reads layers %s, this edge's split is %s: not used", path, head.feature_layers, layers
+            )
+            continue
+        return head
+    return None
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -153,6 +197,9 @@ class HeadRunner:
             self.lm.weight.copy_(w)  # [S, D]
         self.ids = head.vocab_ids
         self.calibration = KeyedCalibration()
+
+    def drafter(self) -> HeadDrafter:
+        return HeadDrafter(self)
 
     @torch.inference_mode()
     def step(self, h: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ from splitlm.decoding.budget import COST_MODELS
 from splitlm.decoding.copy import CopyDrafter, TextTokenizer
 from splitlm.decoding.corpus import CorpusDrafter, NgramModel
 from splitlm.decoding.drafters import CombinedDrafter, Drafter, LookaheadDrafter, NgramDrafter
-from splitlm.decoding.head import HeadDrafter
 from splitlm.decoding.recycle import RecycledDrafter
 from splitlm.decoding.suffix import SuffixDrafter
 
@@ -88,7 +87,7 @@ def suffix(s: DraftSources) -> Drafter:
 def head(s: DraftSources) -> Drafter:
     if s.memory.head is None:
         raise ValueError("speculative mode head needs a trained draft head (splitlm train-head)")
-    return HeadDrafter(s.memory.head)
+    return s.memory.head.drafter()
 
 
 def auto(s: DraftSources) -> Drafter:
@@ -97,7 +96,7 @@ def auto(s: DraftSources) -> Drafter:
     best nodes."""
     drafters = [suffix(s), RecycledDrafter(s.memory.recycle)]
     if s.memory.head is not None:
-        drafters.append(HeadDrafter(s.memory.head))
+        drafters.append(s.memory.head.drafter())
     if s.text is not None:
         drafters.append(CopyDrafter(s.text, s.memory.copy_calibration))
     return AutoDrafter(drafters)

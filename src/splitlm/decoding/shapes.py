@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splitlm.decoding.layer_head import RING
 from splitlm.decoding.request import Plan
 from splitlm.decoding.speculative import SpecStats, build_step, greedy_ids
 from splitlm.decoding.step import StepInput, StepResult
@@ -52,8 +53,10 @@ class PlainShape:
         """Run the uncached prompt tokens: the first token and the prefill's step."""
         prompt, cached = run.request.prompt_ids, run.request.cached
         extras = 0 if self.drafter is None else self.drafter.extras
+        n = len(prompt) - cached
+        features = list(range(max(0, n - RING), n)) if self.drafter is not None and self.drafter.features else None
         step = run.session.forward(
-            StepInput(prompt[cached:], rows=[len(prompt) - cached - 1], argmax=run.argmax, extras=extras)
+            StepInput(prompt[cached:], rows=[n - 1], argmax=run.argmax, extras=extras, feature_rows=features)
         )
         # the prefill's network time is a round trip like any other; its compute (a long causal pass,
         # cheaper per token than a decoding step's) would bias the per-token cost, so it is not fitted
@@ -79,7 +82,10 @@ class PlainShape:
             la.set_width(self.budget.window_width(la.width, self.max_width, la.n - 1, drafter.window_gain, tau))
         tree, window, choice = plan_step(drafter, self.budget, run.session.max_step_tokens)
         tokens, positions, mask, rows = build_step(tree, window, len(run.context) - 1)
-        step = StepInput(tokens, positions, mask, rows=rows, argmax=run.argmax, extras=drafter.extras)
+        features = list(range(len(tree))) if drafter.features else None
+        step = StepInput(
+            tokens, positions, mask, rows=rows, argmax=run.argmax, extras=drafter.extras, feature_rows=features
+        )
         return Plan(tree, step, window=window, expected=choice.expected_tokens)
 
     def learn(self, plan: Plan, path: list[int], new: list[int], ids: list[int] | None, result: StepResult) -> None:

@@ -26,6 +26,8 @@ class StepResult:
     hidden: torch.Tensor | None = None  # [R, D] each row's final-normed hidden state (with `extras`; None in
     # the split-head topology and under ONNX Runtime, whose tail graph ends in the LM head)
     edge_s: float = 0.0  # of compute_s, the edge's own layers and LM head (0: not measured apart)
+    features: torch.Tensor | None = None  # [F, 3, D] the `feature_rows`' hidden states after the edge's head
+    # layers, from the cloud and final-normed (what `splitlm.decoding.layer_head` reads; None: not asked or none)
 
     def rows_from(self, k: int) -> StepResult:
         """The same step with its rows from `k` on (out, topk, hidden): what a part of its tree sees."""
@@ -34,6 +36,7 @@ class StepResult:
             out=self.out[k:],
             topk=None if self.topk is None else self.topk[k:],
             hidden=None if self.hidden is None else self.hidden[k:],
+            features=None if self.features is None else self.features[k:],
         )
 
 
@@ -49,6 +52,8 @@ class StepInput:
     argmax: bool = False  # each row's greedy id [R] comes back instead of its logits [R, V]
     extras: int = 0  # k > 0: each row's top-k ids and final-normed hidden state come back (the drafter's)
     allowed: torch.Tensor | None = None  # [R, V] bool: with `argmax`, each row's greedy id among its allowed
+    feature_rows: list[int] | None = None  # the new tokens whose three hidden states come back (`features`):
+    # an edge-side drafter's, computed on the edge anyway; nothing more crosses the wire
 
 
 class StepSession(Protocol):

@@ -145,6 +145,27 @@ def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> 
     return chosen, held[: max(1, len(chosen) // 9)]
 
 
+def training_inputs(model_spec: str, edge_dir: Path, warmup: str | Path | None):
+    """What training a head for the edge shard in `edge_dir` reads: the shard, the warm-up file and its
+    records, the full model (bf16; checked to be the shard's) and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    edge = load_edge(edge_dir)
+    if edge.split_head:
+        raise SplitLMError("train-head needs a tail-local edge shard (split-head: the edge has no final hidden state)")
+    path = Path(warmup) if warmup else find_warmup(edge_dir, edge.manifest.model_hash)
+    if path is None:
+        raise SplitLMError(f"no warm-up answers for {edge_dir}: run `splitlm warmup` first (or pass --warmup FILE)")
+    records = read_warmup_records(path)
+    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
+    if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(
+        model.embed_tokens.weight.float(), edge.embed_tokens.weight.float().bfloat16().float()
+    ):
+        raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
+    tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
+    return edge, path, records, model, tok
+
+
 @dataclass(frozen=True)
 class HeadSettings:
     """How the head is trained: the data (`max_tokens` answer tokens), its size (`vocab` commonest greedy
@@ -173,24 +194,11 @@ def train_head(
     the command to reproduce it), and the report as `out/train-head-<stamp>.json` when `out` is given;
     return the report."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
     start = time.perf_counter()
     torch.manual_seed(settings.seed)
     edge_dir = Path(edge_dir)
-    edge = load_edge(edge_dir)
-    if edge.split_head:
-        raise SplitLMError("train-head needs a tail-local edge shard (split-head: the edge has no final hidden state)")
-    path = Path(warmup) if warmup else find_warmup(edge_dir, edge.manifest.model_hash)
-    if path is None:
-        raise SplitLMError(f"no warm-up answers for {edge_dir}: run `splitlm warmup` first (or pass --warmup FILE)")
-    records = read_warmup_records(path)
-    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
-    if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(
-        model.embed_tokens.weight.float(), edge.embed_tokens.weight.float().bfloat16().float()
-    ):
-        raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
-    tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
+    edge, path, records, model, tok = training_inputs(model_spec, edge_dir, warmup)
     seqs, starts = answer_sequences(records, tok, settings.unroll)
     chosen, held_out = split_answers(seqs, starts, settings.max_tokens)
     keep = chosen + held_out

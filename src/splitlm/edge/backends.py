@@ -46,6 +46,7 @@ class TailOut:
     out: torch.Tensor
     topk: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # [F, 3, D] the feature rows' head, cloud and final-normed states
 
 
 class Block(Protocol):
@@ -58,6 +59,8 @@ class Block(Protocol):
     argmax: bool  # each row's greedy token instead of its logits
     extras: int  # k > 0: also each row's k likeliest ids and final hidden state
     allowed: torch.Tensor | None  # [R, V] bool: with argmax, each row's greedy token among these (a grammar's)
+    feature_rows: list[int] | None  # the new tokens whose three hidden states come back (`TailOut.features`)
+    h: torch.Tensor  # [T, D] the head layers' outputs
 
 
 class EdgeBackend(Protocol):
@@ -160,7 +163,13 @@ class TorchBackend(LocalHead):
 
     def finish(self, reply: Result, f: Block, cache: KVCache) -> TailOut:
         h, pos, mask = self.tail_inputs(reply, f)
-        normed = self.model.tail_normed(h, pos, mask, cache, f.rows)[0]  # [R, D]
+        end = self.model.tail(h, pos, mask, cache)  # [1, T, D]
+        normed = self.model.norm(end[0] if f.rows is None else end[0, f.rows])  # [R, D]
+        features = None
+        if f.feature_rows is not None:
+            rows = f.feature_rows
+            low = f.h[rows].float()
+            features = to_host(torch.stack([low, h[0, rows].float(), self.model.norm(end[0, rows]).float()], 1))
         if f.argmax:
             allowed = self.allowed if f.allowed is None else row_allowed(f.allowed, self.allowed, self.device)
             logits, topk = self.model.greedy_head().candidates(normed, allowed, f.extras)
@@ -169,7 +178,7 @@ class TorchBackend(LocalHead):
             logits = self.vocab.mask_logits(to_host(self.model.lm_logits(normed)))  # [R, V]
             topk = logits.topk(f.extras, -1).indices if f.extras else None
         hidden = to_host(normed) if f.extras else None
-        return TailOut(logits, None if topk is None else to_host(topk), hidden)
+        return TailOut(logits, None if topk is None else to_host(topk), hidden, features)
 
 
 class OnnxBackend(LocalHead):

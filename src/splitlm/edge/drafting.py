@@ -14,6 +14,8 @@ from splitlm.decoding.auto import DraftMemory
 from splitlm.decoding.budget import StepBudget
 from splitlm.decoding.corpus import NgramModel, default_corpus_documents
 from splitlm.decoding.head import HeadRunner, load_head
+from splitlm.decoding.layer_drafter import LayerHeadRunner
+from splitlm.decoding.layer_head import LayerHead
 from splitlm.decoding.modes import SpecConfig, make_drafter, spec_mode
 from splitlm.decoding.suffix import SuffixIndex
 from splitlm.decoding.warmup import find_warmup, read_warmup
@@ -92,13 +94,15 @@ class DraftState:
                 self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
             return self._memories[key]
 
-    def head_runner(self) -> HeadRunner | None:
+    def head_runner(self) -> HeadRunner | LayerHeadRunner | None:
         """The shard's trained draft head on the edge's device, if it has one and the edge the final
         hidden state it reads (split-head and ONNX edges have none)."""
-        head = load_head(self.edge_dir, self.model.manifest.model_hash) if self.with_head else None
+        manifest = self.model.manifest
+        head = load_head(self.edge_dir, manifest.model_hash, manifest.cloud_layers) if self.with_head else None
         if head is None:
             return None
-        return HeadRunner(
+        runner = LayerHeadRunner if isinstance(head, LayerHead) else HeadRunner
+        return runner(
             head.to(self.device), self.model.embed_tokens.weight, self.model.head_weight, self.model.cfg.embed_scale
         )
 

@@ -52,6 +52,9 @@ class Flight:
     void: bool = False  # rolled back before its reply came: the reply is discarded
     first_sent: float = 0.0  # perf_counter() of its first send
     replayed: bool = False  # the first block a failover re-sent (its stall is counted)
+    feature_rows: list[int] | None = (
+        None  # the new tokens whose three hidden states the edge keeps (`StepResult.features`)
+    )
 
     @property
     def n_rows(self) -> int:

@@ -306,6 +306,7 @@ def step_result(f: Flight, reply: Reply, tail: TailOut, tail_s: float) -> StepRe
         tail.topk,
         tail.hidden,
         edge_s=f.edge_s + tail_s,
+        features=tail.features,
     )
 
 
@@ -360,6 +361,7 @@ class EdgeLayers:
             step.argmax,
             step.extras,
             allowed=step.allowed,
+            feature_rows=step.feature_rows,
             edge_s=time.perf_counter() - t0,
             overlapped=overlapped,
         )

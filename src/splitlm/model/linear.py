@@ -25,6 +25,7 @@ it is used only without autograd and costs one more copy of the weight's bytes. 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -83,6 +84,17 @@ def version(w: torch.Tensor) -> int:
     return -1 if w.is_inference() else w._version  # noqa: SLF001  (torch has no public API for the version counter)
 
 
+@functools.cache
+def bf16_blocked_supported() -> bool:
+    """Whether oneDNN makes blocked bf16 weights on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    an AVX2-only CPU refuses): a one-off trial on a tiny weight."""
+    try:
+        reorder_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
     """Whether this product goes through the blocked copy (`bf16`: the layers allow it in bf16)."""
     if not ENABLED or x.shape[-1] == 0:
@@ -91,7 +103,7 @@ def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
         rows = x.numel() // x.shape[-1]
         if not MIN_ROWS <= rows <= MAX_ROWS:
             return False
-    elif not (bf16 and x.dtype == torch.bfloat16):
+    elif not (bf16 and x.dtype == torch.bfloat16 and bf16_blocked_supported()):
         return False
     if sum(w.numel() for w in weights) < MIN_WEIGHT_ELEMENTS:
         return False  # small enough to stay in cache: oneDNN's fixed cost per call (about 20 us) outweighs the gain
@@ -119,7 +131,8 @@ def frozen_product(weight: torch.Tensor, rows: int = 16) -> Callable[[torch.Tens
     a 49152x576 weight read from cache, 1-20 rows: 12 -> 4 ms tuned for 16 rows (32 and 64 were slower
     from memory)."""
     dtype = weight.dtype
-    if ENABLED and weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+    supported = dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_blocked_supported())
+    if ENABLED and weight.device.type == "cpu" and supported:
         blocked = reorder_weight(weight.detach(), rows)  # the only copy kept
         return lambda x: blocked_linear(x.to(dtype), blocked, None)
     return lambda x: F.linear(x.to(dtype), weight)
