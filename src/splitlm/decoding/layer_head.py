@@ -76,6 +76,18 @@ class LayerHead(nn.Module):
         self.register_buffer("norm_eps", torch.tensor(shape.eps, dtype=torch.float64))
         self.path = None  # the file it was loaded from (`splitlm.decoding.head.load_head`)
 
+    @torch.no_grad()
+    def start_from_final_state(self) -> LayerHead:
+        """Start as the identity on the final-normed state: the fusion picks `high`, the attention's and
+        the MLP's output projections are zero, so o_p = high_p at first (as the MLP head's residual on
+        the final state starts); training then moves it from there."""
+        d = self.shape.hidden
+        self.fuse.weight.zero_()
+        self.fuse.weight[:, 2 * d :].copy_(torch.eye(d))
+        self.o.weight.zero_()
+        self.down.weight.zero_()
+        return self
+
     @property
     def feature_layers(self) -> tuple[int, int]:
         """(K, L - M): the layers whose outputs it reads as low and middle features."""

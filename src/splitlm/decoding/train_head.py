@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from splitlm import SplitLMError
-from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, head_report_path, save_head
+from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, head_report_path, native_bf16, save_head
 from splitlm.decoding.warmup import find_warmup, read_warmup_records
 from splitlm.model.llama import embed
 from splitlm.model.loading import load_model
@@ -145,6 +145,13 @@ def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> 
     return chosen, held[: max(1, len(chosen) // 9)]
 
 
+def training_dtype() -> torch.dtype:
+    """What the full model's features and the head's products run in while training: bf16 where its
+    products are native (`native_bf16`), else fp32 (an AVX2-only CPU emulates bf16 products, 6x slower
+    than fp32 for the head's 512x576x1536 product)."""
+    return torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32
+
+
 def training_inputs(model_spec: str, edge_dir: Path, warmup: str | Path | None):
     """What training a head for the edge shard in `edge_dir` reads: the shard, the warm-up file and its
     records, the full model (bf16; checked to be the shard's) and the tokenizer."""
@@ -157,9 +164,10 @@ def training_inputs(model_spec: str, edge_dir: Path, warmup: str | Path | None):
     if path is None:
         raise SplitLMError(f"no warm-up answers for {edge_dir}: run `splitlm warmup` first (or pass --warmup FILE)")
     records = read_warmup_records(path)
-    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
+    dtype = training_dtype()
+    model, model_dir = load_model(model_spec, dtype=dtype)
     if model.cfg.num_layers != edge.cfg.num_layers or not torch.equal(
-        model.embed_tokens.weight.float(), edge.embed_tokens.weight.float().bfloat16().float()
+        model.embed_tokens.weight.float(), edge.embed_tokens.weight.float().to(dtype).float()
     ):
         raise SplitLMError(f"{model_spec} is not the model the edge shard {edge_dir} was split from")
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
@@ -233,7 +241,7 @@ def train_head(
             for g in opt.param_groups:
                 g["lr"] = settings.lr * 0.5 * (1 + math.cos(math.pi * done / steps))
             h0, toks, gt, ht = tr.get(rng.sample(tr.pos, settings.batch))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=training_dtype() == torch.bfloat16):
                 logits, states = unrolled(head, emb, w, h0, toks)
             ce = F.cross_entropy(logits.float().flatten(0, 1), sub_of[gt].flatten(), ignore_index=-100)
             feat = F.smooth_l1_loss(states.float(), ht)
@@ -318,7 +326,7 @@ def evaluate_head(
     head = DraftHead(state["fc2.weight"].shape[0], state["fc2.weight"].shape[1], state["vocab_ids"])
     head.load_state_dict(state)
     head = head.float().eval()
-    model, model_dir = load_model(model_spec, dtype=torch.bfloat16)
+    model, model_dir = load_model(model_spec, dtype=training_dtype())
     tok = AutoTokenizer.from_pretrained(edge_dir if (edge_dir / "tokenizer.json").exists() else model_dir)
     seqs, starts = answer_sequences(read_warmup_records(path), tok, unroll)
     _, held_out = split_answers(seqs, starts, max_tokens)

@@ -25,7 +25,13 @@ import torch.nn.functional as F
 
 from splitlm.decoding.head import HEAD_FILE, cached_head_path, head_report_path, save_head
 from splitlm.decoding.layer_head import RING, LayerHead, LayerHeadShape, unrolled
-from splitlm.decoding.train_head import REPORT_SCHEMA, answer_sequences, split_answers, training_inputs
+from splitlm.decoding.train_head import (
+    REPORT_SCHEMA,
+    answer_sequences,
+    split_answers,
+    training_dtype,
+    training_inputs,
+)
 from splitlm.model.llama import embed
 from splitlm.result_files import file_digest, provenance, time_stamp, write_json, write_result
 
@@ -123,16 +129,18 @@ class LayerHeadSettings:
     batch_tokens: int = 2048
     lr: float = 1e-3
     seed: int = 0
+    start: str = "random"  # "final": the layer starts as the identity on the final state (`start_from_final_state`)
     state_weight: float = 0.0  # > 0: also fit each output to the next position's final state (`batch_loss`)
     bf16: bool = True  # stored in bf16 (half the bytes; it drafts in bf16 where that is native)
 
 
-def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int) -> LayerHead:
-    """A head at the model's width and attention shape."""
+def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, start: str = "random") -> LayerHead:
+    """A head at the model's width and attention shape, at its `start` (`LayerHeadSettings.start`)."""
     shape = LayerHeadShape(
         cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inner, 10000.0, cfg.rms_norm_eps
     )
-    return LayerHead(shape, vocab_ids, layers)
+    head = LayerHead(shape, vocab_ids, layers)
+    return head.start_from_final_state() if start == "final" else head
 
 
 def sub_vocab(head: LayerHead, vocab_size: int) -> torch.Tensor:
@@ -226,7 +234,7 @@ def fit(
         warm = min(1.0, (done + 1) / 50)
         for g in opt.param_groups:
             g["lr"] = settings.lr * warm * 0.5 * (1 + math.cos(math.pi * done / total))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=training_dtype() == torch.bfloat16):
             loss = batch_loss(head, batch, emb, lm, sub_of, settings.steps, settings.state_weight)
         opt.zero_grad()
         loss.backward()
@@ -280,7 +288,7 @@ def train_layer_head(
     counts = torch.bincount(torch.cat([g for _, g in data[:n]]), minlength=model.cfg.vocab_size)
     vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
     coverage = float(counts[vocab_ids].sum() / counts.sum())
-    head = new_head(model.cfg, vocab_ids, layers, settings.inner)
+    head = new_head(model.cfg, vocab_ids, layers, settings.inner, settings.start)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     lm = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
     sub_of = sub_vocab(head, model.cfg.vocab_size)

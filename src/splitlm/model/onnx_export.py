@@ -169,6 +169,17 @@ def _export(graph: nn.Module, args: tuple, inputs: list[str], outputs: list[str]
         llama.SDPA_GQA = gqa
 
 
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has VNNI (AVX-512 VNNI or AVX-VNNI), whose int8 products ONNX Runtime's u8s8
+    kernels use; without it they go through 16-bit sums that saturate at full 8-bit range."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True  # not Linux: keep full range, as measured
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
 def export_edge_onnx(model, edge_dir: str | Path, int8: bool = False, adapter: str = "") -> OnnxManifest:
     """Write `edge_dir/onnx/` for `model` (an fp32 `EdgeModel` of that shard): head.onnx, tail.onnx,
     with `int8` also head.int8.onnx and tail.int8.onnx, and onnx.json."""
@@ -214,6 +225,7 @@ def export_edge_onnx(model, edge_dir: str | Path, int8: bool = False, adapter: s
                     graph_file(edge_dir, seg, "int8"),
                     weight_type=QuantType.QInt8,
                     per_channel=True,
+                    reduce_range=not cpu_has_vnni(),  # 7-bit weights where 8-bit sums would saturate
                     op_types_to_quantize=["MatMul", "Gather"],
                 )
         finally:
