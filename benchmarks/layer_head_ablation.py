@@ -112,7 +112,7 @@ def main() -> None:
     t.add_argument("--batch-tokens", type=int, default=2048)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--inner", type=int, default=1536)
-    t.add_argument("--start", choices=("random", "final"), default="random")
+    t.add_argument("--start", choices=("random", "final"), default="final")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--out", default=None)

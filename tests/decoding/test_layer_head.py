@@ -126,3 +126,13 @@ def test_train_head_trains_a_layer_head_the_edge_loads(audit_model_dir, tmp_path
     head = load_head(split / "edge", layers=(2, report["feature_layers"][1]))
     assert isinstance(head, LayerHead) and head.feature_layers == tuple(report["feature_layers"])
     assert load_head(split / "edge", layers=(1, report["feature_layers"][1])) is None  # another split
+
+
+def test_a_head_started_from_the_final_state_reads_it_out_unchanged():
+    d, t = 16, 7
+    head = LayerHead(LayerHeadShape(d, 2, 1, d // 2, 24), torch.arange(0, 64, 2), LAYERS).start_from_final_state()
+    emb, lm = torch.randn(64, d), torch.randn(32, d)
+    feats = torch.randn(1, t, 3, d)
+    with torch.no_grad():
+        first = unrolled(head, feats, emb[torch.randint(0, 64, (1, t))], lm, 1)[0]
+    torch.testing.assert_close(first, head.readout(feats[:, :, 2], lm))
