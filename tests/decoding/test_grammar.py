@@ -572,3 +572,19 @@ def test_closed_objects_keeps_what_a_schema_says_about_other_keys():
     assert props["open"]["additionalProperties"] is True and "additionalProperties" not in props["named"]
     assert props["both"] == schema["properties"]["both"]  # closing one branch would refuse the other's keys
     assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_forced_text_a_special_token_spells_is_written_in_plain_tokens(tmp_path):
+    """Qwen's tokenizer spells `<tool_call>` as one special token; the grammar matches bytes and refuses it,
+    so the forced text goes out as the plain tokens that spell it (it once failed the request)."""
+    from transformers import AutoTokenizer
+
+    save_merge_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    special = tok.convert_tokens_to_ids("<tool_call>")
+    gt = GrammarTokenizer.from_hf(tok, len(tok), [tok.convert_tokens_to_ids(JSON_EOS)])
+    state = compile_grammar(GrammarSpec.lark('start: "<tool_call>\\n" "ok"'), gt).start()
+    assert state.forced() != special and not state.allowed()[special]
+    written = state.closing(32)  # the forced token at each state, else the first allowed
+    assert special not in written and tok.decode(written) == "<tool_call>\nok"

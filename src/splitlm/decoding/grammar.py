@@ -145,13 +145,11 @@ class GrammarTokenizer:
     @classmethod
     def from_hf(cls, tokenizer, vocab_size: int, eos_ids: list[int] | tuple[int, ...]) -> GrammarTokenizer:
         """From a fast `transformers` tokenizer."""
-        import llguidance.hf
-
         if not eos_ids:
             raise GrammarError("constrained decoding needs the model's end token (its config names none)")
         try:
-            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
-        except (ValueError, RuntimeError) as e:
+            ll = text_tokenizer(tokenizer, vocab_size, eos_ids)
+        except (ValueError, RuntimeError, AttributeError) as e:
             raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
 
         def single(texts: tuple[str, ...]) -> tuple[int, ...]:
@@ -164,6 +162,25 @@ class GrammarTokenizer:
             dtype=np.int8,
         )
         return cls(ll, vocab_size, tuple(eos_ids), single(CLOSERS), single(VALUE_ENDS), word_ends, leads)
+
+
+def text_tokenizer(tokenizer, vocab_size: int, eos_ids) -> Any:
+    """The engine's tokenizer (an `llguidance.LLTokenizer`) from a fast `transformers` one, without its added
+    tokens but the end tokens. The engine takes every added token for a special one, which no text of a
+    grammar matches, yet splits text into them: the forced `<tool_call>` of a tool call would come out
+    as Qwen's special token of that name and fail the match. Without them text splits into the plain
+    tokens that spell it, and the added ones (chat markers, Qwen's `<tool_call>`) are never allowed."""
+    import copy
+    import json
+
+    import llguidance
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] in eos_ids]
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
 # keywords whose value is a subschema, a list of them, or a map of names to them

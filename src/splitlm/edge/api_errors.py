@@ -6,6 +6,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from splitlm.decoding.grammar import GrammarError
 from splitlm.transport.errors import ErrorCode
 
 CAPACITY_RETRY_AFTER_S = 2
@@ -33,7 +34,8 @@ class APIError(Exception):
 
 def cloud_failure(e: Exception) -> APIError:
     """A failed generation: 503 with Retry-After when the cloud is at its KV capacity, 400 when the
-    request needs more KV memory than the cloud's whole budget (it never fits there), else 502."""
+    request needs more KV memory than the cloud's whole budget (it never fits there), 500 when the edge's
+    grammar engine failed, else 502."""
     if getattr(e, "code", None) == ErrorCode.EXCEEDS_BUDGET:
         return APIError(400, f"the request is too large for the cloud's memory: {e}", code="cloud_budget_exceeded")
     if getattr(e, "code", None) == ErrorCode.CAPACITY:
@@ -44,6 +46,8 @@ def cloud_failure(e: Exception) -> APIError:
             code="cloud_capacity",
             headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
         )
+    if isinstance(e, GrammarError):  # the edge's own constrained decoding, not the cloud
+        return APIError(500, f"constrained decoding failed on the edge: {e}", "server_error", code="grammar_error")
     return APIError(502, f"the cloud failed: {e}", "server_error", code="cloud_error")
 
 
