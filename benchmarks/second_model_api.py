@@ -8,7 +8,8 @@ the prefix pool and `none` (sequential) without it, both greedy. Every request g
 check records both answers and whether they are equal, whether a JSON answer parses and fits its
 schema, whether a forced call names a listed tool with arguments that fit its parameters, and how
 many prompt tokens the second turn of a conversation reused. Writes `second-model-api-<stamp>.json`
-(with provenance) to the results directory; exits 1 when a check fails.
+(with provenance) to the results directory (the default results directory: copy a run to cite into
+benchmarks/results); exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from splitlm.edge.api import APIConfig, EdgeAPI
 from splitlm.edge.api_serve import serving
 from splitlm.edge.prefix_pool import PoolLimits
 from splitlm.model.shards import cached_split
-from splitlm.result_files import begin_run, default_results_dir, provenance, write_result
+from splitlm.result_files import begin_run, default_results_dir, provenance, time_stamp, write_result
 
 SCHEMA = {
     "type": "object",
@@ -189,9 +190,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="results directory (default: benchmarks/results)")
     args = ap.parse_args()
     begin_run()
-    doc = run(args)
+    created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    doc = {"created": created, **run(args)}
     doc["provenance"] = provenance()
-    written = write_result(args.out or default_results_dir(), "second-model-api", doc)
+    written = write_result(args.out or default_results_dir(), "second-model-api", doc, stamp=time_stamp(created))
     print(json.dumps({k: v["ok"] for k, v in doc["checks"].items()}), file=sys.stderr)
     print(written.json)
     return 0 if doc["all_ok"] else 1

@@ -205,3 +205,12 @@ def test_a_prompt_no_context_holds_is_refused_before_it_is_tokenized(slow_api):
     err = json.loads(text)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert "20000000 characters" in err["message"] and time.monotonic() - start < 2
+
+
+def test_a_grammar_engine_failure_is_the_edge_s_not_the_cloud_s():
+    from splitlm.decoding.grammar import GrammarError
+    from splitlm.edge.api_errors import cloud_failure
+
+    err = cloud_failure(GrammarError("token 7 does not match the grammar"))
+    assert err.status == 500 and err.code == "grammar_error" and "cloud" not in err.message
+    assert cloud_failure(RuntimeError("connection lost")).status == 502
