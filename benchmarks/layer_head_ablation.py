@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -64,6 +65,19 @@ def features(args) -> None:
     print(f"{n} training answers, {len(held)} held out; features in {time.perf_counter() - t0:.0f} s -> {args.cache}")
 
 
+def windows(data, seqs, starts, width: int, seed: int):
+    """Each sequence cut into pieces of `width` positions (each attends within itself only), the pieces
+    shuffled across answers, so that a batch holds positions of many answers, as the MLP's do."""
+    pieces = []
+    for (feats, greedy), seq, start in zip(data, seqs, starts, strict=True):
+        for lo in range(0, len(seq), width):
+            hi = min(lo + width, len(seq))
+            if hi - lo >= 6:
+                pieces.append(((feats[lo:hi], greedy[lo:hi]), seq[lo:hi], start - lo))
+    random.Random(seed).shuffle(pieces)
+    return [p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]
+
+
 def train(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -79,13 +93,17 @@ def train(args) -> None:
     )
     n, data, seqs, starts = saved["n_train"], saved["data"], saved["seqs"], saved["starts"]
     head = new_head(saved["cfg"], saved["vocab_ids"], saved["layers"], settings.inner, settings.start)
-    train_set = batches(data[:n], seqs[:n], starts[:n], settings.batch_tokens)
+    if args.window:
+        train_set = batches(*windows(data[:n], seqs[:n], starts[:n], args.window, args.seed), settings.batch_tokens)
+    else:
+        train_set = batches(data[:n], seqs[:n], starts[:n], settings.batch_tokens)
     held = batches(data[n:], seqs[n:], starts[n:], 2048)
     t0 = time.perf_counter()
     fitted = fit(head, train_set, saved["emb"], saved["lm"], sub_vocab(head, saved["cfg"].vocab_size), settings)
     head.eval()
     line = {
         "settings": asdict(settings),
+        "window": args.window,
         **fitted,
         "train_s": round(time.perf_counter() - t0, 1),
         "heldout": acceptance(head, held, saved["emb"], saved["lm"], settings.steps),
@@ -114,6 +132,7 @@ def main() -> None:
     t.add_argument("--inner", type=int, default=1536)
     t.add_argument("--start", choices=("random", "final"), default="final")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--window", type=int, default=0, help="train on pieces of this many positions, shuffled (0: whole)")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--out", default=None)
     args = ap.parse_args()
