@@ -174,6 +174,21 @@ def training_inputs(model_spec: str, edge_dir: Path, warmup: str | Path | None):
     return edge, path, records, model, tok
 
 
+def draft_vocabulary(greedy: list[torch.Tensor], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` commonest greedy tokens of the training answers (their ids, sorted [S]) and the share of
+    greedy tokens they cover."""
+    counts = torch.bincount(torch.cat(greedy), minlength=vocab_size)
+    vocab_ids = counts.topk(min(size, vocab_size)).indices.sort().values
+    return vocab_ids, float(counts[vocab_ids].sum() / counts.sum())
+
+
+def vocab_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """token id -> its index in the draft vocabulary, -100 (ignored by the loss) for the rest [V]."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    return index
+
+
 @dataclass(frozen=True)
 class HeadSettings:
     """How the head is trained: the data (`max_tokens` answer tokens), its size (`vocab` commonest greedy
@@ -221,11 +236,8 @@ def train_head(
     ntrain = len(chosen)
     tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.unroll)
     ho = Batches(data[ntrain:], [seqs[i] for i in keep[ntrain:]], [starts[i] for i in keep[ntrain:]], settings.unroll)
-    counts = torch.bincount(torch.cat([g for _, g in data[:ntrain]]), minlength=model.cfg.vocab_size)
-    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
-    coverage = float(counts[vocab_ids].sum() / counts.sum())
-    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)  # token -> head vocabulary index
-    sub_of[vocab_ids] = torch.arange(len(vocab_ids))
+    vocab_ids, coverage = draft_vocabulary([g for _, g in data[:ntrain]], model.cfg.vocab_size, settings.vocab)
+    sub_of = vocab_index(vocab_ids, model.cfg.vocab_size)
     d = model.cfg.hidden_size
     head = DraftHead(d, settings.inner, vocab_ids)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
@@ -335,8 +347,7 @@ def evaluate_head(
     )
     data = features(model, [seqs[i] for i in held_out])
     ho = Batches(data, [seqs[i] for i in held_out], [starts[i] for i in held_out], unroll)
-    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
-    sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    sub_of = vocab_index(head.vocab_ids, model.cfg.vocab_size)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[head.vocab_ids]
     return {

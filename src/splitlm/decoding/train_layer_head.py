@@ -28,9 +28,11 @@ from splitlm.decoding.layer_head import RING, LayerHead, LayerHeadShape, unrolle
 from splitlm.decoding.train_head import (
     REPORT_SCHEMA,
     answer_sequences,
+    draft_vocabulary,
     split_answers,
     training_dtype,
     training_inputs,
+    vocab_index,
 )
 from splitlm.model.llama import embed
 from splitlm.result_files import file_digest, provenance, time_stamp, write_json, write_result
@@ -142,13 +144,6 @@ def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, 
     )
     head = LayerHead(shape, vocab_ids, layers)
     return head.start_from_final_state() if start == "final" else head
-
-
-def sub_vocab(head: LayerHead, vocab_size: int) -> torch.Tensor:
-    """token id -> index in the head's vocabulary, −100 for the rest [V]."""
-    sub_of = torch.full((vocab_size,), -100, dtype=torch.long)
-    sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
-    return sub_of
 
 
 def batch_loss(
@@ -286,13 +281,11 @@ def train_layer_head(
         data = layer_features(model, [seqs[i][:RING] for i in keep], layers, progress=bar)
     feat_s = time.perf_counter() - start
     n = len(chosen)
-    counts = torch.bincount(torch.cat([g for _, g in data[:n]]), minlength=model.cfg.vocab_size)
-    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
-    coverage = float(counts[vocab_ids].sum() / counts.sum())
+    vocab_ids, coverage = draft_vocabulary([g for _, g in data[:n]], model.cfg.vocab_size, settings.vocab)
     head = new_head(model.cfg, vocab_ids, layers, settings.inner, settings.start)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     lm = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
-    sub_of = sub_vocab(head, model.cfg.vocab_size)
+    sub_of = vocab_index(vocab_ids, model.cfg.vocab_size)
     del model
     train = batches(data[:n], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.batch_tokens)
     held = batches(data[n:], [seqs[i] for i in held_out], [starts[i] for i in held_out], settings.batch_tokens)
