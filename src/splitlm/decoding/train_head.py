@@ -34,19 +34,28 @@ from splitlm.result_files import file_digest, provenance, time_stamp, write_json
 REPORT_SCHEMA = "splitlm.train-head/1"
 
 
+def length_groups(lengths: list[int], batch_tokens: int, cap: int | None = None) -> list[list[int]]:
+    """Indices of sequences grouped for padded batches: sorted by length, each group grown while its padded
+    size (rows of at most `cap`) fits in `batch_tokens`."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    row = [length if cap is None else min(cap, length) for length in lengths]  # a row's padded size
+    groups, i = [], 0
+    while i < len(order):
+        n = 1
+        while i + n < len(order) and (n + 1) * row[order[i + n]] <= batch_tokens:
+            n += 1
+        groups.append(order[i : i + n])
+        i += n
+    return groups
+
+
 @torch.inference_mode()
 def features(
     model, seqs: list[list[int]], batch_tokens: int = 4096, progress=None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: final-normed hidden states H [T, D] (bf16) and greedy next tokens G [T]."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list = [None] * len(seqs)
-    i = 0
-    while i < len(order):
-        n = 1  # sorted by length: grow the group while its padded size fits
-        while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
-            n += 1
-        group = order[i : i + n]
+    for group in length_groups([len(x) for x in seqs], batch_tokens):
         t = max(len(seqs[j]) for j in group)
         ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -54,7 +63,6 @@ def features(
         g = F.linear(h, w).argmax(-1)  # [B, T]
         for r, j in enumerate(group):
             out[j] = (h[r, : len(seqs[j])].to(torch.bfloat16), g[r, : len(seqs[j])])
-        i += len(group)
         if progress is not None:
             progress.update(sum(len(seqs[j]) for j in group))
     return out

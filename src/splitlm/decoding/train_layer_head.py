@@ -29,6 +29,7 @@ from splitlm.decoding.train_head import (
     REPORT_SCHEMA,
     answer_sequences,
     draft_vocabulary,
+    length_groups,
     split_answers,
     training_dtype,
     training_inputs,
@@ -52,15 +53,9 @@ def layer_features(
 
     hooks = [model.stack.layers[i - 1].register_forward_hook(catch(i)) for i in (low_at, mid_at) if i > 0]
     try:
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         out: list = [None] * len(seqs)
-        i = 0
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        while i < len(order):
-            n = 1  # sorted by length: grow the group while its padded size fits
-            while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
-                n += 1
-            group = order[i : i + n]
+        for group in length_groups([len(x) for x in seqs], batch_tokens):
             t = max(len(seqs[j]) for j in group)
             ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
             x = embed(model.embed_tokens, ids, model.cfg)
@@ -71,7 +66,6 @@ def layer_features(
             feats = torch.stack([low, mid, h.float()], 2).to(torch.bfloat16)  # [B, T, 3, D]
             for r, j in enumerate(group):
                 out[j] = (feats[r, : len(seqs[j])].clone(), g[r, : len(seqs[j])].clone())
-            i += len(group)
             if progress is not None:
                 progress.update(sum(len(seqs[j]) for j in group))
         return out
@@ -93,13 +87,8 @@ class SequenceBatch:
 
 def batches(data, seqs: list[list[int]], starts: list[int], batch_tokens: int) -> list[SequenceBatch]:
     """The sequences (cut at `RING`), grouped by length into padded batches of about `batch_tokens`."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out, i = [], 0
-    while i < len(order):
-        n = 1
-        while i + n < len(order) and (n + 1) * min(RING, len(seqs[order[i + n]])) <= batch_tokens:
-            n += 1
-        group = order[i : i + n]
+    out = []
+    for group in length_groups([len(x) for x in seqs], batch_tokens, cap=RING):
         t = min(RING, max(len(seqs[j]) for j in group))
         feats = torch.zeros(len(group), t, *data[group[0]][0].shape[1:], dtype=torch.bfloat16)
         nxt = torch.zeros(len(group), t, dtype=torch.long)
@@ -113,7 +102,6 @@ def batches(data, seqs: list[list[int]], starts: list[int], batch_tokens: int) -
             lo = max(starts[j] - 2, 0)  # targets x_{t+2} that are answer tokens
             target[r, :lo] = -100
         out.append(SequenceBatch(feats, nxt, target, [starts[j] for j in group]))
-        i += len(group)
     return out
 
 
