@@ -125,7 +125,7 @@ class LayerHeadSettings:
     bf16: bool = True  # stored in bf16 (half the bytes; it drafts in bf16 where that is native)
 
 
-def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, start: str = "random") -> LayerHead:
+def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, start: str = "final") -> LayerHead:
     """A head at the model's width and attention shape, at its `start` (`LayerHeadSettings.start`)."""
     shape = LayerHeadShape(
         cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inner, 10000.0, cfg.rms_norm_eps
