@@ -22,13 +22,7 @@ from pathlib import Path
 import torch
 
 from splitlm.decoding.layer_head import RING
-from splitlm.decoding.train_head import (
-    answer_sequences,
-    draft_vocabulary,
-    split_answers,
-    training_inputs,
-    vocab_index,
-)
+from splitlm.decoding.train_head import answer_sequences, split_answers, training_inputs
 from splitlm.decoding.train_layer_head import (
     LayerHeadSettings,
     acceptance,
@@ -36,6 +30,7 @@ from splitlm.decoding.train_layer_head import (
     fit,
     layer_features,
     new_head,
+    sub_vocab,
 )
 
 
@@ -50,7 +45,8 @@ def features(args) -> None:
     t0 = time.perf_counter()
     data = layer_features(model, [seqs[i][:RING] for i in keep], layers)
     n = len(chosen)
-    vocab_ids, _ = draft_vocabulary([g for _, g in data[:n]], model.cfg.vocab_size, settings.vocab)
+    counts = torch.bincount(torch.cat([g for _, g in data[:n]]), minlength=model.cfg.vocab_size)
+    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
     lm_weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     torch.save(
         {
@@ -103,8 +99,7 @@ def train(args) -> None:
         train_set = batches(data[:n], seqs[:n], starts[:n], settings.batch_tokens)
     held = batches(data[n:], seqs[n:], starts[n:], 2048)
     t0 = time.perf_counter()
-    sub_of = vocab_index(saved["vocab_ids"], saved["cfg"].vocab_size)
-    fitted = fit(head, train_set, saved["emb"], saved["lm"], sub_of, settings)
+    fitted = fit(head, train_set, saved["emb"], saved["lm"], sub_vocab(head, saved["cfg"].vocab_size), settings)
     head.eval()
     line = {
         "settings": asdict(settings),

@@ -170,39 +170,12 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and probe is not None and bool(probe())
 
 
-class DraftRunner:
-    """What a draft head of either kind drafts with: the edge's embedding, its vocabulary's ids and the
-    LM head's rows for them (`vocab_rows`), its calibration, and the dtype it runs in.
+class HeadRunner:
+    """A head with the edge's embedding and LM-head rows of its vocabulary, ready to draft.
 
     Drafts need not be exact (the cloud verifies them), so where bf16 products are native
-    (`native_bf16`) a head and its LM-head rows run in bf16, as it was trained: half the bytes of
+    (`native_bf16`) the head and its LM-head rows run in bf16, as it was trained: half the bytes of
     the 8k-row head to read at every depth (2.1 -> 1.0 ms per depth for 6 rows on this CPU)."""
-
-    def __init__(
-        self,
-        vocab_ids: torch.Tensor,
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        embed_scale: float = 1.0,
-        dtype: torch.dtype | None = None,
-    ):
-        native = torch.bfloat16 if native_bf16(lm_head.device) else torch.float32
-        self.dtype = native if dtype is None else dtype
-        self.embed, self.scale = embed.detach(), embed_scale  # [V, D]
-        self.ids = vocab_ids  # [S]
-        self.calibration = KeyedCalibration()
-
-    def vocab_rows(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The LM head's rows of the draft vocabulary [S, D], fp32."""
-        return lm_head.detach().float()[self.ids]
-
-    def embedded(self, tokens: list[int]) -> torch.Tensor:
-        """Tokens [B] -> their scaled embeddings [B, D] in the runner's dtype."""
-        return (self.embed[torch.tensor(tokens, device=self.embed.device)].float() * self.scale).to(self.dtype)
-
-
-class HeadRunner(DraftRunner):
-    """A `DraftHead` (the MLP over the final state), ready to draft."""
 
     def __init__(
         self,
@@ -212,13 +185,18 @@ class HeadRunner(DraftRunner):
         embed_scale: float = 1.0,
         dtype: torch.dtype | None = None,
     ):
-        super().__init__(head.vocab_ids, embed, lm_head, embed_scale, dtype)
-        self.head = copy.deepcopy(head).to(self.dtype)  # the caller's head stays as it was
-        w = self.vocab_rows(lm_head)  # [S, D]
-        self.lm = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=self.dtype).requires_grad_(False)
+        w = lm_head.detach().float()[head.vocab_ids]  # [S, D]
+        if dtype is None:
+            dtype = torch.bfloat16 if native_bf16(w.device) else torch.float32
+        self.dtype = dtype
+        self.head = copy.deepcopy(head).to(dtype)  # the caller's head stays as it was
+        self.embed, self.scale = embed.detach(), embed_scale  # [V, D]
+        self.lm = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=dtype).requires_grad_(False)
         self.lm.bf16_blocked = True
         with torch.no_grad():
             self.lm.weight.copy_(w)  # [S, D]
+        self.ids = head.vocab_ids
+        self.calibration = KeyedCalibration()
 
     def drafter(self) -> HeadDrafter:
         return HeadDrafter(self)
@@ -226,7 +204,8 @@ class HeadRunner(DraftRunner):
     @torch.inference_mode()
     def step(self, h: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, D], next tokens [B] -> (ĥ [B, D], top-k probabilities [B, k], their token ids [B, k])."""
-        nh = self.head(h.to(self.dtype), self.embedded(tokens))
+        e = (self.embed[torch.tensor(tokens)].float() * self.scale).to(self.dtype)
+        nh = self.head(h.to(self.dtype), e)
         logits = self.lm(nh).float()  # [B, S]
         top = logits.topk(k, -1).indices  # [B, k]
         # softmax, not exp(top - logsumexp): logsumexp's exp of a wide logit range was 3x slower here
@@ -236,7 +215,8 @@ class HeadRunner(DraftRunner):
     @torch.inference_mode()
     def advance(self, h: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """h [B, D], next tokens [B] -> ĥ [B, D] (no LM head: nothing is drafted)."""
-        return self.head(h.to(self.dtype), self.embedded(tokens))
+        e = (self.embed[torch.tensor(tokens)].float() * self.scale).to(self.dtype)
+        return self.head(h.to(self.dtype), e)
 
     def roll(self, h: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """h [D] before known `tokens` -> ĥ [D] at the last of them."""

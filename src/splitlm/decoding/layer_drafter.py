@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from splitlm.decoding.drafters import either
-from splitlm.decoding.head import AFTER_NODES, MAX_ROLL, DraftRunner, HeadDrafter
+from splitlm.decoding.drafters import KeyedCalibration, either
+from splitlm.decoding.head import AFTER_NODES, MAX_ROLL, HeadDrafter, native_bf16
 from splitlm.decoding.layer_head import RING, LayerHead
 from splitlm.decoding.step import StepResult
 from splitlm.decoding.tree import TokenTree
@@ -45,8 +45,9 @@ class Chain:
     position: int
 
 
-class LayerHeadRunner(DraftRunner):
-    """A `LayerHead`, ready to draft."""
+class LayerHeadRunner:
+    """A `LayerHead` with the edge's embedding and LM-head rows of its vocabulary, ready to draft
+    (in bf16 where bf16 products are native, as `HeadRunner`)."""
 
     features = True  # it reads every verified row's three features (`StepResult.features`)
 
@@ -58,20 +59,26 @@ class LayerHeadRunner(DraftRunner):
         embed_scale: float = 1.0,
         dtype: torch.dtype | None = None,
     ):
-        super().__init__(head.vocab_ids, embed, lm_head, embed_scale, dtype)
-        self.head = copy.deepcopy(head).to(self.dtype).eval().requires_grad_(False)  # the caller's stays as it was
-        self.lm = self.vocab_rows(lm_head).to(self.dtype)  # [S, D]
+        w = lm_head.detach().float()[head.vocab_ids]  # [S, D]
+        if dtype is None:
+            dtype = torch.bfloat16 if native_bf16(w.device) else torch.float32
+        self.dtype = dtype
+        self.head = copy.deepcopy(head).to(dtype).eval().requires_grad_(False)  # the caller's stays as it was
+        self.embed, self.scale = embed.detach(), embed_scale  # [V, D]
+        self.lm = w.to(dtype)  # [S, D]
+        self.ids = head.vocab_ids
+        self.calibration = KeyedCalibration()
 
     def drafter(self) -> LayerHeadDrafter:
         return LayerHeadDrafter(self)
 
-    def no_rows(self) -> torch.Tensor:
-        """Keys or values of no positions [Hkv, 0, hd]."""
-        s = self.head.shape
-        return torch.zeros(s.kv_heads, 0, s.head_dim, dtype=self.dtype, device=self.lm.device)
-
     def new_ring(self) -> Ring:
-        return Ring(self.no_rows(), self.no_rows())
+        s, dev = self.head.shape, self.lm.device
+        empty = torch.zeros(s.kv_heads, 0, s.head_dim, dtype=self.dtype, device=dev)
+        return Ring(empty, empty.clone())
+
+    def embedded(self, tokens: list[int]) -> torch.Tensor:
+        return (self.embed[torch.tensor(tokens, device=self.embed.device)].float() * self.scale).to(self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         h = self.head
@@ -122,7 +129,9 @@ class LayerHeadRunner(DraftRunner):
         gained after it (a grammar's forced chain); None when there is nothing to draft from."""
         if ring.last is None or len(known) > MAX_ROLL:
             return None
-        state = Chain(ring.last, self.no_rows(), self.no_rows(), ring.position)
+        s = self.head.shape
+        empty = torch.zeros(s.kv_heads, 0, s.head_dim, dtype=self.dtype, device=self.lm.device)
+        state = Chain(ring.last, empty, empty, ring.position)
         for tok in known:
             state = self.step(ring, [state], [tok])[0]
         return state

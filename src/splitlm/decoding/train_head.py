@@ -34,28 +34,19 @@ from splitlm.result_files import file_digest, provenance, time_stamp, write_json
 REPORT_SCHEMA = "splitlm.train-head/1"
 
 
-def length_groups(lengths: list[int], batch_tokens: int, cap: int | None = None) -> list[list[int]]:
-    """Indices of sequences grouped for padded batches: sorted by length, each group grown while its padded
-    size (rows of at most `cap`) fits in `batch_tokens`."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    row = [length if cap is None else min(cap, length) for length in lengths]  # a row's padded size
-    groups, i = [], 0
-    while i < len(order):
-        n = 1
-        while i + n < len(order) and (n + 1) * row[order[i + n]] <= batch_tokens:
-            n += 1
-        groups.append(order[i : i + n])
-        i += n
-    return groups
-
-
 @torch.inference_mode()
 def features(
     model, seqs: list[list[int]], batch_tokens: int = 4096, progress=None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: final-normed hidden states H [T, D] (bf16) and greedy next tokens G [T]."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list = [None] * len(seqs)
-    for group in length_groups([len(x) for x in seqs], batch_tokens):
+    i = 0
+    while i < len(order):
+        n = 1  # sorted by length: grow the group while its padded size fits
+        while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
+            n += 1
+        group = order[i : i + n]
         t = max(len(seqs[j]) for j in group)
         ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -63,6 +54,7 @@ def features(
         g = F.linear(h, w).argmax(-1)  # [B, T]
         for r, j in enumerate(group):
             out[j] = (h[r, : len(seqs[j])].to(torch.bfloat16), g[r, : len(seqs[j])])
+        i += len(group)
         if progress is not None:
             progress.update(sum(len(seqs[j]) for j in group))
     return out
@@ -182,21 +174,6 @@ def training_inputs(model_spec: str, edge_dir: Path, warmup: str | Path | None):
     return edge, path, records, model, tok
 
 
-def draft_vocabulary(greedy: list[torch.Tensor], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
-    """The `size` commonest greedy tokens of the training answers (their ids, sorted [S]) and the share of
-    greedy tokens they cover."""
-    counts = torch.bincount(torch.cat(greedy), minlength=vocab_size)
-    vocab_ids = counts.topk(min(size, vocab_size)).indices.sort().values
-    return vocab_ids, float(counts[vocab_ids].sum() / counts.sum())
-
-
-def vocab_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """token id -> its index in the draft vocabulary, -100 (ignored by the loss) for the rest [V]."""
-    index = torch.full((vocab_size,), -100, dtype=torch.long)
-    index[vocab_ids] = torch.arange(len(vocab_ids))
-    return index
-
-
 @dataclass(frozen=True)
 class HeadSettings:
     """How the head is trained: the data (`max_tokens` answer tokens), its size (`vocab` commonest greedy
@@ -244,8 +221,11 @@ def train_head(
     ntrain = len(chosen)
     tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.unroll)
     ho = Batches(data[ntrain:], [seqs[i] for i in keep[ntrain:]], [starts[i] for i in keep[ntrain:]], settings.unroll)
-    vocab_ids, coverage = draft_vocabulary([g for _, g in data[:ntrain]], model.cfg.vocab_size, settings.vocab)
-    sub_of = vocab_index(vocab_ids, model.cfg.vocab_size)
+    counts = torch.bincount(torch.cat([g for _, g in data[:ntrain]]), minlength=model.cfg.vocab_size)
+    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
+    coverage = float(counts[vocab_ids].sum() / counts.sum())
+    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)  # token -> head vocabulary index
+    sub_of[vocab_ids] = torch.arange(len(vocab_ids))
     d = model.cfg.hidden_size
     head = DraftHead(d, settings.inner, vocab_ids)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
@@ -355,7 +335,8 @@ def evaluate_head(
     )
     data = features(model, [seqs[i] for i in held_out])
     ho = Batches(data, [seqs[i] for i in held_out], [starts[i] for i in held_out], unroll)
-    sub_of = vocab_index(head.vocab_ids, model.cfg.vocab_size)
+    sub_of = torch.full((model.cfg.vocab_size,), -100, dtype=torch.long)
+    sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     w = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[head.vocab_ids]
     return {

@@ -28,12 +28,9 @@ from splitlm.decoding.layer_head import RING, LayerHead, LayerHeadShape, unrolle
 from splitlm.decoding.train_head import (
     REPORT_SCHEMA,
     answer_sequences,
-    draft_vocabulary,
-    length_groups,
     split_answers,
     training_dtype,
     training_inputs,
-    vocab_index,
 )
 from splitlm.model.llama import embed
 from splitlm.result_files import file_digest, provenance, time_stamp, write_json, write_result
@@ -53,9 +50,15 @@ def layer_features(
 
     hooks = [model.stack.layers[i - 1].register_forward_hook(catch(i)) for i in (low_at, mid_at) if i > 0]
     try:
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         out: list = [None] * len(seqs)
+        i = 0
         w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        for group in length_groups([len(x) for x in seqs], batch_tokens):
+        while i < len(order):
+            n = 1  # sorted by length: grow the group while its padded size fits
+            while i + n < len(order) and (n + 1) * len(seqs[order[i + n]]) <= batch_tokens:
+                n += 1
+            group = order[i : i + n]
             t = max(len(seqs[j]) for j in group)
             ids = torch.tensor([seqs[j] + [0] * (t - len(seqs[j])) for j in group])  # right padding: causal, unseen
             x = embed(model.embed_tokens, ids, model.cfg)
@@ -66,6 +69,7 @@ def layer_features(
             feats = torch.stack([low, mid, h.float()], 2).to(torch.bfloat16)  # [B, T, 3, D]
             for r, j in enumerate(group):
                 out[j] = (feats[r, : len(seqs[j])].clone(), g[r, : len(seqs[j])].clone())
+            i += len(group)
             if progress is not None:
                 progress.update(sum(len(seqs[j]) for j in group))
         return out
@@ -87,8 +91,13 @@ class SequenceBatch:
 
 def batches(data, seqs: list[list[int]], starts: list[int], batch_tokens: int) -> list[SequenceBatch]:
     """The sequences (cut at `RING`), grouped by length into padded batches of about `batch_tokens`."""
-    out = []
-    for group in length_groups([len(x) for x in seqs], batch_tokens, cap=RING):
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out, i = [], 0
+    while i < len(order):
+        n = 1
+        while i + n < len(order) and (n + 1) * min(RING, len(seqs[order[i + n]])) <= batch_tokens:
+            n += 1
+        group = order[i : i + n]
         t = min(RING, max(len(seqs[j]) for j in group))
         feats = torch.zeros(len(group), t, *data[group[0]][0].shape[1:], dtype=torch.bfloat16)
         nxt = torch.zeros(len(group), t, dtype=torch.long)
@@ -102,6 +111,7 @@ def batches(data, seqs: list[list[int]], starts: list[int], batch_tokens: int) -
             lo = max(starts[j] - 2, 0)  # targets x_{t+2} that are answer tokens
             target[r, :lo] = -100
         out.append(SequenceBatch(feats, nxt, target, [starts[j] for j in group]))
+        i += len(group)
     return out
 
 
@@ -125,13 +135,20 @@ class LayerHeadSettings:
     bf16: bool = True  # stored in bf16 (half the bytes; it drafts in bf16 where that is native)
 
 
-def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, start: str = "final") -> LayerHead:
+def new_head(cfg, vocab_ids: torch.Tensor, layers: tuple[int, int], inner: int, start: str = "random") -> LayerHead:
     """A head at the model's width and attention shape, at its `start` (`LayerHeadSettings.start`)."""
     shape = LayerHeadShape(
         cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, inner, 10000.0, cfg.rms_norm_eps
     )
     head = LayerHead(shape, vocab_ids, layers)
     return head.start_from_final_state() if start == "final" else head
+
+
+def sub_vocab(head: LayerHead, vocab_size: int) -> torch.Tensor:
+    """token id -> index in the head's vocabulary, −100 for the rest [V]."""
+    sub_of = torch.full((vocab_size,), -100, dtype=torch.long)
+    sub_of[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    return sub_of
 
 
 def batch_loss(
@@ -269,11 +286,13 @@ def train_layer_head(
         data = layer_features(model, [seqs[i][:RING] for i in keep], layers, progress=bar)
     feat_s = time.perf_counter() - start
     n = len(chosen)
-    vocab_ids, coverage = draft_vocabulary([g for _, g in data[:n]], model.cfg.vocab_size, settings.vocab)
+    counts = torch.bincount(torch.cat([g for _, g in data[:n]]), minlength=model.cfg.vocab_size)
+    vocab_ids = counts.topk(min(settings.vocab, model.cfg.vocab_size)).indices.sort().values
+    coverage = float(counts[vocab_ids].sum() / counts.sum())
     head = new_head(model.cfg, vocab_ids, layers, settings.inner, settings.start)
     emb = model.embed_tokens.weight.detach().float() * model.cfg.embed_scale
     lm = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()[vocab_ids]
-    sub_of = vocab_index(vocab_ids, model.cfg.vocab_size)
+    sub_of = sub_vocab(head, model.cfg.vocab_size)
     del model
     train = batches(data[:n], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.batch_tokens)
     held = batches(data[n:], [seqs[i] for i in held_out], [starts[i] for i in held_out], settings.batch_tokens)
