@@ -128,10 +128,15 @@ def test_summary_per_category_against_split_seq_on_the_same_questions():
     assert "EAGLE-2 | 4.35" in text and "Vicuna-7B" in text and "SmolLM2-135M-Instruct" in text
 
 
-def test_other_prompt_files_refuse_the_spec_bench_options(tmp_path):
+def test_other_prompt_files_refuse_the_spec_bench_options_and_filter_categories(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps([{"id": "a", "category": "code", "prompt": "x", "chat": True}]))
-    assert [p.id for p in specbench.load_prompt_set(path)] == ["a"]
+    rows = [("a", "code"), ("b", "creative"), ("c", "code"), ("d", "structured")]
+    path.write_text(json.dumps([{"id": i, "category": c, "prompt": "x", "chat": True} for i, c in rows]))
+    assert [p.id for p in specbench.load_prompt_set(path)] == ["a", "b", "c", "d"]
+    assert [p.id for p in specbench.load_prompt_set(path, ["code"])] == ["a", "c"]
+    assert [p.id for p in specbench.load_prompt_set(path, ["structured", "code"])] == ["a", "c", "d"]
+    with pytest.raises(SplitLMError, match="no prompt in poetry"):
+        specbench.load_prompt_set(path, ["code", "poetry"])
     with pytest.raises(SplitLMError, match="need Spec-Bench"):
         specbench.load_prompt_set(path, per_category=2)
 

@@ -224,6 +224,30 @@ def test_train_head_writes_a_head_the_edge_loads(audit_model_dir, tmp_path, monk
     assert find_head(other / "edge") is None and find_head(other / "edge", "0" * 32) is None
 
 
+def test_train_head_reads_the_states_warmup_kept_instead_of_a_second_pass(audit_model_dir, tmp_path, monkeypatch):
+    from splitlm.decoding import train_head as th
+    from splitlm.decoding.warmup import build_warmup
+    from splitlm.model.shards import split_model
+
+    monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
+    split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
+    warm = tmp_path / "w.jsonl.gz"
+    build_warmup(str(audit_model_dir), warm, limit=24, batch=12, features=True)
+
+    def no_second_pass(*_a, **_k):
+        raise AssertionError("the full model ran over the answers again")
+
+    monkeypatch.setattr(th, "features", no_second_pass)
+    report = th.train_head(
+        str(audit_model_dir),
+        split / "edge",
+        warmup=warm,
+        settings=th.HeadSettings(max_tokens=3000, vocab=64, inner=32, minutes=0.1, batch=64, lr=5e-3),
+    )
+    assert report["features"] == "captured by warmup --states" and report["train_answers"] > 0
+    assert len(report["heldout"]["conditional"]) == 4 and load_head(split / "edge") is not None
+
+
 def head_drafter_at(model, seed=2):
     from splitlm.decoding.head import HeadDrafter
 

@@ -4,6 +4,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from splitlm import SplitLMError
 from splitlm.cli import main
@@ -96,3 +97,45 @@ def test_cli_warmup_needs_one_destination(tmp_path, capsys):
     assert "exactly one of --edge" in capsys.readouterr().err
     assert main(["warmup", "--edge", str(tmp_path / "missing")]) != 0
     assert "not found" in capsys.readouterr().err
+
+
+def test_warmup_states_are_the_full_models_states_for_each_answer_token(audit_model_dir, tmp_path):
+    """`--states` keeps, per answer, the final-normed state that chose each new token: the same states the
+    full model gives over prompt + answer (train_head.features), and their greedy tokens are the answer."""
+    from transformers import AutoTokenizer
+
+    from splitlm.decoding.train_head import captured_sequences, features
+    from splitlm.model.loading import load_model
+
+    out = tmp_path / "w.jsonl.gz"
+    build_warmup(str(audit_model_dir), out, limit=4, batch=2, features=True)
+    assert warmup.captured_path(out) == tmp_path / "w-states.pt"
+    captured = warmup.read_captured(warmup.captured_path(out))
+    records = warmup.read_warmup_records(out)
+    assert set(captured) == {r["prompt"] for r in records}
+    model, _ = load_model(str(audit_model_dir))
+    tok = AutoTokenizer.from_pretrained(audit_model_dir)
+    for r in records:
+        a = captured[r["prompt"]]
+        prompt = tok(r["prompt"], add_special_tokens=False).input_ids
+        ((h, g),) = features(model, [prompt + a.ids.tolist()])
+        chose = slice(len(prompt) - 1, len(prompt) - 1 + len(a.ids))  # the prompt's last position onwards
+        assert torch.equal(g[chose], a.ids)
+        assert torch.allclose(a.states.float(), h[chose].float(), atol=0.05, rtol=0.02)
+    seqs, starts, data = captured_sequences(records, captured, unroll=1)
+    assert len(seqs) == len(records) and starts == [1] * len(records)
+    for s, (states, g) in zip(seqs, data, strict=True):
+        assert len(s) == len(states) == len(g) and s[1:] == g[:-1].tolist()
+
+
+def test_warmup_states_grow_with_the_file_and_a_bad_file_is_one_line(audit_model_dir, tmp_path):
+    out = tmp_path / "w.jsonl.gz"
+    build_warmup(str(audit_model_dir), out, limit=2, batch=2, features=True)
+    first = warmup.read_captured(warmup.captured_path(out))
+    build_warmup(str(audit_model_dir), out, limit=3, batch=2, features=True)
+    grown = warmup.read_captured(warmup.captured_path(out))
+    assert len(first) == 2 and len(grown) == 3
+    assert all(torch.equal(grown[p].states, a.states) for p, a in first.items())
+    warmup.captured_path(out).write_bytes(b"not torch")
+    with pytest.raises(SplitLMError, match="not a file of captured warm-up states"):
+        warmup.read_captured(warmup.captured_path(out))

@@ -159,14 +159,20 @@ def load_prompt_set(
     per_category: int | None = None,
     mode_questions: dict[str, int] | None = None,
 ) -> list[Prompt]:
-    """A bench prompt file: Spec-Bench's questions (their stated subset), else a JSON prompt list (whole)."""
+    """A bench prompt file: Spec-Bench's questions (their stated subset), else a JSON prompt list (whole, or
+    the prompts of `categories` in the file's order)."""
     if is_spec_bench(path):
         return load_spec_bench(path, categories, per_category, mode_questions)
-    if categories or per_category or mode_questions:
-        raise SplitLMError(
-            f"--categories, --per-category and --mode-questions need Spec-Bench's question file, not {path}"
-        )
-    return load_prompts(path)
+    if per_category or mode_questions:
+        raise SplitLMError(f"--per-category and --mode-questions need Spec-Bench's question file, not {path}")
+    prompts = load_prompts(path)
+    if not categories:
+        return prompts
+    known = sorted({p.category for p in prompts})
+    unknown = sorted(set(categories) - set(known))
+    if unknown:
+        raise SplitLMError(f"--categories: no prompt in {', '.join(unknown)} (the file has {', '.join(known)})")
+    return [p for p in prompts if p.category in categories]
 
 
 def question_of(prompt_id: str) -> str:

@@ -95,7 +95,8 @@ def add_wan_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--categories",
         default=None,
         metavar="C1,C2",
-        help="Spec-Bench: only these categories (mt_bench, translation, summarization, qa, math_reasoning, rag)",
+        help="only these categories (Spec-Bench: mt_bench, translation, summarization, qa, math_reasoning, rag; "
+        "a JSON prompt file: its own, e.g. code)",
     )
     p.add_argument(
         "--per-category",

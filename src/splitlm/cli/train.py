@@ -65,7 +65,12 @@ def cmd_warmup(args) -> int:
         raise SplitLMError(f"edge shard {args.edge} not found")
     out = Path(args.edge) / WARMUP_FILE if args.edge is not None else Path(args.out)
     report = build_warmup(
-        args.model, out, limit=args.limit, batch=args.batch, progress=lambda msg: log.info("[warmup] %s", msg)
+        args.model,
+        out,
+        limit=args.limit,
+        batch=args.batch,
+        progress=lambda msg: log.info("[warmup] %s", msg),
+        features=args.states,
     )
     print(json.dumps(report))
     return 0
@@ -138,5 +143,11 @@ def add_warmup(sub) -> None:
     p.add_argument("--out", default=None, help="or: write the file here")
     p.add_argument("--limit", type=positive_int, default=None, help="first N prompts only (of about 5,000)")
     p.add_argument("--batch", type=positive_int, default=16, help="prompts generated together (default 16)")
+    p.add_argument(
+        "--states",
+        action="store_true",
+        help="also keep each answer's final hidden states (warmup-states.pt beside the file, 2 bytes per token "
+        "and hidden unit), so that train-head needs no second pass of the full model",
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     p.set_defaults(func=cmd_warmup)

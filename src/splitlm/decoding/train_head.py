@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from splitlm import SplitLMError
 from splitlm.decoding.head import HEAD_FILE, DraftHead, cached_head_path, head_report_path, native_bf16, save_head
-from splitlm.decoding.warmup import find_warmup, read_warmup_records
+from splitlm.decoding.warmup import CapturedAnswer, captured_path, find_warmup, read_captured, read_warmup_records
 from splitlm.model.llama import embed
 from splitlm.model.loading import load_model
 from splitlm.model.shards import load_edge
@@ -131,6 +131,24 @@ def answer_sequences(records: list[dict], tok, unroll: int) -> tuple[list[list[i
     return seqs, starts
 
 
+def captured_sequences(
+    records: list[dict], captured: dict[str, CapturedAnswer], unroll: int
+) -> tuple[list[list[int]], list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What `answer_sequences` and `features` give, from the states the warm-up kept as it generated: per
+    answer (in the file's order, those long enough) the ids [N] as the head is fed them (a placeholder at the
+    prompt's last position, then the answer), start 1, and (states [N, D], greedy tokens [N])."""
+    seqs, starts, data = [], [], []
+    for r in records:
+        a = captured.get(r["prompt"])
+        if a is None or len(a.ids) < unroll + 2:
+            continue
+        ids = a.ids.tolist()
+        seqs.append([0, *ids[:-1]])
+        starts.append(1)
+        data.append((a.states, a.ids))
+    return seqs, starts, data
+
+
 def split_answers(seqs: list[list[int]], starts: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
     """(training answers, held-out answers) by index: every tenth answer is held out; training takes the
     others in order until `max_tokens` answer tokens, and as many held-out ones as a ninth of them."""
@@ -207,16 +225,24 @@ def train_head(
     torch.manual_seed(settings.seed)
     edge_dir = Path(edge_dir)
     edge, path, records, model, tok = training_inputs(model_spec, edge_dir, warmup)
-    seqs, starts = answer_sequences(records, tok, settings.unroll)
+    captured = read_captured(captured_path(path))
+    if captured:
+        seqs, starts, states = captured_sequences(records, captured, settings.unroll)
+    else:
+        seqs, starts = answer_sequences(records, tok, settings.unroll)
     chosen, held_out = split_answers(seqs, starts, settings.max_tokens)
     keep = chosen + held_out
     n_tok = sum(len(seqs[i]) for i in keep)
-    log(
-        f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
-        f"on {n_tok} tokens"
-    )
-    with tqdm(total=n_tok, unit="tok", desc="features", leave=False) as bar:
-        data = features(model, [seqs[i] for i in keep], progress=bar)
+    if captured:
+        log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; their states as generated")
+        data = [states[i] for i in keep]
+    else:
+        log(
+            f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
+            f"on {n_tok} tokens"
+        )
+        with tqdm(total=n_tok, unit="tok", desc="features", leave=False) as bar:
+            data = features(model, [seqs[i] for i in keep], progress=bar)
     feat_s = time.perf_counter() - start
     ntrain = len(chosen)
     tr = Batches(data[:ntrain], [seqs[i] for i in chosen], [starts[i] for i in chosen], settings.unroll)
@@ -280,6 +306,7 @@ def train_head(
         "vocab": len(vocab_ids),
         "vocab_coverage": round(coverage, 4),
         "heldout": report,
+        "features": "captured by warmup --states" if captured else "full model over each prompt + answer",
         "features_s": round(feat_s, 1),
         "seconds": round(time.perf_counter() - start, 1),
     }
