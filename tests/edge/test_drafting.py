@@ -27,3 +27,20 @@ def test_budgets_are_kept_apart_like_memories_and_by_grammar(tiny_split, tiny_se
         assert edge.drafting.budgets(
             SpecConfig("auto", memory="auto+json"), constrained=True
         ) is not edge.drafting.budgets(SpecConfig("auto", memory="auto+json"))
+
+
+def test_a_configuration_without_the_head_drafts_without_the_shards_head(tiny_split, tiny_server, tmp_path):
+    """`auto-nohead` (SpecConfig(head=False)): the shard's trained head is loaded for `auto` only."""
+    import shutil
+
+    import torch
+
+    from splitlm.decoding.head import HEAD_FILE, DraftHead, save_head
+
+    edge_dir = tmp_path / "edge"
+    shutil.copytree(tiny_split / "edge", edge_dir)
+    with Edge(edge_dir, tiny_server.url, EdgeConfig(wire_dtype="fp32")) as edge:
+        save_head(DraftHead(edge.drafting.model.cfg.hidden_size, 16, torch.arange(32)), edge_dir / HEAD_FILE)
+        with_head = edge.drafting.draft_memory(SpecConfig("auto"))
+        without = edge.drafting.draft_memory(SpecConfig("auto", head=False))
+        assert with_head.head is not None and without.head is None and without is not with_head

@@ -253,6 +253,12 @@ spec_mode(
     warmup=False,
 )
 spec_mode(
+    "auto-nohead",
+    "auto without the trained draft head: retrieval, recycling and prompt copies only (what the head adds)",
+    mode="auto",
+    head=False,
+)
+spec_mode(
     "auto-pipelined",
     "auto, pipelined: the next step is drafted and sent while one is in flight",
     mode="auto",

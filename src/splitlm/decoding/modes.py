@@ -34,6 +34,7 @@ class SpecConfig:
     pipeline: bool = False  # send the next step while one is in flight (`splitlm.decoding.pipeline`)
     cost: str = "measured"  # the step budget's cost model: measured, or zero (a cloud whose extra tokens cost nothing)
     warmup: bool = True  # retrieval and the recycled table's seed read the warm-up answers too (False: pydoc only)
+    head: bool = True  # draft with the trained head where there is one (False: retrieval and recycling only)
     memory: str = ""  # the drafting memory's name: two names never share past outputs (the bench's modes)
 
     def __post_init__(self):

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def memory_key(spec: SpecConfig) -> tuple:
     """The fields that keep two speculative configurations' drafting memories apart (their budgets too)."""
-    return (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup, spec.memory)
+    return (spec.mode, spec.max_nodes, spec.pipeline, spec.cost, spec.warmup, spec.head, spec.memory)
 
 
 class DraftState:
@@ -91,7 +91,8 @@ class DraftState:
             # mode's answer to the same prompt); `memory` keeps apart what the other fields do not
             key = memory_key(spec)
             if key not in self._memories:
-                self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], self.head_runner())
+                head = self.head_runner() if spec.head else None
+                self._memories[key] = DraftMemory.seeded(self._suffix_index[spec.warmup], head)
             return self._memories[key]
 
     def head_runner(self) -> HeadRunner | LayerHeadRunner | None:
