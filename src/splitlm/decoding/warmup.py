@@ -104,6 +104,8 @@ def build_warmup(
     kept = read_warmup_records(out) if out.exists() else []
     answered = {r["prompt"] for r in kept}
     prompts = [p for p in prompts if p[0] not in answered]
+    # by length, so that a batch pads its prompts little (a 1.5 B model's prompt pass costs as much as its answer)
+    prompts.sort(key=lambda p: len(tokenizer(p[0], add_special_tokens=False).input_ids))
     if kept:
         progress(f"{out}: {len(kept)} answers kept, {len(prompts)} prompts to go")
     else:
