@@ -3,7 +3,8 @@
 Data: the warm-up file's greedy answers (`splitlm warmup`; bundled for the default model), every
 tenth answer held out. The full model (which the user holds anyway to split it) runs over each
 prompt + answer once and gives, per position t, the final-normed hidden state H[t] and its greedy
-next token G[t]. The head learns, from (H[t], the next token X[t+1]), to predict H[t+1] and G[t+1];
+next token G[t] (unless the warm-up kept them as it generated, `splitlm warmup --states`: then no second
+pass). The head learns, from (H[t], the next token X[t+1]), to predict H[t+1] and G[t+1];
 unrolled for `unroll` depths on its own predicted states, as it drafts. Loss: cross-entropy over
 the head's vocabulary (the `vocab` commonest greedy tokens) plus a smooth-L1 feature term.
 Nothing is sent anywhere; the head goes to EDGE_DIR/draft_head.safetensors (and a copy to the
