@@ -232,7 +232,7 @@ def test_train_head_reads_the_states_warmup_kept_instead_of_a_second_pass(audit_
     monkeypatch.setenv("SPLITLM_CACHE", str(tmp_path / "cache"))
     split = split_model(str(audit_model_dir), head=2, tail=2, out=tmp_path / "split")
     warm = tmp_path / "w.jsonl.gz"
-    build_warmup(str(audit_model_dir), warm, limit=24, batch=12, features=True)
+    build_warmup(str(audit_model_dir), warm, limit=24, batch=12, states=True)
 
     def no_second_pass(*_a, **_k):
         raise AssertionError("the full model ran over the answers again")

@@ -108,7 +108,7 @@ def test_warmup_states_are_the_full_models_states_for_each_answer_token(audit_mo
     from splitlm.model.loading import load_model
 
     out = tmp_path / "w.jsonl.gz"
-    build_warmup(str(audit_model_dir), out, limit=4, batch=2, features=True)
+    build_warmup(str(audit_model_dir), out, limit=4, batch=2, states=True)
     assert warmup.captured_path(out) == tmp_path / "w-states.pt"
     captured = warmup.read_captured(warmup.captured_path(out))
     records = warmup.read_warmup_records(out)
@@ -130,9 +130,9 @@ def test_warmup_states_are_the_full_models_states_for_each_answer_token(audit_mo
 
 def test_warmup_states_grow_with_the_file_and_a_bad_file_is_one_line(audit_model_dir, tmp_path):
     out = tmp_path / "w.jsonl.gz"
-    build_warmup(str(audit_model_dir), out, limit=2, batch=2, features=True)
+    build_warmup(str(audit_model_dir), out, limit=2, batch=2, states=True)
     first = warmup.read_captured(warmup.captured_path(out))
-    build_warmup(str(audit_model_dir), out, limit=3, batch=2, features=True)
+    build_warmup(str(audit_model_dir), out, limit=3, batch=2, states=True)
     grown = warmup.read_captured(warmup.captured_path(out))
     assert len(first) == 2 and len(grown) == 3
     assert all(torch.equal(grown[p].states, a.states) for p, a in first.items())

@@ -96,6 +96,14 @@ def evenly_spaced(n: int, k: int) -> list[int]:
     return list(range(n)) if k >= n else [i * n // k for i in range(k)]
 
 
+def check_categories(asked: list[str] | None, present: list[str], what: str) -> None:
+    """SplitLMError naming the `--categories` asked for that no `what` of the file is in, and those it has."""
+    unknown = sorted(set(asked or ()) - set(present))
+    if unknown:
+        known = sorted(set(present))
+        raise SplitLMError(f"--categories: no {what} in {', '.join(unknown)} (the file has {', '.join(known)})")
+
+
 def select(
     questions: list[Question],
     categories: list[str] | None = None,
@@ -104,10 +112,7 @@ def select(
 ) -> list[Question]:
     """The stated subset: the `categories` asked for (all by default), `per_category` evenly spaced
     questions of each (all by default); each question notes the modes whose `mode_questions` cap leaves it out."""
-    unknown = sorted(set(categories or ()) - {q.category for q in questions})
-    if unknown:
-        known = sorted({q.category for q in questions})
-        raise SplitLMError(f"--categories: no question in {', '.join(unknown)} (the file has {', '.join(known)})")
+    check_categories(categories, [q.category for q in questions], "question")
     chosen = []
     for cat in dict.fromkeys(q.category for q in questions):
         if categories and cat not in categories:
@@ -168,10 +173,7 @@ def load_prompt_set(
     prompts = load_prompts(path)
     if not categories:
         return prompts
-    known = sorted({p.category for p in prompts})
-    unknown = sorted(set(categories) - set(known))
-    if unknown:
-        raise SplitLMError(f"--categories: no prompt in {', '.join(unknown)} (the file has {', '.join(known)})")
+    check_categories(categories, [p.category for p in prompts], "prompt")
     return [p for p in prompts if p.category in categories]
 
 

@@ -70,7 +70,7 @@ def cmd_warmup(args) -> int:
         limit=args.limit,
         batch=args.batch,
         progress=lambda msg: log.info("[warmup] %s", msg),
-        features=args.states,
+        states=args.states,
     )
     print(json.dumps(report))
     return 0

@@ -234,14 +234,11 @@ def train_head(
     chosen, held_out = split_answers(seqs, starts, settings.max_tokens)
     keep = chosen + held_out
     n_tok = sum(len(seqs[i]) for i in keep)
+    source = "their states as generated" if captured else f"full-model features on {n_tok} tokens"
+    log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; {source}")
     if captured:
-        log(f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; their states as generated")
         data = [states[i] for i in keep]
     else:
-        log(
-            f"{path}: {len(chosen)} answers to train on, {len(keep) - len(chosen)} held out; full-model features "
-            f"on {n_tok} tokens"
-        )
         with tqdm(total=n_tok, unit="tok", desc="features", leave=False) as bar:
             data = features(model, [seqs[i] for i in keep], progress=bar)
     feat_s = time.perf_counter() - start

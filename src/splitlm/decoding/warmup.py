@@ -7,7 +7,7 @@ short creative pieces, everyday questions — and over snippets of Python's stan
 continue, and stores the greedy answers. The `auto` drafter's n-gram model learns from them next
 to `pydoc_data.topics`. Nothing here comes from a user; a user's own text never enters the file.
 
-File format: gzip'd JSON lines, one {"prompt": ..., "text": ...} object per answer. With `features`, a
+File format: gzip'd JSON lines, one {"prompt": ..., "text": ...} object per answer. With `states`, a
 second file beside it (`captured_path`: `warmup-states.pt` next to `warmup.jsonl.gz`) keeps, per prompt, the
 answer's token ids and the final-normed hidden state that chose each of them, taken from the generation itself
 (a hook on the model's final norm), so that `splitlm train-head` needs no second pass of the full model: on a
@@ -81,11 +81,11 @@ def build_warmup(
     limit: int | None = None,
     batch: int = 16,
     progress: Callable[[str], None] = lambda _: None,
-    features: bool = False,
+    states: bool = False,
 ) -> dict:
     """Generate the warm-up answers with the full model (transformers, greedy) into `out`. If `out`
     exists, the prompts it already answers are kept and only the others are generated (an
-    interrupted run resumes; a file made with a shorter list grows). With `features`, the answers' final
+    interrupted run resumes; a file made with a shorter list grows). With `states`, the answers' final
     hidden states are kept too (`captured_path(out)`, read by `read_captured`)."""
     from transformers import AutoTokenizer
 
@@ -112,8 +112,8 @@ def build_warmup(
         progress(f"{len(prompts)} prompts to answer, {batch} at a time, into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
-    states = NormOutputs(model) if features else None
-    captured = read_captured(captured_path(out)) if features and out.exists() else {}
+    recorder = NormOutputs(model) if states else None
+    captured = read_captured(captured_path(out)) if states and out.exists() else {}
     captured = {r["prompt"]: captured[r["prompt"]] for r in kept if r["prompt"] in captured}
     tokens = 0
     with gzip.open(tmp, "wt", encoding="utf-8") as f, bar(len(prompts), "warmup", unit="prompt") as shown:
@@ -122,8 +122,8 @@ def build_warmup(
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
             enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-            if states is not None:
-                states.calls.clear()
+            if recorder is not None:
+                recorder.calls.clear()
             with torch.inference_mode():
                 gen = model.generate(
                     **enc, max_new_tokens=max(n for _, n in chunk), do_sample=False, pad_token_id=tokenizer.pad_token_id
@@ -135,12 +135,12 @@ def build_warmup(
                 tokens += len(answer)
                 text = tokenizer.decode(answer, skip_special_tokens=True)
                 f.write(json.dumps({"prompt": prompt, "text": text}) + "\n")
-                if states is not None and ended:
-                    captured[prompt] = CapturedAnswer(torch.tensor(ended), states.answer_states(r, len(ended)))
+                if recorder is not None and ended:
+                    captured[prompt] = CapturedAnswer(torch.tensor(ended), recorder.answer_states(r, len(ended)))
             shown.update(len(chunk))  # tqdm's ETA: the remaining prompts at the measured rate
             shown.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s")
-    if states is not None:
-        states.remove()
+    if recorder is not None:
+        recorder.remove()
         save_captured(captured, captured_path(out))
     tmp.replace(out)
     return {
