@@ -182,3 +182,26 @@ def test_frozen_product_matches_the_plain_one(dtype):
         assert got.dtype == dtype and got.shape == (rows, 300)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), F.linear(x.to(dtype), w).float(), rtol=tol, atol=tol)
+
+
+@needs_onednn
+def test_kept_weight_product_blocks_only_products_of_several_rows():
+    torch.manual_seed(6)
+    w = torch.randn(300, 64)
+    product = linear.KeptWeightProduct(w)
+    one = torch.randn(1, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(product(one), F.linear(one, w), rtol=1e-5, atol=1e-5)
+    assert product.blocked is None  # a sequential decoder never pays the second copy
+    for rows in (2, 9, 70):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(product(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert product.blocked is not None
+
+
+def test_kept_weight_product_stays_plain_where_gradients_flow():
+    w = torch.randn(300, 64, requires_grad=True)
+    product = linear.KeptWeightProduct(w)
+    product(torch.randn(5, 64)).sum().backward()
+    assert product.blocked is None and w.grad is not None

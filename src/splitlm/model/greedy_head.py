@@ -21,9 +21,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from splitlm.model.linear import frozen_product
+from splitlm.model.linear import KeptWeightProduct, frozen_product
 from splitlm.model.llama import softcap
 
 U = 2.0**-8  # bf16 unit roundoff
@@ -37,11 +36,11 @@ def _seconds(fn, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def bf16_pays(weight: torch.Tensor, product16, rows: int = 8) -> bool:
+def bf16_pays(weight: torch.Tensor, product16, product32, rows: int = 8) -> bool:
     """Whether `product16` (h -> bf16 logits, the screen's own product) is clearly faster than the
-    fp32 product with `weight` on this machine."""
+    fp32 product `product32` with `weight` on this machine."""
     h = torch.randn(rows, weight.shape[1], device=weight.device)
-    return _seconds(lambda: product16(h)) < 0.8 * _seconds(lambda: F.linear(h, weight))
+    return _seconds(lambda: product16(h)) < 0.8 * _seconds(lambda: product32(h))
 
 
 class GreedyHead:
@@ -49,18 +48,23 @@ class GreedyHead:
 
     def __init__(self, weight: torch.Tensor, cap: float | None = None, screen: bool | None = None):
         self.weight, self.cap = weight, cap  # [V, D]
+        self.product = KeptWeightProduct(weight)  # h [N, D] -> fp32 logits [N, V]
         # on accelerators the plain head is one fused kernel; the screen's per-row survivors would sync per row
         wanted = screen if screen is not None else weight.device.type == "cpu"
         product16 = frozen_product(weight.to(torch.bfloat16)) if weight.dtype == torch.float32 and wanted else None
-        self.screen = product16 is not None and (screen or bf16_pays(weight, product16))
+        self.screen = product16 is not None and (screen or bf16_pays(weight, product16, self.product))
         if self.screen:
             self.screen_product = product16  # h [N, D] -> bf16 logits [N, V]
             self.col_norm = weight.norm(dim=1)  # [V]
             self.col_max = self.col_norm.max()
             self.rel = 1.01 * (2 * U + U * U + weight.shape[1] * 2.0**-24)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, D] (final-normed) -> the fp32 logits [N, V]."""
+        return softcap(self.product(h), self.cap)
+
     def _plain(self, h: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        logits = softcap(F.linear(h, self.weight), self.cap)  # [N, V]
+        logits = self.logits(h)  # [N, V]
         if allowed is not None:
             logits = logits.masked_fill(~allowed, -torch.inf)
         return logits.argmax(-1)
@@ -77,7 +81,7 @@ class GreedyHead:
         """(argmax [N], and with k > 0 each row's k likeliest ids [N, k], from the screen's bf16 logits
         where it screens: drafting candidates, not exact)."""
         if not self.screen:
-            logits = softcap(F.linear(h, self.weight), self.cap)  # [N, V]
+            logits = self.logits(h)  # [N, V]
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, -torch.inf)
             return logits.argmax(-1), (logits.topk(k, -1).indices if k else None)

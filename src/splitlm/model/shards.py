@@ -284,8 +284,11 @@ class EdgeModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
 
     def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] from final-normed hidden states."""
-        return softcap(F.linear(normed, self.head_weight), self.cfg.final_logit_softcapping)
+        """Logits [R, V] from final-normed hidden states [R, D] (through the greedy head's product: several
+        rows use its blocked copy)."""
+        if normed.dim() != 2 or torch.is_grad_enabled():  # the greedy head holds a detached weight
+            return softcap(F.linear(normed, self.head_weight), self.cfg.final_logit_softcapping)
+        return self.greedy_head().logits(normed)
 
     def tail_normed(self, h, positions, new_mask=None, cache=None, rows=None) -> torch.Tensor:
         """The final-normed hidden states the LM head reads, [B, T or len(rows), D]."""
