@@ -26,6 +26,7 @@ it is used only without autograd and costs one more copy of the weight's bytes. 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 
@@ -95,13 +96,16 @@ def bf16_blocked_supported() -> bool:
     return True
 
 
-def _blocked(x: torch.Tensor, weights: list[torch.Tensor], bf16: bool) -> bool:
-    """Whether this product goes through the blocked copy (`bf16`: the layers allow it in bf16)."""
+def _blocked(
+    x: torch.Tensor, weights: list[torch.Tensor], bf16: bool, min_rows: int = MIN_ROWS, max_rows: float = MAX_ROWS
+) -> bool:
+    """Whether this product goes through the blocked copy (`bf16`: the layers allow it in bf16; in fp32 only
+    products of `min_rows` to `max_rows` rows do)."""
     if not ENABLED or x.shape[-1] == 0:
         return False
     if x.dtype == torch.float32:
         rows = x.numel() // x.shape[-1]
-        if not MIN_ROWS <= rows <= MAX_ROWS:
+        if not min_rows <= rows <= max_rows:
             return False
     elif not (bf16 and x.dtype == torch.bfloat16 and bf16_blocked_supported()):
         return False
@@ -153,16 +157,7 @@ class KeptWeightProduct:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
         w = self.weight
-        if not (
-            ENABLED
-            and x.dim() == 2
-            and x.shape[0] >= 2
-            and w.device.type == "cpu"
-            and w.dtype == x.dtype == torch.float32
-            and w.numel() >= MIN_WEIGHT_ELEMENTS
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling())
-        ):
+        if x.dim() != 2 or not _blocked(x, [w], bf16=False, min_rows=2, max_rows=math.inf):
             return F.linear(x, w)
         if self.blocked is None:
             self.blocked = reorder_weight(w.detach(), PACK_FOR_ROWS)
